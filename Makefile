@@ -1,0 +1,27 @@
+# Two entry points; each sets up everything it needs on a fresh machine.
+#   make demo   - start an embedded kvstored (temp dir, small DRAM tier) and run the KVDrive demo
+#   make test   - run the test suite
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	# The CPU build of torch, pinned (an unpinned torch pulls a multi-GB CUDA build).
+	$(VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/python -m kvdrive.tools.demo
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+
+clean:
+	rm -rf $(VENV)

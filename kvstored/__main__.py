@@ -1,0 +1,5 @@
+import sys
+
+from kvstored.cli import main
+
+sys.exit(main())

@@ -1,0 +1,80 @@
+"""``kvstored``: the KVDrive storage daemon."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kvstored.config import DaemonConfig, SyncPolicy, default_runtime_dir, parse_size
+
+log = logging.getLogger("kvstored")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvstored",
+        description="KVDrive storage daemon: holds every sequence's KV blocks in a DRAM tier and an SSD tier "
+        "and serves sparse block reads to clients over ZeroMQ.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--ssd", required=True, metavar="DIR", help="directory of the SSD tier (data file, LMDB metadata)")
+    p.add_argument("--dram", required=True, metavar="SIZE", help="DRAM tier size, e.g. 512M or 96G (K/M/G/T = powers of 1024)")
+    p.add_argument("--ssd-max", default="1T", metavar="SIZE", help="cap on the SSD tier; puts past it get a 'full' error")
+    p.add_argument(
+        "--listen", default="", metavar="ADDR",
+        help=f"ipc://PATH or tcp://127.0.0.1:PORT (default ipc://{default_runtime_dir()}/kvstored.sock)",
+    )
+    p.add_argument("--io-threads", type=int, default=8, help="threads issuing SSD reads")
+    p.add_argument("--get-workers", type=int, default=4, help="sparse gets served at once")
+    p.add_argument("--max-gap", default="64K", metavar="SIZE", help="read through holes up to this size when coalescing")
+    p.add_argument("--max-io", default="4M", metavar="SIZE", help="largest single read")
+    p.add_argument(
+        "--sync", choices=SyncPolicy.ALL, default=SyncPolicy.DURABLE,
+        help="durable: a put is acknowledged after fdatasync and an fsynced LMDB commit; "
+        "write-behind: acknowledged before, flushed within a second (a power loss may lose acknowledged puts)",
+    )
+    p.add_argument("--engine", choices=("auto", "posix", "kvikio"), default="auto", help="SSD read engine")
+    p.add_argument("--no-direct", action="store_true", help="buffered I/O instead of O_DIRECT (reads may hit the page cache)")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> DaemonConfig:
+    return DaemonConfig(
+        ssd_dir=args.ssd,
+        dram_bytes=parse_size(args.dram),
+        ssd_max_bytes=parse_size(args.ssd_max),
+        address=args.listen,
+        io_threads=args.io_threads,
+        get_workers=args.get_workers,
+        max_gap_bytes=parse_size(args.max_gap),
+        max_io_bytes=parse_size(args.max_io),
+        sync=args.sync,
+        engine=args.engine,
+        direct_io=not args.no_direct,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"kvstored: {exc}", file=sys.stderr)
+        return 2
+    from kvstored.server import Server, install_signal_handlers  # noqa: PLC0415 - keep --help fast
+
+    try:
+        server = Server(cfg)
+    except Exception as exc:  # start-up failures are reported plainly, not as a traceback
+        log.error("cannot start: %s", exc)
+        return 1
+    install_signal_handlers(server)
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The daemon's configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """'96G' -> bytes. Units K/M/G/T are powers of 1024; a bare number is bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"size {text!r} is not a number with an optional K/M/G/T unit (e.g. 512M, 96G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def default_runtime_dir() -> Path:
+    base = os.environ.get("RUNTIME_DIRECTORY") or os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvdrive-{os.getuid()}"
+    return Path(base.split(":")[0])
+
+
+class SyncPolicy:
+    """When a put is acknowledged (see docs/durability.md)."""
+
+    # fdatasync the data file, then commit LMDB with fsync, then reply.
+    DURABLE = "durable"
+    # Reply once the bytes are in the page cache and LMDB commits without fsync;
+    # a power loss or kernel crash may lose acknowledged puts (a daemon crash does not).
+    WRITE_BEHIND = "write-behind"
+    ALL = (DURABLE, WRITE_BEHIND)
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    ssd_dir: Path
+    dram_bytes: int
+    ssd_max_bytes: int = 1 << 40
+    address: str = ""
+    io_threads: int = 8
+    get_workers: int = 4
+    max_gap_bytes: int = 64 << 10
+    max_io_bytes: int = 4 << 20
+    sync: str = SyncPolicy.DURABLE
+    direct_io: bool = True
+    max_message_bytes: int = 64 << 20
+    max_blocks_per_request: int = 1 << 22
+    lmdb_map_bytes: int = 64 << 30
+    engine: str = "auto"
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ssd_dir", Path(self.ssd_dir))
+        if self.dram_bytes < 0:
+            raise ValueError(f"--dram must be >= 0, got {self.dram_bytes}")
+        if self.ssd_max_bytes < 1 << 20:
+            raise ValueError(f"--ssd-max must be at least 1M, got {self.ssd_max_bytes}")
+        if not 1 <= self.io_threads <= 256:
+            raise ValueError(f"--io-threads must be in 1..256, got {self.io_threads}")
+        if not 1 <= self.get_workers <= 64:
+            raise ValueError(f"--get-workers must be in 1..64, got {self.get_workers}")
+        if self.max_gap_bytes < 0:
+            raise ValueError(f"--max-gap must be >= 0, got {self.max_gap_bytes}")
+        if self.max_io_bytes < 4096:
+            raise ValueError(f"--max-io must be >= 4K, got {self.max_io_bytes}")
+        if self.sync not in SyncPolicy.ALL:
+            raise ValueError(f"--sync must be one of {', '.join(SyncPolicy.ALL)}, got {self.sync!r}")
+        if self.engine not in ("auto", "posix", "kvikio"):
+            raise ValueError(f"--engine must be auto, posix or kvikio, got {self.engine!r}")
+        if self.address and not (self.address.startswith("ipc://") or self.address.startswith("tcp://127.")):
+            raise ValueError(
+                f"--listen {self.address!r}: use ipc://PATH or tcp://127.0.0.1:PORT (the daemon serves this host only)"
+            )
+
+    @property
+    def bind_address(self) -> str:
+        if self.address:
+            return self.address
+        return f"ipc://{default_runtime_dir() / 'kvstored.sock'}"

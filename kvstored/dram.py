@@ -1,0 +1,85 @@
+"""The DRAM tier: a pre-faulted arena of block slots, one slot class per block size.
+
+The arena is exactly ``--dram`` bytes, mapped and faulted in at start-up, so the
+tier can never hold more than it was given and the first get does not pay for
+page faults. Space is handed to a block size in chunks; within a class, slots sit
+on a free stack. Which blocks stay is the store's decision (importance, then
+least recently used); this class only owns the bytes and the free slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+
+import numpy as np
+
+from kvdrive.layout.allocator import ExtentAllocator, SpaceError
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 4 << 20
+
+
+class DramTier:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.lock = threading.Lock()
+        if capacity:
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+            self._map = mmap.mmap(-1, capacity, flags=flags)
+            self.arena = np.frombuffer(self._map, dtype=np.uint8)
+            # MAP_POPULATE is advisory on some kernels: touch one byte per page too.
+            self.arena[::4096] = 0
+        else:
+            self._map = None
+            self.arena = np.zeros(0, dtype=np.uint8)
+        self._chunks = ExtentAllocator(capacity, align=4096)
+        self._free: dict[int, list[int]] = {}
+        self._resident: dict[int, int] = {}
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(bb * n for bb, n in self._resident.items())
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self._resident.values())
+
+    def allocate(self, block_bytes: int, count: int) -> np.ndarray:
+        """Up to ``count`` free slots for blocks of ``block_bytes`` (maybe fewer)."""
+        with self.lock:
+            free = self._free.setdefault(block_bytes, [])
+            while len(free) < count and self._grow(block_bytes, free):
+                pass
+            take = min(count, len(free))
+            out = np.asarray(free[len(free) - take :], dtype=np.int64)
+            del free[len(free) - take :]
+            self._resident[block_bytes] = self._resident.get(block_bytes, 0) + take
+            return out
+
+    def release(self, block_bytes: int, offsets: np.ndarray) -> None:
+        with self.lock:
+            self._free.setdefault(block_bytes, []).extend(offsets.tolist())
+            self._resident[block_bytes] -= len(offsets)
+            assert self._resident[block_bytes] >= 0
+
+    def _grow(self, block_bytes: int, free: list[int]) -> bool:
+        chunk = max(block_bytes, min(CHUNK_BYTES, self._chunks.capacity) // block_bytes * block_bytes)
+        try:
+            start = self._chunks.allocate(chunk)
+        except (SpaceError, ValueError):
+            return False
+        free.extend(range(start + chunk - block_bytes, start - 1, -block_bytes))
+        return True
+
+    def close(self) -> None:
+        self.arena = np.zeros(0, dtype=np.uint8)
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                # A view still exists (a test holding a reference); the OS frees it at exit.
+                log.debug("DRAM arena still referenced at close")
+            self._map = None

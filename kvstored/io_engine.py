@@ -1,0 +1,143 @@
+"""I/O engines: how the SSD tier's reads reach the disk.
+
+One interface, :class:`IOEngine`, two implementations side by side:
+
+- :class:`PosixEngine`: ``preadv`` on a thread pool, O_DIRECT where the file
+  system allows it, each thread reading into its own aligned bounce buffer.
+- :class:`KvikioEngine`: kvikio's parallel ``pread`` (GPUDirect Storage, or its
+  POSIX compatibility mode), chosen only where a CUDA driver is present, because
+  every kvikio read fails without ``libcuda.so.1``.
+
+:func:`choose_engine` probes and logs which one it picked and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import threading
+from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+Consumer = Callable[[int, np.ndarray], None]
+
+
+class IOEngine(ABC):
+    name: str
+
+    @abstractmethod
+    def read_runs(self, fd: int, starts: np.ndarray, ends: np.ndarray, consume: Consumer) -> None:
+        """Read every ``[starts[i], ends[i])`` and call ``consume(i, bytes)`` on it.
+
+        ``bytes`` is only valid during the call. Raises the first I/O error (OSError)
+        after all reads ended; consumers may raise too.
+        """
+
+    def close(self) -> None:
+        pass
+
+
+class _Bounce(threading.local):
+    buf: np.ndarray | None = None
+
+    def get(self, size: int) -> np.ndarray:
+        if self.buf is None or len(self.buf) < size:
+            cap = max(size, 4 << 20)
+            self.buf = np.frombuffer(mmap.mmap(-1, cap), dtype=np.uint8)
+        return self.buf
+
+
+class PosixEngine(IOEngine):
+    name = "posix-preadv"
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstored-io")
+        self._bounce = _Bounce()
+
+    def _read_slice(self, fd: int, starts: np.ndarray, ends: np.ndarray, idx: range, consume: Consumer) -> None:
+        for i in idx:
+            start, size = int(starts[i]), int(ends[i] - starts[i])
+            view = self._bounce.get(size)[:size]
+            got = os.preadv(fd, [view], start)
+            if got != size:
+                raise OSError(f"short read at offset {start}: {got} of {size} bytes")
+            consume(i, view)
+
+    def read_runs(self, fd: int, starts: np.ndarray, ends: np.ndarray, consume: Consumer) -> None:
+        n = len(starts)
+        if n == 0:
+            return
+        if n == 1:
+            self._read_slice(fd, starts, ends, range(1), consume)
+            return
+        k = min(self.threads, n)
+        futures = [self._pool.submit(self._read_slice, fd, starts, ends, range(t, n, k), consume) for t in range(k)]
+        errors = [f.exception() for f in futures]
+        for err in errors:
+            if err is not None:
+                raise err
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class KvikioEngine(PosixEngine):
+    """kvikio reads into the same host bounce buffers (GPU destinations use CUDA IPC)."""
+
+    name = "kvikio"
+
+    def __init__(self, threads: int, path: str) -> None:
+        super().__init__(threads)
+        import kvikio  # noqa: PLC0415 - optional dependency, probed first
+
+        self._kvikio = kvikio
+        self._file = kvikio.CuFile(path, "r")
+        self.compat = bool(kvikio.defaults.is_compat_mode_preferred()) if hasattr(kvikio.defaults, "is_compat_mode_preferred") else None
+
+    def _read_slice(self, fd: int, starts: np.ndarray, ends: np.ndarray, idx: range, consume: Consumer) -> None:
+        for i in idx:
+            start, size = int(starts[i]), int(ends[i] - starts[i])
+            view = self._bounce.get(size)[:size]
+            got = self._file.pread(view, size, start).get()
+            if got != size:
+                raise OSError(f"short kvikio read at offset {start}: {got} of {size} bytes")
+            consume(i, view)
+
+    def close(self) -> None:
+        super().close()
+        self._file.close()
+
+
+def probe_kvikio() -> tuple[bool, str]:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False, "no CUDA driver (libcuda.so.1 not found)"
+    try:
+        import kvikio  # noqa: F401, PLC0415
+    except ImportError as exc:
+        return False, f"kvikio not importable ({exc}); install the 'gpu' extra"
+    return True, "CUDA driver and kvikio present"
+
+
+def choose_engine(kind: str, threads: int, data_path: str) -> IOEngine:
+    if kind in ("auto", "kvikio"):
+        ok, why = probe_kvikio()
+        if ok:
+            engine = KvikioEngine(threads, data_path)
+            log.info("I/O engine: kvikio (%s; compat mode preferred: %s)", why, engine.compat)
+            return engine
+        if kind == "kvikio":
+            raise RuntimeError(f"--engine kvikio asked for, but {why}")
+        log.info("I/O engine: POSIX preadv on %d threads (kvikio not used: %s)", threads, why)
+    else:
+        log.info("I/O engine: POSIX preadv on %d threads (--engine posix)", threads)
+    return PosixEngine(threads)

@@ -1,0 +1,374 @@
+"""The control protocol between kvstored and its clients.
+
+Transport: ZeroMQ, the daemon's ROUTER against a client's DEALER. A request is a
+multipart message: frame 0 is a msgpack map ``{"v": PROTOCOL_VERSION, "op": ...,
+"id": ...}`` plus the op's fields; further frames carry fixed-dtype arrays that
+the header names (block lists, cluster ids, importance). KV bytes never travel on
+the socket: they move through buffers the client registered (shared memory on a
+CPU host, CUDA IPC on a GPU).
+
+A reply is one msgpack frame ``{"v", "id", "ok": True, ...}`` or
+``{"v", "id", "ok": False, "code": ErrorCode, "error": text}``. Replies to one
+client may arrive in any order; ``id`` pairs them with requests.
+
+Every field is checked here before the store sees it; store-level checks (a layer
+past the sequence's geometry, a page that was never put) raise :class:`ProtocolError`
+from the store with the same codes.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from kvdrive.layout.geometry import MAX_PAGES, Geometry
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 64 << 10
+MAX_NAME_BYTES = 256
+_NAME_RE = re.compile(r"^[\x21-\x7e]{1,256}$")
+_SHM_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+
+class Op(enum.Enum):
+    HELLO = "hello"
+    REGISTER = "register"
+    UNREGISTER = "unregister"
+    CREATE = "create"
+    OPEN = "open"
+    LIST = "list"
+    DELETE = "delete"
+    PUT = "put"
+    GET = "get"
+    STATS = "stats"
+
+
+class ErrorCode(enum.Enum):
+    BAD_MESSAGE = "bad_message"
+    BAD_VERSION = "bad_version"
+    UNKNOWN_OP = "unknown_op"
+    BAD_FIELD = "bad_field"
+    TOO_LARGE = "too_large"
+    OUT_OF_RANGE = "out_of_range"
+    NOT_FOUND = "not_found"
+    EXISTS = "exists"
+    BUFFER = "buffer"
+    FULL = "full"
+    CHECKSUM = "checksum"
+    IO = "io"
+    UNSUPPORTED = "unsupported"
+    INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    """A request the daemon refuses; becomes an error reply."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class BufferKind(enum.Enum):
+    SHM = "shm"
+    CUDA_IPC = "cuda_ipc"
+
+
+# ---------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class Hello:
+    pass
+
+
+@dataclass(frozen=True)
+class Register:
+    kind: BufferKind
+    name: str
+    size: int
+    handle: bytes = b""
+    device: int = 0
+
+
+@dataclass(frozen=True)
+class Unregister:
+    buf: int
+
+
+@dataclass(frozen=True)
+class Create:
+    ns: str
+    seq: str
+    geometry: Geometry
+    exist_ok: bool
+
+
+@dataclass(frozen=True)
+class OpenSeq:
+    ns: str
+    seq: str
+
+
+@dataclass(frozen=True)
+class ListSeqs:
+    ns: str | None
+
+
+@dataclass(frozen=True)
+class Delete:
+    ns: str
+    seq: str
+
+
+@dataclass(frozen=True)
+class Put:
+    """Pages ``pages`` of layers ``layers`` (all KV heads).
+
+    Source bytes are ``[len(layers), num_kv_heads, len(pages), block_bytes]``
+    contiguous at ``offset`` in buffer ``buf``. ``cluster``/``order``/``importance``
+    are per (layer, head, page) in the same order, or None.
+    """
+
+    uid: int
+    layers: np.ndarray
+    pages: np.ndarray
+    buf: int
+    offset: int
+    cluster: np.ndarray | None
+    order: np.ndarray | None
+    importance: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class Get:
+    """Blocks ``blocks[i] = (layer, head, page)`` go to ``offset + dst[i]`` in ``buf``."""
+
+    uid: int
+    buf: int
+    offset: int
+    blocks: np.ndarray
+    dst: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class Stats:
+    pass
+
+
+Request = Hello | Register | Unregister | Create | OpenSeq | ListSeqs | Delete | Put | Get | Stats
+
+# Array frames each op may carry, with their dtypes.
+PUT_ARRAYS = {"cluster": np.int32, "order": np.int32, "importance": np.float32}
+GET_ARRAYS = {"blocks": np.int32, "dst": np.int64}
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def encode(header: dict, arrays: list[np.ndarray] | None = None) -> list:
+    frames: list = [msgpack.packb(header, use_bin_type=True)]
+    for a in arrays or ():
+        frames.append(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return frames
+
+
+def request_frames(op: Op, req_id: int, fields: dict, arrays: dict[str, np.ndarray] | None = None) -> list:
+    header = {"v": PROTOCOL_VERSION, "op": op.value, "id": req_id, **fields}
+    names = list(arrays or {})
+    if names:
+        header["frames"] = names
+    return encode(header, [arrays[n] for n in names] if arrays else None)
+
+
+def ok_reply(req_id: Any, **fields: Any) -> list:
+    return encode({"v": PROTOCOL_VERSION, "id": req_id, "ok": True, **fields})
+
+
+def error_reply(req_id: Any, code: ErrorCode, message: str) -> list:
+    return encode({"v": PROTOCOL_VERSION, "id": req_id, "ok": False, "code": code.value, "error": message})
+
+
+def decode_reply(frame: bytes) -> dict:
+    reply = msgpack.unpackb(frame, raw=False)
+    if not isinstance(reply, dict) or reply.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(ErrorCode.BAD_VERSION, f"reply of an unknown protocol: {reply!r:.200}")
+    return reply
+
+
+# ---------------------------------------------------------------- decoding
+
+
+class _Fields:
+    def __init__(self, header: dict) -> None:
+        self.h = header
+
+    def _get(self, name: str, required: bool = True) -> Any:
+        if name not in self.h:
+            if required:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} is missing")
+            return None
+        return self.h[name]
+
+    def int(self, name: str, lo: int, hi: int, default: int | None = None) -> int:
+        v = self._get(name, default is None)
+        if v is None:
+            return default  # type: ignore[return-value]
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be an integer, got {type(v).__name__}")
+        if not lo <= v <= hi:
+            raise ProtocolError(ErrorCode.OUT_OF_RANGE, f"field {name!r} = {v} is outside {lo}..{hi}")
+        return v
+
+    def bool(self, name: str, default: bool) -> bool:
+        v = self._get(name, False)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be a boolean")
+        return v
+
+    def name(self, name: str, required: bool = True) -> str | None:
+        v = self._get(name, required)
+        if v is None:
+            return None
+        if not isinstance(v, str) or not _NAME_RE.match(v):
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"field {name!r} must be 1..{MAX_NAME_BYTES} printable ASCII characters without spaces",
+            )
+        return v
+
+    def int_array(self, name: str, lo: int, hi: int, max_len: int) -> np.ndarray:
+        v = self._get(name)
+        if not isinstance(v, list) or not v or len(v) > max_len:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be a list of 1..{max_len} integers")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must hold integers only")
+        a = np.asarray(v, dtype=np.int64)
+        if a.min() < lo or a.max() > hi:
+            raise ProtocolError(ErrorCode.OUT_OF_RANGE, f"field {name!r} has values outside {lo}..{hi}")
+        if len(np.unique(a)) != len(a):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} repeats a value")
+        return a
+
+
+def _arrays(header: dict, frames: list, allowed: dict[str, type], max_bytes: int) -> dict[str, np.ndarray]:
+    names = header.get("frames", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ProtocolError(ErrorCode.BAD_FIELD, "field 'frames' must be a list of array names")
+    if len(names) != len(frames):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"header names {len(names)} array frames, message carries {len(frames)}")
+    out: dict[str, np.ndarray] = {}
+    for name, frame in zip(names, frames):
+        if name not in allowed or name in out:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"array frame {name!r} is unknown or repeated here")
+        dtype = np.dtype(allowed[name])
+        buf = frame.buffer if hasattr(frame, "buffer") else frame
+        if len(buf) > max_bytes:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"array frame {name!r} is {len(buf)} bytes, limit {max_bytes}")
+        if len(buf) % dtype.itemsize:
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"array frame {name!r} is not a whole number of {dtype} items")
+        out[name] = np.frombuffer(buf, dtype=dtype)
+    return out
+
+
+def parse_request(frames: list, max_message_bytes: int, max_blocks: int) -> tuple[Any, Request]:
+    """Decode and check one request. Returns (request id, request).
+
+    Raises ProtocolError; its ``args`` carry the request id when one was readable,
+    so the error reply can name it.
+    """
+    if not frames:
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "empty message")
+    head = frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]
+    if len(head) > MAX_HEADER_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"header is {len(head)} bytes, limit {MAX_HEADER_BYTES}")
+    total = sum(len(f.buffer if hasattr(f, "buffer") else f) for f in frames)
+    if total > max_message_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"message is {total} bytes, limit {max_message_bytes}")
+    try:
+        header = msgpack.unpackb(bytes(head), raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"header is not msgpack: {exc.__class__.__name__}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "header must be a msgpack map")
+    req_id = header.get("id")
+    if not (isinstance(req_id, int) and not isinstance(req_id, bool) and 0 <= req_id < 1 << 63):
+        raise ProtocolError(ErrorCode.BAD_FIELD, "field 'id' must be an integer in 0..2^63-1")
+    try:
+        return req_id, _parse_op(header, frames[1:], max_message_bytes, max_blocks)
+    except ProtocolError as exc:
+        exc.req_id = req_id  # type: ignore[attr-defined]
+        raise
+
+
+def _parse_op(header: dict, frames: list, max_bytes: int, max_blocks: int) -> Request:
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(ErrorCode.BAD_VERSION, f"protocol version {version!r} is not {PROTOCOL_VERSION}")
+    try:
+        op = Op(header.get("op"))
+    except ValueError:
+        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {header.get('op')!r:.64}") from None
+    f = _Fields(header)
+    if op in (Op.HELLO, Op.STATS):
+        return Hello() if op is Op.HELLO else Stats()
+    if op is Op.REGISTER:
+        try:
+            kind = BufferKind(header.get("kind", "shm"))
+        except ValueError:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"buffer kind {header.get('kind')!r:.32} is not shm or cuda_ipc") from None
+        name = header.get("name", "")
+        if kind is BufferKind.SHM and not (isinstance(name, str) and _SHM_NAME_RE.match(name)):
+            raise ProtocolError(ErrorCode.BAD_FIELD, "field 'name' must name a file in /dev/shm ([A-Za-z0-9._-], no slashes)")
+        handle = header.get("handle", b"")
+        if not isinstance(handle, bytes):
+            raise ProtocolError(ErrorCode.BAD_FIELD, "field 'handle' must be bytes")
+        return Register(kind, str(name), f.int("size", 1, 1 << 44), handle, f.int("device", 0, 1024, 0))
+    if op is Op.UNREGISTER:
+        return Unregister(f.int("buf", 0, 1 << 31))
+    if op is Op.CREATE:
+        try:
+            geometry = Geometry.from_dict(header.get("geometry"))
+        except (ValueError, TypeError) as exc:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"geometry: {exc}") from None
+        return Create(f.name("ns"), f.name("seq"), geometry, f.bool("exist_ok", False))
+    if op is Op.OPEN:
+        return OpenSeq(f.name("ns"), f.name("seq"))
+    if op is Op.DELETE:
+        return Delete(f.name("ns"), f.name("seq"))
+    if op is Op.LIST:
+        return ListSeqs(f.name("ns", required=False))
+    if op is Op.PUT:
+        layers = f.int_array("layers", 0, 1 << 20, 1 << 12)
+        pages = f.int_array("pages", 0, MAX_PAGES - 1, max_blocks)
+        arrays = _arrays(header, frames, PUT_ARRAYS, max_bytes)
+        return Put(
+            f.int("seq", 0, 1 << 62), layers, pages, f.int("buf", 0, 1 << 31), f.int("offset", 0, 1 << 44),
+            arrays.get("cluster"), arrays.get("order"), arrays.get("importance"),
+        )
+    if op is Op.GET:
+        arrays = _arrays(header, frames, GET_ARRAYS, max_bytes)
+        if "blocks" not in arrays:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "a get needs a 'blocks' array frame (int32 [N, 3]: layer, head, page)")
+        blocks = arrays["blocks"]
+        if len(blocks) == 0 or len(blocks) % 3:
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, "'blocks' must hold N > 0 rows of (layer, head, page)")
+        blocks = blocks.reshape(-1, 3)
+        if len(blocks) > max_blocks:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(blocks)} blocks in one get, limit {max_blocks}")
+        if blocks.min() < 0:
+            raise ProtocolError(ErrorCode.OUT_OF_RANGE, "'blocks' holds a negative layer, head or page")
+        dst = arrays.get("dst")
+        if dst is not None:
+            if len(dst) != len(blocks):
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"'dst' has {len(dst)} offsets for {len(blocks)} blocks")
+            if len(dst) and dst.min() < 0:
+                raise ProtocolError(ErrorCode.OUT_OF_RANGE, "'dst' holds a negative offset")
+        return Get(f.int("seq", 0, 1 << 62), f.int("buf", 0, 1 << 31), f.int("offset", 0, 1 << 44), blocks, dst)
+    raise AssertionError(f"op {op} has no parser")

@@ -1,0 +1,559 @@
+"""The store: sequences, their blocks, and the two tiers that hold them.
+
+Threading contract (the server keeps it):
+- :meth:`create`, :meth:`delete`, :meth:`prepare_put` and :meth:`commit_puts` run on
+  the single writer thread, which owns LMDB writes and the SSD allocator.
+- :meth:`get`, :meth:`open`, :meth:`list`, :meth:`stats` run on any thread.
+
+A put is two-phase: ``prepare_put`` checks the request, allocates extents and
+writes the blocks to the data file; ``commit_puts`` makes a group of prepared puts
+durable (one fdatasync, one LMDB commit) and only then publishes them to the
+index and the DRAM tier. A put that fails in either phase leaves nothing behind:
+its extents are unreferenced space that the allocator takes back.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import logging
+import mmap
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvdrive.layout import ALIGN, ReadPlan, SpaceError, align_up, packing_order, plan_reads
+from kvdrive.layout.format import DATA_FILE, FORMAT_VERSION, META_DIR
+from kvstored.buffers import BufferRegistry, MappedBuffer
+from kvstored.catalog import Catalog, ExtentRecord, SeqRecord
+from kvstored.config import DaemonConfig, SyncPolicy, format_size
+from kvstored.copy import address_tags, block_crcs, gather_scatter
+from kvstored.dram import DramTier
+from kvstored.gate import ReclaimGate
+from kvstored.index import BlockIndex, SeqEntry
+from kvstored.io_engine import choose_engine
+from kvstored.ssd import SsdTier
+from kvstored.protocol import BufferKind, Create, Delete, ErrorCode, Get, ListSeqs, OpenSeq, ProtocolError, Put
+
+log = logging.getLogger(__name__)
+
+
+class StoreBusyError(RuntimeError):
+    """Another kvstored already serves this directory."""
+
+
+class ChecksumError(ProtocolError):
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.CHECKSUM, message)
+
+
+@dataclass
+class PreparedPut:
+    entry: SeqEntry
+    records: list[ExtentRecord]
+    extents: list[tuple[int, int]]
+    staging: np.ndarray
+    staging_map: mmap.mmap
+    stage_offs: np.ndarray
+    layers: np.ndarray
+    heads: np.ndarray
+    pages: np.ndarray
+    importance: np.ndarray
+    crc: np.ndarray
+    counts: Counter = field(default_factory=Counter)
+
+    def release(self) -> None:
+        self.staging = np.zeros(0, dtype=np.uint8)
+        self.staging_map.close()
+
+
+class Store:
+    def __init__(self, cfg: DaemonConfig) -> None:
+        self.cfg = cfg
+        cfg.ssd_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._lock_fd = _lock_directory(cfg.ssd_dir)
+        t0 = time.monotonic()
+        self.catalog = Catalog(cfg.ssd_dir / META_DIR, cfg.lmdb_map_bytes, durable=cfg.sync == SyncPolicy.DURABLE)
+        self.ssd = _open_ssd(cfg)
+        self.engine = choose_engine(cfg.engine, cfg.io_threads, str(self.ssd.path))
+        self.dram = DramTier(cfg.dram_bytes)
+        self.index = BlockIndex()
+        self.gate = ReclaimGate()
+        self.buffers = BufferRegistry()
+        self.counters: Counter[str] = Counter()
+        self._tick = itertools.count(1)
+        self._inflight: dict[tuple[int, int], list[np.ndarray]] = {}
+        self._load()
+        log.info(
+            "store at %s: format %d, %d sequences, %s on SSD (cap %s), DRAM tier %s pre-faulted, opened in %.2f s",
+            cfg.ssd_dir, FORMAT_VERSION, len(self.index.all()), format_size(self.ssd.allocator.used_bytes),
+            format_size(cfg.ssd_max_bytes), format_size(cfg.dram_bytes), time.monotonic() - t0,
+        )
+
+    # ------------------------------------------------------------ start-up
+
+    def _load(self) -> None:
+        for rec in self.catalog.sequences():
+            self.index.add(SeqEntry(rec.uid, rec.ns, rec.name, rec.geometry, rec.created))
+        used = []
+        for ext in self.catalog.iter_extents():
+            entry = self.index.get(ext.uid)
+            if entry is None:
+                raise RuntimeError(f"extent {ext.extent_id} belongs to unknown sequence {ext.uid}: catalog damaged")
+            bb = entry.geometry.block_bytes
+            entry.ensure_pages(int(ext.pages.max()) + 1)
+            slots = np.arange(len(ext.pages), dtype=np.int64)
+            entry.ssd_off[ext.layer, ext.head, ext.pages] = ext.offset + slots * bb
+            entry.crc[ext.layer, ext.head, ext.pages] = ext.crc
+            entry.importance[ext.layer, ext.head, ext.pages] = ext.importance
+            entry.extents.append((ext.offset, len(ext.pages) * bb))
+            entry.num_blocks += len(ext.pages)
+            used.append((ext.offset, len(ext.pages) * bb))
+        self.ssd.load(used)
+
+    # ------------------------------------------------------------ catalog ops
+
+    def hello(self) -> dict:
+        return {
+            "format": FORMAT_VERSION,
+            "engine": self.engine.name,
+            "direct_io": self.ssd.direct,
+            "dram_bytes": self.dram.capacity,
+            "ssd_max_bytes": self.ssd.allocator.capacity,
+            "sync": self.cfg.sync,
+            "pid": os.getpid(),
+        }
+
+    def create(self, req: Create) -> dict:
+        found = self.index.find(req.ns, req.seq)
+        if found is not None:
+            if req.exist_ok and found.geometry == req.geometry:
+                return self._describe(found)
+            raise ProtocolError(
+                ErrorCode.EXISTS,
+                f"sequence {req.ns}/{req.seq} exists" + ("" if found.geometry == req.geometry else " with another geometry"),
+            )
+        uid = self.catalog.next_uid
+        self.catalog.next_uid += 1
+        rec = SeqRecord(uid, req.ns, req.seq, req.geometry, time.time())
+        with self.catalog.begin() as txn:
+            self.catalog.add_sequence(txn, rec)
+        entry = SeqEntry(uid, req.ns, req.seq, req.geometry, rec.created)
+        self.index.add(entry)
+        log.info("created %s/%s (uid %d, %d B blocks)", req.ns, req.seq, uid, req.geometry.block_bytes)
+        return self._describe(entry)
+
+    def open(self, req: OpenSeq) -> dict:
+        entry = self.index.find(req.ns, req.seq)
+        if entry is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no sequence {req.ns}/{req.seq}")
+        return self._describe(entry)
+
+    def list(self, req: ListSeqs) -> list[dict]:
+        return [self._describe(e) for e in self.index.all() if req.ns is None or e.ns == req.ns]
+
+    def _describe(self, entry: SeqEntry) -> dict:
+        with self.index.lock:
+            stored = entry.ssd_off >= 0
+            complete = stored.all(axis=(0, 1))
+            prefix = int(np.argmin(complete)) if not complete.all() else len(complete)
+            dram_blocks = int((entry.dram_off >= 0).sum())
+        return {
+            "ns": entry.ns, "seq": entry.name, "uid": entry.uid, "geometry": entry.geometry.to_dict(),
+            "num_blocks": entry.num_blocks, "bytes": entry.bytes, "dram_blocks": dram_blocks,
+            "complete_pages": prefix, "created": entry.created,
+        }
+
+    def delete(self, req: Delete) -> dict:
+        entry = self.index.find(req.ns, req.seq)
+        if entry is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no sequence {req.ns}/{req.seq}")
+        rec = SeqRecord(entry.uid, entry.ns, entry.name, entry.geometry, entry.created)
+        with self.catalog.begin() as txn:
+            self.catalog.delete_sequence(txn, rec)
+        self.index.remove(entry.uid)
+        with self.index.lock:
+            slots = entry.dram_off[entry.dram_off >= 0].copy()
+            entry.dram_off[:] = -1
+        bb = entry.geometry.block_bytes
+        extents = list(entry.extents)
+        self.gate.retire(lambda: self.dram.release(bb, slots))
+        self.gate.retire(lambda: [self.ssd.queue_free(o, n) for o, n in extents])
+        log.info("deleted %s/%s (%s)", entry.ns, entry.name, format_size(entry.bytes))
+        return {"freed_bytes": entry.bytes}
+
+    # ------------------------------------------------------------ put
+
+    def prepare_put(self, req: Put) -> PreparedPut:
+        entry = self._entry(req.uid)
+        g = entry.geometry
+        bb = g.block_bytes
+        layers, pages = req.layers, req.pages
+        if layers.max() >= g.num_layers:
+            raise ProtocolError(ErrorCode.OUT_OF_RANGE, f"layer {int(layers.max())} >= num_layers {g.num_layers}")
+        num_l, num_h, num_p = len(layers), g.num_kv_heads, len(pages)
+        total = num_l * num_h * num_p
+        for name, arr in (("cluster", req.cluster), ("order", req.order), ("importance", req.importance)):
+            if arr is not None and len(arr) != total:
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"'{name}' has {len(arr)} values for {total} blocks")
+        if req.importance is not None and not np.isfinite(req.importance).all():
+            raise ProtocolError(ErrorCode.BAD_FIELD, "'importance' holds NaN or infinity")
+        mb = self._buffer(req.buf)
+        _check_span(mb, req.offset, total * bb, "source")
+        self._check_new_pages(entry, layers, pages)
+
+        cluster = (req.cluster if req.cluster is not None else np.zeros(total, np.int32)).reshape(num_l, num_h, num_p)
+        order = req.order.reshape(num_l, num_h, num_p) if req.order is not None else None
+        importance = (req.importance if req.importance is not None else np.zeros(total, np.float32)).reshape(num_l, num_h, num_p)
+
+        ext_bytes = align_up(num_p * bb)
+        self.ssd.apply_frees()
+        offsets: list[int] = []
+        try:
+            for _ in range(num_l * num_h):
+                offsets.append(self.ssd.allocator.allocate(ext_bytes))
+        except SpaceError as exc:
+            for off in offsets:
+                self.ssd.allocator.free(off, ext_bytes)
+            self.counters["puts_refused_full"] += 1
+            raise ProtocolError(
+                ErrorCode.FULL,
+                f"SSD tier full: this put needs {format_size(num_l * num_h * ext_bytes)} ({exc}); "
+                f"delete sequences or raise --ssd-max",
+            ) from None
+
+        staging_map = mmap.mmap(-1, num_l * num_h * ext_bytes)
+        staging = np.frombuffer(staging_map, dtype=np.uint8)
+        slot_pages = np.empty((num_l, num_h, num_p), dtype=np.int64)
+        src_offs = np.empty((num_l, num_h, num_p), dtype=np.int64)
+        records = []
+        for li in range(num_l):
+            for h in range(num_h):
+                perm = packing_order(pages, cluster[li, h], None if order is None else order[li, h])
+                slot_pages[li, h] = pages[perm]
+                src_offs[li, h] = req.offset + ((li * num_h + h) * num_p + perm) * bb
+        stage_offs = (np.arange(num_l * num_h, dtype=np.int64)[:, None] * ext_bytes + np.arange(num_p) * bb).reshape(num_l, num_h, num_p)
+        gather_scatter(mb.array, src_offs.ravel(), staging, stage_offs.ravel(), bb)
+        lay = np.broadcast_to(layers[:, None, None], slot_pages.shape)
+        hed = np.broadcast_to(np.arange(num_h)[None, :, None], slot_pages.shape)
+        crc = (block_crcs(staging, stage_offs.ravel(), bb) ^ address_tags(entry.uid, lay.ravel(), hed.ravel(), slot_pages.ravel())).reshape(slot_pages.shape)
+        # Importance and cluster follow the pages into slot order.
+        perm_idx = (src_offs - req.offset) // bb - (np.arange(num_l * num_h).reshape(num_l, num_h, 1) * num_p)
+        slot_imp = np.take_along_axis(importance, perm_idx, axis=2)
+        slot_cluster = np.take_along_axis(cluster, perm_idx, axis=2)
+        try:
+            self._write_extents(offsets, staging, ext_bytes)
+        except OSError as exc:
+            for off in offsets:
+                self.ssd.allocator.free(off, ext_bytes)
+            staging_map.close()
+            code = ErrorCode.FULL if exc.errno == 28 else ErrorCode.IO
+            raise ProtocolError(code, f"writing blocks failed: {exc}") from None
+        k = 0
+        for li in range(num_l):
+            for h in range(num_h):
+                self.catalog.next_extent += 1
+                records.append(ExtentRecord(
+                    entry.uid, int(layers[li]), h, self.catalog.next_extent, offsets[k],
+                    slot_pages[li, h].astype(np.int32), crc[li, h], slot_cluster[li, h], slot_imp[li, h],
+                ))
+                k += 1
+        for li in range(num_l):
+            self._inflight.setdefault((entry.uid, int(layers[li])), []).append(pages)
+        return PreparedPut(
+            entry, records, [(o, num_p * bb) for o in offsets], staging, staging_map, stage_offs.ravel(),
+            lay.ravel().copy(), hed.ravel().copy(), slot_pages.ravel(), slot_imp.ravel(), crc.ravel(),
+        )
+
+    def _write_extents(self, offsets: list[int], staging: np.ndarray, ext_bytes: int) -> None:
+        # Extents allocated back to back become one write.
+        i = 0
+        while i < len(offsets):
+            j = i + 1
+            while j < len(offsets) and offsets[j] == offsets[j - 1] + ext_bytes:
+                j += 1
+            self.ssd.write(offsets[i], staging[i * ext_bytes : j * ext_bytes])
+            i = j
+
+    def _check_new_pages(self, entry: SeqEntry, layers: np.ndarray, pages: np.ndarray) -> None:
+        cap = entry.capacity
+        inside = pages[pages < cap]
+        if len(inside):
+            stored = entry.ssd_off[layers][:, :, inside] >= 0
+            if stored.any():
+                li, h, pi = np.argwhere(stored)[0]
+                raise ProtocolError(
+                    ErrorCode.EXISTS,
+                    f"block (layer {int(layers[li])}, head {int(h)}, page {int(inside[pi])}) is already stored; blocks are write-once",
+                )
+        for li in layers.tolist():
+            for pending in self._inflight.get((entry.uid, li), ()):
+                both = np.intersect1d(pending, pages)
+                if len(both):
+                    raise ProtocolError(ErrorCode.EXISTS, f"page {int(both[0])} of layer {li} is being written by another put")
+
+    def abort_puts(self, prepared: list[PreparedPut]) -> None:
+        for p in prepared:
+            for off, nbytes in p.extents:
+                self.ssd.allocator.free(off, nbytes)
+            p.release()
+        self._inflight.clear()
+
+    def commit_puts(self, prepared: list[PreparedPut]) -> None:
+        """Make prepared puts durable, then visible. Raises OSError / lmdb.Error on failure."""
+        if not prepared:
+            return
+        try:
+            if self.cfg.sync == SyncPolicy.DURABLE:
+                self.ssd.sync()
+            with self.catalog.begin() as txn:
+                for p in prepared:
+                    for rec in p.records:
+                        self.catalog.add_extent(txn, rec)
+        except BaseException:
+            self.abort_puts(prepared)
+            raise
+        self._inflight.clear()
+        tick = next(self._tick)
+        for p in prepared:
+            entry = p.entry
+            bb = entry.geometry.block_bytes
+            with self.index.lock:
+                entry.ensure_pages(int(p.pages.max()) + 1)
+                base = np.repeat(np.asarray([o for o, _ in p.extents], dtype=np.int64), len(p.pages) // len(p.extents))
+                slot = np.tile(np.arange(len(p.pages) // len(p.extents), dtype=np.int64), len(p.extents))
+                entry.ssd_off[p.layers, p.heads, p.pages] = base + slot * bb
+                entry.crc[p.layers, p.heads, p.pages] = p.crc
+                entry.importance[p.layers, p.heads, p.pages] = p.importance
+                entry.last_use[p.layers, p.heads, p.pages] = tick
+                entry.extents.extend(p.extents)
+                entry.num_blocks += len(p.pages)
+            self._admit(entry, p.layers, p.heads, p.pages, p.importance, p.staging, p.stage_offs, replace=True)
+            self.counters["puts"] += 1
+            self.counters["blocks_put"] += len(p.pages)
+            self.counters["bytes_put"] += len(p.pages) * bb
+            p.release()
+
+    def sync(self) -> None:
+        self.ssd.sync()
+        self.catalog.sync()
+
+    # ------------------------------------------------------------ DRAM residency
+
+    def _admit(self, entry, layers, heads, pages, importance, src, src_offs, replace: bool) -> None:
+        """Copy blocks into DRAM: into free slots, and with ``replace`` over residents that matter less.
+
+        Residents are ranked by importance, then by last use; a candidate displaces the
+        lowest-ranked resident only if it ranks higher itself.
+        """
+        if not self.dram.capacity:
+            return
+        bb = entry.geometry.block_bytes
+        with self.index.lock:
+            if self.index.get(entry.uid) is not entry:
+                return
+            absent = entry.dram_off[layers, heads, pages] < 0
+            lin = np.ravel_multi_index((layers, heads, pages), entry.dram_off.shape)
+            _, first = np.unique(lin, return_index=True)
+            keep = np.zeros(len(lin), dtype=bool)
+            keep[first] = True
+            sel = np.flatnonzero(absent & keep)
+            if not len(sel):
+                return
+            sel = sel[np.argsort(-importance[sel], kind="stable")]
+            slots = self.dram.allocate(bb, len(sel))
+            if len(slots) < len(sel) and replace:
+                evicted = self._evict_for(bb, importance[sel[len(slots):]], next(self._tick))
+                if evicted:
+                    slots = np.concatenate([slots, self.dram.allocate(bb, len(sel) - len(slots))])
+            sel = sel[: len(slots)]
+            gather_scatter(src, src_offs[sel], self.dram.arena, slots, bb)
+            entry.dram_off[layers[sel], heads[sel], pages[sel]] = slots
+            self.counters["dram_admitted"] += len(sel)
+
+    def _evict_for(self, bb: int, cand_importance: np.ndarray, now: int) -> int:
+        """Evict residents of block size ``bb`` that rank below the candidates (index lock held)."""
+        owners, lays, heads, pages, imps, uses = [], [], [], [], [], []
+        for entry in self.index._by_uid.values():
+            if entry.geometry.block_bytes != bb:
+                continue
+            l, h, p = np.nonzero(entry.dram_off >= 0)
+            owners.append(np.full(len(l), entry.uid, dtype=np.int64))
+            lays.append(l), heads.append(h), pages.append(p)
+            imps.append(entry.importance[l, h, p]), uses.append(entry.last_use[l, h, p])
+        if not owners:
+            return 0
+        owner = np.concatenate(owners)
+        imp, use = np.concatenate(imps), np.concatenate(uses)
+        rank = np.lexsort((use, imp))
+        m = min(len(rank), len(cand_importance))
+        vi, vu = imp[rank[:m]], use[rank[:m]]
+        ci = cand_importance[:m]
+        beats = (ci > vi) | ((ci == vi) & (now > vu))
+        count = int(np.argmin(beats)) if not beats.all() else m
+        if not count:
+            return 0
+        victims = rank[:count]
+        lay, hed, pag = np.concatenate(lays)[victims], np.concatenate(heads)[victims], np.concatenate(pages)[victims]
+        freed = []
+        for uid in np.unique(owner[victims]).tolist():
+            mine = owner[victims] == uid
+            entry = self.index._by_uid[uid]
+            offs = entry.dram_off[lay[mine], hed[mine], pag[mine]].copy()
+            entry.dram_off[lay[mine], hed[mine], pag[mine]] = -1
+            freed.append(offs)
+        slots = np.concatenate(freed)
+        self.gate.retire(lambda: self.dram.release(bb, slots))
+        self.counters["dram_evicted"] += count
+        return count
+
+    # ------------------------------------------------------------ get
+
+    def get(self, req: Get) -> dict:
+        t0 = time.perf_counter()
+        entry = self._entry(req.uid)
+        g = entry.geometry
+        bb = g.block_bytes
+        lay, hed, pag = (req.blocks[:, i].astype(np.int64) for i in range(3))
+        for name, arr, limit in (("layer", lay, g.num_layers), ("head", hed, g.num_kv_heads)):
+            bad = np.flatnonzero(arr >= limit)
+            if len(bad):
+                raise ProtocolError(ErrorCode.OUT_OF_RANGE, f"block {int(bad[0])}: {name} {int(arr[bad[0]])} >= {limit}")
+        mb = self._buffer(req.buf)
+        n = len(lay)
+        dst = req.dst if req.dst is not None else np.arange(n, dtype=np.int64) * bb
+        _check_span(mb, req.offset, int(dst.max()) + bb, "destination")
+        dst = dst + req.offset
+        with self.gate.reading():
+            with self.index.lock:
+                inside = pag < entry.capacity
+                ssd_off = np.full(n, -1, dtype=np.int64)
+                ssd_off[inside] = entry.ssd_off[lay[inside], hed[inside], pag[inside]]
+                missing = np.flatnonzero(ssd_off < 0)
+                if len(missing):
+                    i = int(missing[0])
+                    raise ProtocolError(
+                        ErrorCode.NOT_FOUND,
+                        f"{len(missing)} of {n} blocks are not stored, first (layer {lay[i]}, head {hed[i]}, page {pag[i]})",
+                    )
+                crc = entry.crc[lay, hed, pag]
+                dram_off = entry.dram_off[lay, hed, pag]
+                entry.last_use[lay, hed, pag] = next(self._tick)
+            hit = dram_off >= 0
+            gather_scatter(self.dram.arena, dram_off[hit], mb.array, dst[hit], bb)
+            miss = np.flatnonzero(~hit)
+            plan = self._read_ssd(entry, lay[miss], hed[miss], pag[miss], ssd_off[miss], crc[miss], mb.array, dst[miss])
+            if len(miss):
+                self._admit(entry, lay[miss], hed[miss], pag[miss], entry.importance[lay[miss], hed[miss], pag[miss]],
+                            mb.array, dst[miss], replace=False)
+        n_hit = int(hit.sum())
+        self.counters["gets"] += 1
+        self.counters["blocks_dram"] += n_hit
+        self.counters["blocks_ssd"] += len(miss)
+        self.counters["ssd_reads"] += plan.num_reads
+        self.counters["ssd_bytes_read"] += plan.bytes_read
+        return {
+            "n": n, "dram": n_hit, "ssd": len(miss), "reads": plan.num_reads,
+            "bytes_read": plan.bytes_read, "ms": (time.perf_counter() - t0) * 1e3,
+        }
+
+    def _read_ssd(self, entry, lay, hed, pag, ssd_off, crc, dst_array, dst) -> ReadPlan:
+        bb = entry.geometry.block_bytes
+        plan = plan_reads(ssd_off, bb, self.cfg.max_gap_bytes, self.cfg.max_io_bytes, ALIGN)
+        if not len(ssd_off):
+            return plan
+        by_run = np.argsort(plan.run_of, kind="stable")
+        bounds = np.searchsorted(plan.run_of[by_run], np.arange(plan.num_reads + 1))
+        tags = address_tags(entry.uid, lay, hed, pag)
+        bad: list[int] = []
+
+        def consume(run: int, view: np.ndarray) -> None:
+            idx = by_run[bounds[run] : bounds[run + 1]]
+            offs = plan.offset_in_run[idx]
+            ok = (block_crcs(view, offs, bb) ^ tags[idx]) == crc[idx]
+            if not ok.all():
+                bad.extend(idx[~ok].tolist())
+                idx, offs = idx[ok], offs[ok]
+            gather_scatter(view, offs, dst_array, dst[idx], bb)
+
+        try:
+            self.engine.read_runs(self.ssd.fd, plan.starts, plan.ends, consume)
+        except OSError as exc:
+            self.counters["io_errors"] += 1
+            raise ProtocolError(ErrorCode.IO, f"SSD read failed: {exc}") from None
+        if bad:
+            self.counters["checksum_errors"] += len(bad)
+            i = bad[0]
+            log.error("checksum mismatch: %s/%s layer %d head %d page %d at offset %d (%d bad blocks in this get)",
+                      entry.ns, entry.name, lay[i], hed[i], pag[i], ssd_off[i], len(bad))
+            raise ChecksumError(
+                f"checksum mismatch in {len(bad)} block(s), first (layer {lay[i]}, head {hed[i]}, page {pag[i]}) "
+                f"at data file offset {int(ssd_off[i])}; the SSD copy is damaged"
+            )
+        return plan
+
+    # ------------------------------------------------------------ buffers, stats, close
+
+    def _entry(self, uid: int) -> SeqEntry:
+        entry = self.index.get(uid)
+        if entry is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no sequence with uid {uid} (create or open it first)")
+        return entry
+
+    def _buffer(self, buf_id: int) -> MappedBuffer:
+        mb = self.buffers.lookup(buf_id)
+        if mb.kind is not BufferKind.SHM:
+            raise ProtocolError(ErrorCode.UNSUPPORTED, f"buffer {buf_id} is not a shared-memory buffer")
+        return mb
+
+    def unregister(self, buf_id: int) -> None:
+        mb = self.buffers.unregister(buf_id)
+        self.gate.retire(lambda: BufferRegistry.close_mapping(mb))
+
+    def stats(self) -> dict:
+        return {
+            **self.hello(),
+            "sequences": len(self.index.all()),
+            "dram_used_bytes": self.dram.used_bytes,
+            "dram_blocks": self.dram.num_blocks,
+            "ssd_used_bytes": self.ssd.allocator.used_bytes,
+            "ssd_file_bytes": self.ssd.allocator.end,
+            "counters": dict(self.counters),
+        }
+
+    def close(self) -> None:
+        self.engine.close()
+        self.buffers.close()
+        self.catalog.close()
+        self.ssd.close()
+        self.dram.close()
+        os.close(self._lock_fd)
+
+
+def _check_span(mb: MappedBuffer, offset: int, nbytes: int, what: str) -> None:
+    if offset + nbytes > mb.size:
+        raise ProtocolError(
+            ErrorCode.BUFFER,
+            f"{what} buffer {mb.buf_id} is too small: needs {offset + nbytes} bytes (offset {offset} + {nbytes}), has {mb.size}",
+        )
+
+
+def _lock_directory(path: Path) -> int:
+    fd = os.open(path / "kvstored.lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise StoreBusyError(f"another kvstored (pid {other or '?'}) serves {path}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _open_ssd(cfg: DaemonConfig) -> SsdTier:
+    return SsdTier(cfg.ssd_dir / DATA_FILE, cfg.ssd_max_bytes, cfg.direct_io)

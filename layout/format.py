@@ -1,0 +1,19 @@
+"""Constants of the on-disk format shared by the daemon and kvstore-inspect."""
+
+# Bumped whenever the data file or the LMDB records change shape; a store written
+# with another version is refused at open rather than misread.
+FORMAT_VERSION = 1
+
+# Every extent starts and ends on this boundary so it can be read with O_DIRECT.
+ALIGN = 4096
+
+DATA_FILE = "blocks.kvd"
+META_DIR = "meta"
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+def align_down(n: int, align: int = ALIGN) -> int:
+    return n // align * align

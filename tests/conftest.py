@@ -1,0 +1,101 @@
+"""Shared fixtures: real kvstored processes on private sockets in temp directories."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvdrive_client import StoreClient
+
+
+class DaemonProcess:
+    """One kvstored process over a store directory; can be stopped, killed, restarted."""
+
+    def __init__(self, root: Path, dram: str = "64M", ssd_max: str = "4G", extra: list[str] | None = None) -> None:
+        self.root = root
+        self.ssd = root / "ssd"
+        self.address = f"ipc://{root / 'kvstored.sock'}"
+        self.dram, self.ssd_max, self.extra = dram, ssd_max, list(extra or [])
+        self.proc: subprocess.Popen | None = None
+        self.log_path = root / "kvstored.log"
+        self._clients: list[StoreClient] = []
+
+    def start(self, timeout: float = 60.0) -> "DaemonProcess":
+        cmd = [sys.executable, "-m", "kvstored", "--ssd", str(self.ssd), "--dram", self.dram, "--ssd-max",
+               self.ssd_max, "--listen", self.address, *self.extra]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        probe = StoreClient(self.address, timeout=5)
+        deadline = time.monotonic() + timeout
+        try:
+            while not probe.ping(timeout=0.5):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"kvstored exited with {self.proc.returncode}:\n{self.log()}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"kvstored did not answer within {timeout} s:\n{self.log()}")
+        finally:
+            probe.close()
+        return self
+
+    def client(self, timeout: float = 60.0) -> StoreClient:
+        c = StoreClient(self.address, timeout=timeout)
+        self._clients.append(c)
+        return c
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _close_clients(self) -> None:
+        for c in self._clients:
+            try:
+                c._sock.close()
+                c._ctx.term()
+            except Exception:  # a client the test already closed
+                pass
+        self._clients.clear()
+
+    def stop(self, timeout: float = 30.0) -> int:
+        self._close_clients()
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout)
+        return self.proc.returncode
+
+    def kill9(self) -> None:
+        self._close_clients()
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture
+def daemon_factory(tmp_path):
+    made: list[DaemonProcess] = []
+
+    def make(**kwargs) -> DaemonProcess:
+        root = tmp_path / f"d{len(made)}"
+        root.mkdir()
+        d = DaemonProcess(root, **kwargs)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        if d.alive():
+            d.kill9()
+
+
+@pytest.fixture
+def daemon(daemon_factory) -> DaemonProcess:
+    return daemon_factory().start()
