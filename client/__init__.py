@@ -1,5 +1,6 @@
 """kvdrive_client: the KVDrive SDK.
 
+- :func:`attach` — make a transformers model decode through KVDrive.
 - :func:`connect` — the low-level client of ``kvstored``: sequences, block puts,
   sparse gets into shared buffers.
 """
@@ -31,3 +32,21 @@ __all__ = [
     "StoreUnavailableError",
     "connect",
 ]
+
+_LAZY = {
+    "attach": "kvdrive_client.hooks",
+    "Handle": "kvdrive_client.hooks",
+    "KVDriveCache": "kvdrive_client.hooks",
+    "UnsupportedModelError": "kvdrive_client.hooks",
+    "AttachConfig": "kvdrive_client.config",
+}
+__all__ += list(_LAZY)
+
+
+def __getattr__(name: str):
+    # attach() pulls in transformers; the store client alone does not need it.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvdrive_client' has no attribute {name!r}")

@@ -1,0 +1,78 @@
+"""Options of attach(): one frozen dataclass, checked on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvdrive_client.device_cache import EvictionPolicy
+from kvdrive_client.selectors import IndexKind
+
+
+@dataclass(frozen=True)
+class AttachConfig:
+    """How KVDrive decodes.
+
+    budget: pages attended per step besides the sink and local window, as a
+        fraction of the selectable pages (0 < budget <= 1) or a token count (> 1).
+    page_size: tokens per page (the unit of selection, caching and storage).
+    sink_tokens / local_tokens: always attended: the first tokens and the last ones.
+    window: device cache per (layer, KV head) as a multiple of the step's selection
+        (the paper's xW); ``cache_bytes`` instead sets a total byte budget.
+    obs_window: prompt tokens whose attention scores page importance at prefill.
+    """
+
+    budget: float = 0.0625
+    page_size: int = 16
+    sink_tokens: int = 16
+    local_tokens: int = 64
+    window: float = 4.0
+    cache_bytes: int | None = None
+    index: IndexKind = IndexKind.HIERARCHICAL
+    eviction: EvictionPolicy = EvictionPolicy.LOOKAHEAD
+    obs_window: int = 32
+    pages_per_cluster: int = 8
+    candidate_factor: float = 4.0
+    namespace: str = "kvdrive"
+    keep: bool = False
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, enum_type in (("index", IndexKind), ("eviction", EvictionPolicy)):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    object.__setattr__(self, name, enum_type(value))
+                except ValueError:
+                    choices = ", ".join(e.value for e in enum_type)
+                    raise ValueError(f"{name}={value!r}: choose one of {choices}") from None
+        if not (self.budget > 0 and math.isfinite(self.budget)):
+            raise ValueError(f"budget must be a fraction in (0, 1] or a token count > 1, got {self.budget}")
+        if self.budget > 1 and self.budget != int(self.budget):
+            raise ValueError(f"a budget above 1 is a token count and must be whole, got {self.budget}")
+        if not 1 <= self.page_size <= 4096:
+            raise ValueError(f"page_size must be in 1..4096, got {self.page_size}")
+        if self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
+        if self.local_tokens < self.page_size:
+            # A page leaves the local window only after it has been written to the store.
+            raise ValueError(f"local_tokens ({self.local_tokens}) must be at least page_size ({self.page_size})")
+        if self.sink_tokens % self.page_size:
+            raise ValueError(f"sink_tokens ({self.sink_tokens}) must be a multiple of page_size ({self.page_size})")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1 (the cache holds at least one step's selection), got {self.window}")
+        if self.cache_bytes is not None and self.cache_bytes <= 0:
+            raise ValueError(f"cache_bytes must be > 0, got {self.cache_bytes}")
+        if self.obs_window < 1:
+            raise ValueError(f"obs_window must be >= 1, got {self.obs_window}")
+
+    @property
+    def sink_pages(self) -> int:
+        return self.sink_tokens // self.page_size
+
+    def pages_to_select(self, selectable_pages: int) -> int:
+        if selectable_pages <= 0:
+            return 0
+        if self.budget <= 1:
+            return min(selectable_pages, max(1, math.ceil(self.budget * selectable_pages)))
+        return min(selectable_pages, math.ceil(self.budget / self.page_size))

@@ -1,0 +1,149 @@
+"""The device-side page cache of one layer: which pages sit in which slots.
+
+Per (batch row, KV head) a fixed number of slots holds pages of K and V on the
+compute device. A step's selection is looked up; misses take the slots of the
+pages the eviction policy ranks lowest:
+
+- ``LOOKAHEAD``: cached pages that this step did not select, lowest *current*
+  score first (the score the selector gives them for this step's query).
+- ``LRU``: cached pages that this step did not select, least recently used first.
+
+Pages this step selected are never evicted by it. The bookkeeping is vectorised
+over (batch, head); the bytes live in ``k`` / ``v``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class EvictionPolicy(enum.Enum):
+    LOOKAHEAD = "lookahead"
+    LRU = "lru"
+
+
+@dataclass
+class Placement:
+    slots: torch.Tensor  # [B, H, k] slot of every selected page
+    miss: torch.Tensor  # [B, H, k] bool: the page must be fetched into its slot
+
+    @property
+    def num_hits(self) -> int:
+        return int((~self.miss).sum())
+
+    @property
+    def num_misses(self) -> int:
+        return int(self.miss.sum())
+
+
+class DeviceCache:
+    def __init__(self, batch: int, heads: int, capacity: int, page_size: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, policy: EvictionPolicy) -> None:
+        if capacity < 1:
+            raise ValueError(f"device cache capacity must be >= 1 page, got {capacity}")
+        self.capacity = capacity
+        self.policy = policy
+        self.k = torch.zeros(batch, heads, capacity, page_size, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.slot_page = torch.full((batch, heads, capacity), -1, dtype=torch.long, device=device)
+        self.last_used = torch.zeros(batch, heads, capacity, dtype=torch.long, device=device)
+        self.page_slot = torch.full((batch, heads, 64), -1, dtype=torch.long, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def grow(self, capacity: int) -> None:
+        """More slots per head (decode lengthens the context, so the selection grows)."""
+        extra = capacity - self.capacity
+        if extra <= 0:
+            return
+        b, h, _, s, d = self.k.shape
+        self.k = torch.cat([self.k, self.k.new_zeros(b, h, extra, s, d)], dim=2)
+        self.v = torch.cat([self.v, self.v.new_zeros(b, h, extra, s, d)], dim=2)
+        self.slot_page = torch.cat([self.slot_page, self.slot_page.new_full((b, h, extra), -1)], dim=2)
+        self.last_used = torch.cat([self.last_used, self.last_used.new_zeros(b, h, extra)], dim=2)
+        self.capacity = capacity
+
+    def _ensure_pages(self, n: int) -> None:
+        cur = self.page_slot.shape[2]
+        if n > cur:
+            extra = torch.full((*self.page_slot.shape[:2], max(n, 2 * cur) - cur), -1, dtype=torch.long, device=self.page_slot.device)
+            self.page_slot = torch.cat([self.page_slot, extra], dim=2)
+
+    def lookup(self, pages: torch.Tensor) -> torch.Tensor:
+        """Slot of each page ``[B, H, k]``, -1 where it is not cached."""
+        self._ensure_pages(int(pages.max()) + 1 if pages.numel() else 1)
+        return self.page_slot.gather(2, pages)
+
+    def place(self, pages: torch.Tensor, step: int, slot_scores: torch.Tensor | None = None) -> Placement:
+        """Give every selected page a slot, evicting by policy; returns where each goes.
+
+        ``pages`` may hold -1 (nothing selected there: a row with fewer selectable
+        pages than others); such entries get an arbitrary slot and are never misses.
+        ``slot_scores`` ``[B, H, capacity]``: current scores of the cached pages
+        (needed by LOOKAHEAD).
+        """
+        b, h, k = pages.shape
+        if k > self.capacity:
+            raise ValueError(f"{k} pages selected but the device cache holds {self.capacity} per head")
+        none = pages < 0
+        pages = pages.clamp_min(0)
+        slots = self.lookup(pages)
+        miss = (slots < 0) & ~none
+        slots = slots.masked_fill(none & (slots < 0), 0)
+        # Priority of each slot as a victim: empty first, then by policy; selected hits never.
+        if self.policy is EvictionPolicy.LOOKAHEAD:
+            if slot_scores is None:
+                raise ValueError("lookahead eviction needs the current scores of the cached pages")
+            prio = slot_scores.float().clone()
+        else:
+            prio = self.last_used.float().clone()
+        prio = prio.masked_fill(self.slot_page < 0, float("-inf"))
+        keep = torch.zeros(b, h, self.capacity, dtype=torch.bool, device=pages.device)
+        hb, hh, hk = torch.nonzero(~miss & ~none, as_tuple=True)
+        keep[hb, hh, slots[hb, hh, hk]] = True
+        prio = prio.masked_fill(keep, float("inf"))
+        victims = prio.argsort(dim=2, stable=True)
+        rank = miss.long().cumsum(dim=2) - 1
+        new_slots = victims.gather(2, rank.clamp_min(0))
+        slots = torch.where(miss, new_slots, slots)
+        # Unmap the evicted pages, map the new ones.
+        old = self.slot_page.gather(2, slots)
+        evicted = miss & (old >= 0)
+        bi, hi, _ = torch.nonzero(evicted, as_tuple=True)
+        self.page_slot[bi, hi, old[evicted]] = -1
+        bi, hi, ki = torch.nonzero(miss, as_tuple=True)
+        self.page_slot[bi, hi, pages[bi, hi, ki]] = slots[bi, hi, ki]
+        bi, hi, ki = torch.nonzero(~none, as_tuple=True)
+        self.slot_page[bi, hi, slots[bi, hi, ki]] = pages[bi, hi, ki]
+        self.last_used[bi, hi, slots[bi, hi, ki]] = step
+        return Placement(slots, miss)
+
+    def fill(self, placement: Placement, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
+        """Write fetched pages (``[num_misses, S, D]`` in ``nonzero(miss)`` order) into their slots."""
+        bi, hi, ki = torch.nonzero(placement.miss, as_tuple=True)
+        s = placement.slots[bi, hi, ki]
+        self.k[bi, hi, s] = k_pages
+        self.v[bi, hi, s] = v_pages
+
+    def seed(self, pages: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
+        """Fill an empty cache with ``pages`` ``[B, H, n]`` (n <= capacity) and their data ``[B, H, n, S, D]``."""
+        n = pages.shape[2]
+        self._ensure_pages(int(pages.max()) + 1 if pages.numel() else 1)
+        self.k[:, :, :n] = k_pages
+        self.v[:, :, :n] = v_pages
+        slots = torch.arange(n, device=pages.device).expand_as(pages)
+        self.slot_page[:, :, :n] = pages
+        self.page_slot.scatter_(2, pages, slots)
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given slots: ``[B, H, k*S, D]`` each."""
+        b, h, k = slots.shape
+        idx = slots[..., None, None].expand(-1, -1, -1, *self.k.shape[3:])
+        kk = self.k.gather(2, idx).reshape(b, h, -1, self.k.shape[-1])
+        vv = self.v.gather(2, idx).reshape(b, h, -1, self.v.shape[-1])
+        return kk, vv

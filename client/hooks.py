@@ -1,0 +1,236 @@
+"""attach(): KVDrive decoding for transformers models, through the library's own hooks.
+
+- The model's attention implementation becomes ``"kvdrive"``, registered with
+  ``transformers.AttentionInterface`` (and the sdpa mask builder with
+  ``AttentionMaskInterface``). Prefill runs the model's own dense (sdpa)
+  attention; decode steps run KVDrive's sparse attention.
+- ``model.generate`` is wrapped on the instance so that every call without an
+  explicit ``cache`` gets a fresh :class:`KVDriveCache`.
+- :meth:`Handle.detach` restores both; the model is then exactly as before.
+
+A forward pass that carries no KVDriveCache (a plain ``model(**inputs)``) keeps
+dense attention; the first such call is logged.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import Counter
+from dataclasses import replace
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, Cache
+from transformers.cache_utils import CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvdrive_client.config import AttachConfig
+from kvdrive_client.session import ModelShape, Session
+from kvdrive_client.store import StoreClient, connect
+
+log = logging.getLogger(__name__)
+
+ATTN_NAME = "kvdrive"
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+
+
+class UnsupportedModelError(TypeError):
+    """The model lacks something KVDrive needs; the message names it."""
+
+
+class _Layer(CacheLayerMixin):
+    is_sliding = False
+
+    def __init__(self, session: Session, idx: int) -> None:
+        super().__init__()
+        self.session = session
+        self.idx = idx
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.session.current_layer = self.idx
+        return self.session.update(key_states, value_states, self.idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.session.seq_length(self.idx) + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.session.seq_length(self.idx)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class KVDriveCache(Cache):
+    """A transformers Cache whose KV lives in kvstored, with a device-side page cache."""
+
+    def __init__(self, session: Session) -> None:
+        super().__init__(layers=[_Layer(session, i) for i in range(session.shape.num_layers)])
+        self.session = session
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def _kvdrive_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    handle: Handle | None = getattr(module, "_kvdrive_handle", None)
+    session = handle.active if handle is not None else None
+    if session is None or getattr(session, "current_layer", None) != module.layer_idx:
+        if handle is not None and not handle._warned_dense:
+            log.info("forward pass without a KVDriveCache: dense sdpa attention")
+            handle._warned_dense = True
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    session.current_layer = None
+    layer = module.layer_idx
+    if session.layers[layer].prefill is not None:
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        session.finish_prefill(layer, query, attention_mask)
+        return out
+    out = session.decode_attention(layer, query, attention_mask)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_NAME, _kvdrive_attention)
+AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+def _model_shape(model) -> ModelShape:
+    config = getattr(model, "config", None)
+    if config is None:
+        raise UnsupportedModelError(f"{type(model).__name__} has no .config; attach() takes a transformers model")
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; KVDrive supports the Llama family: {', '.join(SUPPORTED)}"
+        )
+    missing = [f for f in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads") if getattr(config, f, None) is None]
+    if missing:
+        raise UnsupportedModelError(f"model config lacks {', '.join(missing)}")
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) and model_type == "mistral":
+        raise UnsupportedModelError("sliding-window attention layers are not supported; use a full-attention model")
+    layers = _attention_modules(model)
+    if len(layers) != config.num_hidden_layers:
+        raise UnsupportedModelError(f"found {len(layers)} attention modules with layer_idx, config says {config.num_hidden_layers}")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise UnsupportedModelError(f"parameter dtype {dtype} is not float16, bfloat16 or float32")
+    return ModelShape(config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads, head_dim, dtype,
+                      layers[0].scaling)
+
+
+def _attention_modules(model) -> list:
+    return [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj") and hasattr(m, "scaling")]
+
+
+class Handle:
+    """What attach() returns: stats(), detach(), and new_cache() for hand-driven loops."""
+
+    def __init__(self, model, cfg: AttachConfig, store: StoreClient, owns_store: bool) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.store = store
+        self._owns_store = owns_store
+        self.shape = _model_shape(model)
+        self.device = torch.device(cfg.device) if cfg.device else next(model.parameters()).device
+        self._stats: Counter = Counter()
+        self.active: Session | None = None
+        self._warned_dense = False
+        self._original_attn = model.config._attn_implementation
+        self._modules = _attention_modules(model)
+        self._attached = False
+
+    def _attach(self) -> None:
+        for m in self._modules:
+            m._kvdrive_handle = self
+        self.model.set_attn_implementation(ATTN_NAME)
+        original = self.model.generate
+
+        @functools.wraps(original)
+        def generate(*args: Any, **kwargs: Any):
+            if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+                return original(*args, **kwargs)
+            batch = _batch_size(args, kwargs)
+            cache = self.new_cache(batch)
+            try:
+                return original(*args, cache=cache, **kwargs)
+            finally:
+                cache.close()
+                self.active = None
+
+        self.model.generate = generate
+        self._attached = True
+
+    def new_cache(self, batch: int) -> KVDriveCache:
+        """A cache for one batch; pass it as ``cache=`` to the model and ``close()`` it after."""
+        if self.active is not None and not self.active._closed:
+            self.active.close()
+        session = Session(self.cfg, self.shape, self.store, batch, self.device, self._stats)
+        self.active = session
+        return KVDriveCache(session)
+
+    def stats(self) -> dict:
+        s = dict(self._stats)
+        looked = s.get("hits", 0) + s.get("misses", 0)
+        s["hit_rate"] = s.get("hits", 0) / looked if looked else None
+        bb = 2 * self.cfg.page_size * self.shape.head_dim * torch.tensor([], dtype=self.shape.dtype).element_size()
+        s["bytes_from_dram"] = s.get("blocks_dram", 0) * bb
+        s["bytes_from_ssd"] = s.get("blocks_ssd", 0) * bb
+        if s.get("context_tokens"):
+            s["attended_fraction"] = s.get("attended_tokens", 0) / s["context_tokens"]
+        if self.active is not None:
+            s["index_bytes"] = self.active.index_bytes()
+            s["device_cache_bytes"] = self.active.cache_bytes()
+        s["store"] = self.store.stats().get("counters", {})
+        return s
+
+    def detach(self) -> None:
+        if not self._attached:
+            return
+        if self.active is not None:
+            self.active.close()
+            self.active = None
+        if "generate" in self.model.__dict__:
+            del self.model.generate
+        self.model.set_attn_implementation(self._original_attn)
+        for m in self._modules:
+            if hasattr(m, "_kvdrive_handle"):
+                del m._kvdrive_handle
+        if self._owns_store:
+            self.store.close()
+        self._attached = False
+
+
+def _batch_size(args, kwargs) -> int:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    if ids is None:
+        raise ValueError("generate() through KVDrive needs input_ids or inputs_embeds")
+    return ids.shape[0]
+
+
+def attach(model, store: str | StoreClient | None = None, *, dram: str = "256M", **options: Any) -> Handle:
+    """Make ``model.generate()`` decode through KVDrive.
+
+    ``store``: None starts a private embedded kvstored (``dram`` sized); a string is
+    the address of a running one; a StoreClient is used as is. ``options`` are the
+    fields of :class:`AttachConfig` (budget, page_size, sink_tokens, local_tokens,
+    window, cache_bytes, index, eviction, obs_window, namespace, keep, device).
+    """
+    cfg = replace(AttachConfig(), **options) if options else AttachConfig()
+    _model_shape(model)  # refuse unsupported models before starting anything
+    owns = not isinstance(store, StoreClient)
+    client = store if isinstance(store, StoreClient) else connect(store, dram=dram)
+    try:
+        handle = Handle(model, cfg, client, owns)
+        handle._attach()
+    except BaseException:
+        if owns:
+            client.close()
+        raise
+    return handle

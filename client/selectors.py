@@ -1,0 +1,250 @@
+"""Page selectors: which pages of a layer's context each decode step attends to.
+
+One interface, :class:`Selector`, four implementations side by side:
+
+- :class:`HierarchicalIndex` (KVDrive): page mean keys grouped under k-means
+  centroids; a step scores the centroids, then only the pages under the best ones.
+- :class:`QuestIndex`: per-page min/max keys, an upper bound of q.k per page.
+- :class:`MeanKeyIndex`: one mean key per page, every page scored (ShadowKV-style
+  landmarks).
+- :class:`OracleSelector`: exact attention mass per page from all keys; for
+  measurement only (it keeps every key).
+
+All work on a whole batch at once: state is ``[B, H, pages, ...]`` in the padded
+token frame; ``selectable`` masks the pages a step may choose from.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from abc import ABC, abstractmethod
+
+import torch
+
+from kvdrive.kernels import reference as ref
+
+
+class IndexKind(enum.Enum):
+    HIERARCHICAL = "hierarchical"
+    QUEST = "quest"
+    MEAN_KEY = "meankey"
+    ORACLE = "oracle"
+
+
+class Selector(ABC):
+    """Index of one layer's pages. ``query`` is always ``[B, H, G, D]``."""
+
+    kind: IndexKind
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.num_pages = 0
+
+    @abstractmethod
+    def build(self, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:
+        """Index the complete pages of prefill keys ``[B, H, T, D]``; return cluster ids ``[B, H, P]`` or None."""
+
+    @abstractmethod
+    def add_page(self, keys: torch.Tensor, valid: torch.Tensor) -> None:
+        """Index one more page: keys ``[B, H, S, D]``, valid ``[B, S]``."""
+
+    @abstractmethod
+    def scores(self, query: torch.Tensor) -> torch.Tensor:
+        """Estimated relevance of every indexed page: ``[B, H, P]``."""
+
+    def select(self, query: torch.Tensor, selectable: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` best selectable pages per (batch, head): (pages ``[B, H, k]``, scores)."""
+        s = self.scores(query).masked_fill(~selectable[:, None, : self.num_pages], ref.NEG_INF)
+        return ref.topk_pages(s, k)
+
+    def page_scores(self, query: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """Scores of given pages ``[B, H, n]`` (-1 = none), for lookahead eviction."""
+        s = self.scores(query)
+        return s.gather(2, pages.clamp_min(0)).masked_fill(pages < 0, ref.NEG_INF)
+
+    @staticmethod
+    def _gathered_mean_scores(query: torch.Tensor, means: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        idx = pages.clamp_min(0)[..., None].expand(-1, -1, -1, means.shape[-1])
+        return ref.score_mean(query, means.gather(2, idx).to(query.dtype)).masked_fill(pages < 0, ref.NEG_INF)
+
+    @property
+    @abstractmethod
+    def index_bytes(self) -> int:
+        """Bytes the index keeps on the device."""
+
+
+def _grow(t: torch.Tensor, n: int, dim: int = 2, fill: float = 0.0) -> torch.Tensor:
+    if t.shape[dim] >= n:
+        return t
+    new = max(n, 2 * t.shape[dim])
+    shape = list(t.shape)
+    shape[dim] = new - t.shape[dim]
+    return torch.cat([t, torch.full(shape, fill, dtype=t.dtype, device=t.device)], dim=dim)
+
+
+class MeanKeyIndex(Selector):
+    kind = IndexKind.MEAN_KEY
+
+    def build(self, keys, valid):
+        self.means, _, _ = ref.page_summaries(keys, valid, self.page_size)
+        self.num_pages = self.means.shape[2]
+        return None
+
+    def add_page(self, keys, valid):
+        mean, _, _ = ref.page_summaries(keys, valid, self.page_size)
+        self.means = _grow(self.means, self.num_pages + 1)
+        self.means[:, :, self.num_pages] = mean[:, :, 0]
+        self.num_pages += 1
+
+    def scores(self, query):
+        return ref.score_mean(query, self.means[:, :, : self.num_pages])
+
+    def page_scores(self, query, pages):
+        return self._gathered_mean_scores(query, self.means, pages)
+
+    @property
+    def index_bytes(self):
+        m = self.means[:, :, : self.num_pages]
+        return m.numel() * m.element_size()
+
+
+class QuestIndex(Selector):
+    kind = IndexKind.QUEST
+
+    def build(self, keys, valid):
+        _, self.kmin, self.kmax = ref.page_summaries(keys, valid, self.page_size)
+        self.num_pages = self.kmin.shape[2]
+        return None
+
+    def add_page(self, keys, valid):
+        _, kmin, kmax = ref.page_summaries(keys, valid, self.page_size)
+        self.kmin = _grow(self.kmin, self.num_pages + 1)
+        self.kmax = _grow(self.kmax, self.num_pages + 1)
+        self.kmin[:, :, self.num_pages] = kmin[:, :, 0]
+        self.kmax[:, :, self.num_pages] = kmax[:, :, 0]
+        self.num_pages += 1
+
+    def scores(self, query):
+        n = self.num_pages
+        return ref.score_quest(query, self.kmin[:, :, :n], self.kmax[:, :, :n])
+
+    @property
+    def index_bytes(self):
+        n = self.num_pages
+        return 2 * self.kmin[:, :, :n].numel() * self.kmin.element_size()
+
+
+class HierarchicalIndex(Selector):
+    """Mean keys (int8, one scale per page) under k-means centroids.
+
+    ``pages_per_cluster`` sets the number of centroids; a step looks at the pages of
+    the best centroids until it has ``candidate_factor`` x k candidates.
+    """
+
+    kind = IndexKind.HIERARCHICAL
+
+    def __init__(self, page_size: int, pages_per_cluster: int = 8, candidate_factor: float = 4.0) -> None:
+        super().__init__(page_size)
+        self.pages_per_cluster = pages_per_cluster
+        self.candidate_factor = candidate_factor
+
+    def _quantize(self, means: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = means.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127.0
+        return (means / scale).round().to(torch.int8), scale.to(torch.float16)
+
+    def _means(self) -> torch.Tensor:
+        n = self.num_pages
+        return self.q8[:, :, :n].float() * self.scale[:, :, :n].float()
+
+    def build(self, keys, valid):
+        means, _, _ = ref.page_summaries(keys, valid, self.page_size)
+        b, h, p, d = means.shape
+        self.num_pages = p
+        self.q8, self.scale = self._quantize(means)
+        c = max(1, math.ceil(p / self.pages_per_cluster))
+        cent, assign = ref.kmeans(means.reshape(b * h, p, d).float(), c)
+        self.centroids = cent.reshape(b, h, -1, d).to(keys.dtype)
+        self.assign = assign.reshape(b, h, p)
+        return self.assign
+
+    def add_page(self, keys, valid):
+        mean, _, _ = ref.page_summaries(keys, valid, self.page_size)
+        q8, scale = self._quantize(mean)
+        n = self.num_pages
+        self.q8 = _grow(self.q8, n + 1)
+        self.scale = _grow(self.scale, n + 1)
+        self.assign = _grow(self.assign, n + 1)
+        self.q8[:, :, n] = q8[:, :, 0]
+        self.scale[:, :, n] = scale[:, :, 0]
+        # A new page joins its nearest centroid.
+        dist = torch.cdist(mean.float(), self.centroids.float())  # [B, H, 1, C]
+        self.assign[:, :, n] = dist[:, :, 0].argmin(dim=-1)
+        self.num_pages += 1
+
+    def scores(self, query):
+        return ref.score_mean(query, self._means().to(query.dtype))
+
+    def page_scores(self, query, pages):
+        idx = pages.clamp_min(0)
+        q8 = self.q8.gather(2, idx[..., None].expand(-1, -1, -1, self.q8.shape[-1]))
+        scale = self.scale.gather(2, idx[..., None])
+        return ref.score_mean(query, (q8.float() * scale.float()).to(query.dtype)).masked_fill(pages < 0, ref.NEG_INF)
+
+    def select(self, query, selectable, k):
+        n = self.num_pages
+        cand = max(k, int(self.candidate_factor * k))
+        return ref.hierarchical_select(
+            query, self.centroids, self.assign[:, :, :n], self._means().to(query.dtype), selectable[:, :n], k, cand,
+        )
+
+    @property
+    def index_bytes(self):
+        n = self.num_pages
+        return (self.q8[:, :, :n].numel() + self.scale[:, :, :n].numel() * 2 + self.assign[:, :, :n].numel() * 2
+                + self.centroids.numel() * self.centroids.element_size())
+
+
+class OracleSelector(Selector):
+    """Exact attention mass per page; keeps every key, for measurement only."""
+
+    kind = IndexKind.ORACLE
+
+    def __init__(self, page_size: int, scaling: float) -> None:
+        super().__init__(page_size)
+        self.scaling = scaling
+
+    def build(self, keys, valid):
+        p = keys.shape[2] // self.page_size
+        self.keys = keys[:, :, : p * self.page_size].clone()
+        self.valid = valid[:, : p * self.page_size].clone()
+        self.num_pages = p
+        return None
+
+    def add_page(self, keys, valid):
+        self.keys = torch.cat([self.keys, keys], dim=2)
+        self.valid = torch.cat([self.valid, valid], dim=1)
+        self.num_pages += 1
+
+    def scores(self, query):
+        logits = torch.matmul(query, self.keys.transpose(-1, -2)) * self.scaling
+        logits = logits.masked_fill(~self.valid[:, None, None, :], ref.NEG_INF)
+        probs = torch.softmax(logits.float(), dim=-1)
+        b, h, g, t = probs.shape
+        return probs.reshape(b, h, g, t // self.page_size, self.page_size).sum(dim=(2, 4))
+
+    @property
+    def index_bytes(self):
+        return self.keys.numel() * self.keys.element_size()
+
+
+def make_selector(kind: IndexKind, page_size: int, scaling: float, **options) -> Selector:
+    if kind is IndexKind.HIERARCHICAL:
+        return HierarchicalIndex(page_size, **options)
+    if kind is IndexKind.QUEST:
+        return QuestIndex(page_size)
+    if kind is IndexKind.MEAN_KEY:
+        return MeanKeyIndex(page_size)
+    if kind is IndexKind.ORACLE:
+        return OracleSelector(page_size, scaling)
+    raise ValueError(f"unknown index kind {kind!r}")

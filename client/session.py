@@ -1,0 +1,393 @@
+"""One generation's KV state: prefill into the store, sparse decode out of it.
+
+A :class:`Session` covers a batch of sequences (left-padded to one length) from
+prefill to the end of decode. Per layer it keeps, on the compute device:
+
+- the *local window*: the last ``local_tokens`` tokens (from a page boundary on),
+- a :class:`~kvdrive_client.device_cache.DeviceCache` of pages, and
+- a :class:`~kvdrive_client.selectors.Selector` over every complete page.
+
+Every complete page is in ``kvstored`` (one store sequence per batch row). A
+decode step per layer: select pages, look them up in the device cache, fetch the
+misses with one sparse get per row, attend exactly over sink + selected pages +
+local window. Pages completed during decode are indexed at once and written to
+the store at the end of the step, all layers in one put per row.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvdrive.kernels import reference as ref
+from kvdrive.layout.geometry import Geometry
+from kvdrive_client.config import AttachConfig
+from kvdrive_client.device_cache import DeviceCache
+from kvdrive_client.selectors import IndexKind, Selector, make_selector
+from kvdrive_client.store import Sequence, StoreClient
+
+log = logging.getLogger(__name__)
+
+_TORCH_TO_DTYPE = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@dataclass
+class ModelShape:
+    num_layers: int
+    num_kv_heads: int
+    num_q_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    scaling: float
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+class Observer:
+    """Hooks for measurement tools (fidelity, cache traces); the defaults do nothing.
+
+    Keys are post-RoPE, ``[B, H, T, D]``; ``valid`` marks real (unpadded) tokens.
+    """
+
+    def on_prefill(self, layer: int, keys: torch.Tensor, valid: torch.Tensor) -> None:
+        pass
+
+    def on_page(self, layer: int, page: int, keys: torch.Tensor, valid: torch.Tensor) -> None:
+        pass
+
+    def on_select(self, layer: int, step: int, query: torch.Tensor, chosen: torch.Tensor, selectable: torch.Tensor,
+                  selector: "Selector") -> None:
+        """``chosen`` ``[B, H, k]`` pages (-1 none) picked among ``selectable`` ``[B, P]``."""
+
+
+class LayerState:
+    def __init__(self) -> None:
+        self.prefill: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.local_k: torch.Tensor | None = None
+        self.local_v: torch.Tensor | None = None
+        self.local_start = 0
+        self.num_tokens = 0
+        self.num_pages = 0  # complete pages: indexed and (to be) stored
+        self.selector: Selector | None = None
+        self.cache: DeviceCache | None = None
+
+
+class Session:
+    def __init__(self, cfg: AttachConfig, shape: ModelShape, store: StoreClient, batch: int, device: torch.device,
+                 stats: Counter) -> None:
+        self.cfg = cfg
+        self.shape = shape
+        self.store = store
+        self.batch = batch
+        self.device = device
+        self.stats = stats
+        self.layers = [LayerState() for _ in range(shape.num_layers)]
+        self.valid: torch.Tensor | None = None
+        self.step = 0
+        self.geometry = Geometry(shape.num_layers, shape.num_kv_heads, shape.head_dim, _TORCH_TO_DTYPE[shape.dtype], cfg.page_size)
+        self.block_bytes = self.geometry.block_bytes
+        self.seqs: list[Sequence] = []
+        self._pending_pages: list[tuple[int, torch.Tensor]] = []  # (page, [L, B, H, 2, S, D]) being assembled
+        self._page_parts: dict[int, list] = {}
+        self._staging = None
+        self._closed = False
+        self.observers: list[Observer] = []
+
+    # ------------------------------------------------------------ transformers Cache hooks
+
+    def seq_length(self, layer: int = 0) -> int:
+        return self.layers[layer].num_tokens
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ls = self.layers[layer]
+        q_len = key.shape[2]
+        if ls.selector is None:
+            if ls.prefill is not None or ls.num_tokens:
+                raise RuntimeError("KVDrive prefill runs once per session")
+            ls.prefill = (key, value)
+            ls.num_tokens = q_len
+            return key, value
+        if q_len != 1:
+            raise ValueError(
+                f"KVDrive decodes one token per step after prefill (got {q_len} tokens at layer {layer}); "
+                "start a new generate() for a new prompt"
+            )
+        ls.local_k = torch.cat([ls.local_k, key], dim=2)
+        ls.local_v = torch.cat([ls.local_v, value], dim=2)
+        ls.num_tokens += 1
+        return ls.local_k, ls.local_v
+
+    # ------------------------------------------------------------ prefill
+
+    def _valid_from_mask(self, mask: torch.Tensor | None, length: int) -> torch.Tensor:
+        if mask is None:
+            return torch.ones(self.batch, length, dtype=torch.bool, device=self.device)
+        row = mask[:, 0, -1, :length]
+        return row if row.dtype == torch.bool else row == 0
+
+    def finish_prefill(self, layer: int, query: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Index, store and cache one layer after its dense prefill attention ran."""
+        t0 = time.perf_counter()
+        ls = self.layers[layer]
+        keys, values = ls.prefill
+        ls.prefill = None
+        cfg, sh = self.cfg, self.shape
+        b, h, t, d = keys.shape
+        s = cfg.page_size
+        self.valid = self._valid_from_mask(mask, t)
+        if layer == 0:
+            self._create_sequences()
+        num_pages = t // s
+        ls.num_pages = num_pages
+        for ob in self.observers:
+            ob.on_prefill(layer, keys[:, :, : num_pages * s], self.valid[:, : num_pages * s])
+        ls.selector = make_selector(cfg.index, s, sh.scaling, **self._selector_options())
+        cluster = ls.selector.build(keys, self.valid) if num_pages else None
+        if num_pages == 0:
+            ls.selector.build(keys[:, :, :0], self.valid[:, :0])
+        importance = self._importance(query, keys, t, num_pages)
+        if num_pages:
+            self._put_layer(layer, keys, values, num_pages, cluster, importance)
+        first_local = self._first_local_page(t, num_pages)
+        ls.local_start = first_local * s
+        ls.local_k = keys[:, :, ls.local_start :].clone()
+        ls.local_v = values[:, :, ls.local_start :].clone()
+        capacity = self._cache_capacity(first_local)
+        ls.cache = DeviceCache(b, h, capacity, s, d, keys.dtype, self.device, cfg.eviction)
+        self._seed_cache(ls, keys, values, importance, first_local)
+        self.stats["prefill_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def _selector_options(self) -> dict:
+        if self.cfg.index is IndexKind.HIERARCHICAL:
+            return {"pages_per_cluster": self.cfg.pages_per_cluster, "candidate_factor": self.cfg.candidate_factor}
+        return {}
+
+    def _first_local_page(self, num_tokens: int, num_pages: int) -> int:
+        return max(0, min(num_pages, (num_tokens - self.cfg.local_tokens) // self.cfg.page_size))
+
+    def _cache_capacity(self, first_local: int) -> int:
+        sink = min(self.cfg.sink_pages, first_local)
+        k = self.cfg.pages_to_select(first_local - sink)
+        if self.cfg.cache_bytes is not None:
+            per_page = 2 * self.cfg.page_size * self.shape.head_dim * torch.tensor([], dtype=self.shape.dtype).element_size()
+            slots = self.cfg.cache_bytes // (per_page * self.batch * self.shape.num_kv_heads * self.shape.num_layers)
+            return max(int(slots), k + sink, 1)
+        return max(1, math.ceil(self.cfg.window * k) + sink)
+
+    def _importance(self, query: torch.Tensor, keys: torch.Tensor, t: int, num_pages: int) -> torch.Tensor:
+        """SnapKV-style: attention of the last prompt tokens, summed per page and KV head."""
+        sh = self.shape
+        obs = min(self.cfg.obs_window, t)
+        b, h, _, d = keys.shape
+        q = query[:, :, t - obs :].reshape(b, h, sh.group, obs, d)
+        logits = torch.einsum("bhgod,bhtd->bhgot", q, keys) * sh.scaling
+        pos_q = torch.arange(t - obs, t, device=keys.device)
+        allowed = (torch.arange(t, device=keys.device)[None, :] <= pos_q[:, None])[None, None, None]
+        allowed = allowed & self.valid[:, None, None, None, :]
+        probs = torch.softmax(logits.masked_fill(~allowed, ref.NEG_INF).float(), dim=-1).nan_to_num(0.0)
+        per_token = probs.sum(dim=(2, 3))  # [B, H, T]
+        s = self.cfg.page_size
+        return per_token[:, :, : num_pages * s].reshape(b, h, num_pages, s).sum(dim=-1)
+
+    def _seed_cache(self, ls: LayerState, keys, values, importance, first_local: int) -> None:
+        sink = min(self.cfg.sink_pages, first_local)
+        n = min(ls.cache.capacity, first_local)
+        if n == 0:
+            return
+        score = importance[:, :, :first_local].clone()
+        score[:, :, :sink] = float("inf")  # sink pages always sit in the cache
+        pages = score.topk(n, dim=2).indices
+        b, h, t, d = keys.shape
+        s = self.cfg.page_size
+        kp = keys[:, :, : first_local * s].reshape(b, h, first_local, s, d)
+        vp = values[:, :, : first_local * s].reshape(b, h, first_local, s, d)
+        idx = pages[..., None, None].expand(-1, -1, -1, s, d)
+        ls.cache.seed(pages, kp.gather(2, idx), vp.gather(2, idx))
+
+    # ------------------------------------------------------------ store I/O
+
+    def _create_sequences(self) -> None:
+        for row in range(self.batch):
+            name = f"{uuid.uuid4().hex}-{row}"
+            self.seqs.append(self.store.create(self.cfg.namespace, name, self.geometry))
+
+    def _blocks(self, keys: torch.Tensor, values: torch.Tensor, num_pages: int) -> np.ndarray:
+        """``[B, H, P*S, D]`` K and V -> ``[B, H, P, block_bytes]`` bytes (K then V per block)."""
+        b, h, _, d = keys.shape
+        s = self.cfg.page_size
+        kv = torch.stack([keys[:, :, : num_pages * s].reshape(b, h, num_pages, s, d),
+                          values[:, :, : num_pages * s].reshape(b, h, num_pages, s, d)], dim=3)
+        return kv.detach().contiguous().cpu().view(torch.uint8).numpy().reshape(b, h, num_pages, -1)
+
+    def _put_layer(self, layer, keys, values, num_pages, cluster, importance) -> None:
+        t0 = time.perf_counter()
+        blocks = self._blocks(keys, values, num_pages)
+        imp = importance.detach().float().cpu().numpy()
+        clu = None if cluster is None else cluster.detach().cpu().numpy().astype(np.int32)
+        for row, seq in enumerate(self.seqs):
+            self.store.put(seq, [layer], range(num_pages), blocks[row : row + 1],
+                           cluster=None if clu is None else clu[row : row + 1], importance=imp[row : row + 1])
+        self.stats["bytes_put"] += blocks.nbytes
+        self.stats["put_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def _flush_pages(self) -> None:
+        """Write the pages completed in this step, every layer at once, one put per row."""
+        for page, parts in sorted(self._page_parts.items()):
+            if len(parts) != self.shape.num_layers:
+                continue
+            t0 = time.perf_counter()
+            data = np.stack([p for _, p in sorted(parts, key=lambda x: x[0])], axis=1)  # [B, L, H, bb]
+            for row, seq in enumerate(self.seqs):
+                self.store.put(seq, range(self.shape.num_layers), [page], data[row][:, :, None, :])
+            self.stats["bytes_put"] += data.nbytes
+            self.stats["pages_flushed"] += 1
+            self.stats["put_ms"] += (time.perf_counter() - t0) * 1e3
+            del self._page_parts[page]
+
+    def _fetch(self, layer: int, pages: torch.Tensor, miss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fetch missed pages from the store: one sparse get per batch row, all in flight together."""
+        bi, hi, ki = torch.nonzero(miss, as_tuple=True)
+        n = len(bi)
+        s, d = self.cfg.page_size, self.shape.head_dim
+        bb = self.block_bytes
+        if self._staging is None or self._staging.size < n * bb:
+            if self._staging is not None:
+                self.store.unregister(self._staging)
+            self._staging = self.store.register(max(n * bb, 1 << 20))
+        rows = bi.cpu().numpy()
+        blocks = np.stack([np.full(n, layer), hi.cpu().numpy(), pages[bi, hi, ki].cpu().numpy()], axis=1)
+        pending = []
+        for row in np.unique(rows).tolist():
+            at = np.flatnonzero(rows == row)
+            pending.append(self.store.get_async(self.seqs[row], blocks[at], self._staging, dst=at.astype(np.int64) * bb))
+        for p in pending:
+            r = p.wait()
+            self.stats["blocks_dram"] += r["dram"]
+            self.stats["blocks_ssd"] += r["ssd"]
+        raw = torch.from_numpy(self._staging.array[: n * bb].copy()).view(self.shape.dtype).reshape(n, 2, s, d)
+        raw = raw.to(self.device)
+        self.stats["bytes_fetched"] += n * bb
+        return raw[:, 0], raw[:, 1]
+
+    # ------------------------------------------------------------ decode
+
+    def _advance(self, layer: int) -> None:
+        """Index (and queue for the store) pages completed by the new token; slide the local window."""
+        ls = self.layers[layer]
+        s = self.cfg.page_size
+        while (ls.num_pages + 1) * s <= ls.num_tokens:
+            page = ls.num_pages
+            lo = page * s - ls.local_start
+            k = ls.local_k[:, :, lo : lo + s]
+            v = ls.local_v[:, :, lo : lo + s]
+            ls.selector.add_page(k, self.valid[:, page * s : (page + 1) * s])
+            for ob in self.observers:
+                ob.on_page(layer, page, k, self.valid[:, page * s : (page + 1) * s])
+            ls.num_pages += 1
+            self._page_parts.setdefault(page, []).append((layer, self._blocks(k, v, 1)[:, :, 0]))
+        first_local = self._first_local_page(ls.num_tokens, ls.num_pages)
+        drop = first_local * s - ls.local_start
+        if drop > 0:
+            ls.local_k = ls.local_k[:, :, drop:]
+            ls.local_v = ls.local_v[:, :, drop:]
+            ls.local_start += drop
+
+    def decode_attention(self, layer: int, query: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        ls = self.layers[layer]
+        sh, cfg = self.shape, self.cfg
+        b = query.shape[0]
+        t = ls.num_tokens
+        self.valid = self._valid_from_mask(mask, t)
+        self._advance(layer)
+        s = cfg.page_size
+        q = query[:, :, 0].reshape(b, sh.num_kv_heads, sh.group, sh.head_dim)
+        first_local = ls.local_start // s
+        sink = min(cfg.sink_pages, first_local)
+        k = cfg.pages_to_select(first_local - sink)
+        keys, values, pos = [], [], []
+        if sink + k:
+            t0 = time.perf_counter()
+            chosen = torch.arange(sink, device=self.device).expand(b, sh.num_kv_heads, sink)
+            if k:
+                selectable = torch.zeros(b, ls.num_pages, dtype=torch.bool, device=self.device)
+                selectable[:, sink:first_local] = True
+                page_valid = self.valid[:, : ls.num_pages * s].reshape(b, ls.num_pages, s).any(dim=2)
+                picked, scores = ls.selector.select(q, selectable & page_valid, k)
+                # A row with fewer selectable pages than k (padding) gets -1: nothing there.
+                picked = picked.masked_fill(scores == ref.NEG_INF, -1)
+                if self.observers:
+                    t_ob = time.perf_counter()
+                    for ob in self.observers:
+                        ob.on_select(layer, self.step, q, picked, selectable & page_valid, ls.selector)
+                    t0 += time.perf_counter() - t_ob  # measurement is not selection time
+                chosen = torch.cat([chosen, picked], dim=2)
+            if self.cfg.cache_bytes is None:
+                ls.cache.grow(self._cache_capacity(first_local))
+            if chosen.shape[2] > ls.cache.capacity:
+                ls.cache.grow(chosen.shape[2])
+            slot_scores = ls.selector.page_scores(q, ls.cache.slot_page) if cfg.eviction.value == "lookahead" else None
+            t1 = time.perf_counter()
+            placement = ls.cache.place(chosen, self.step, slot_scores)
+            self.stats["hits"] += placement.num_hits
+            self.stats["misses"] += placement.num_misses
+            if placement.num_misses:
+                self._flush_ready()
+                kf, vf = self._fetch(layer, chosen, placement.miss)
+                ls.cache.fill(placement, kf, vf)
+            t2 = time.perf_counter()
+            kk, vv = ls.cache.gather(placement.slots)
+            keys.append(kk)
+            values.append(vv)
+            page_pos = chosen[..., None] * s + torch.arange(s, device=self.device)
+            pos.append(page_pos.masked_fill(chosen[..., None] < 0, -1).reshape(b, sh.num_kv_heads, -1))
+            self.stats["select_ms"] += (t1 - t0) * 1e3
+            self.stats["fetch_ms"] += (t2 - t1) * 1e3
+        keys.append(ls.local_k)
+        values.append(ls.local_v)
+        pos.append(torch.arange(ls.local_start, t, device=self.device).expand(b, sh.num_kv_heads, -1))
+        t3 = time.perf_counter()
+        kk, vv, pp = torch.cat(keys, dim=2), torch.cat(values, dim=2), torch.cat(pos, dim=2)
+        valid = self.valid.gather(1, pp.clamp_min(0).reshape(b, -1)).reshape(pp.shape) & (pp >= 0)
+        out = ref.decode_attention(q, kk, vv, valid, sh.scaling)
+        self.stats["attention_ms"] += (time.perf_counter() - t3) * 1e3
+        self.stats["attended_tokens"] += int(valid.sum())
+        self.stats["context_tokens"] += int(self.valid.sum()) * sh.num_kv_heads
+        if layer == sh.num_layers - 1:
+            self.step += 1
+            self.stats["steps"] += 1
+            self._flush_ready()
+        return out.reshape(b, sh.num_q_heads, 1, sh.head_dim)
+
+    def _flush_ready(self) -> None:
+        if self._page_parts:
+            self._flush_pages()
+
+    # ------------------------------------------------------------ end
+
+    def index_bytes(self) -> int:
+        return sum(ls.selector.index_bytes for ls in self.layers if ls.selector is not None)
+
+    def cache_bytes(self) -> int:
+        return sum(ls.cache.nbytes for ls in self.layers if ls.cache is not None)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.stats["index_bytes"] = self.index_bytes()
+        self.stats["device_cache_bytes"] = self.cache_bytes()
+        if self._staging is not None:
+            self.store.unregister(self._staging)
+            self._staging = None
+        if not self.cfg.keep:
+            for seq in self.seqs:
+                self.store.delete(seq.ns, seq.name)

@@ -1,0 +1,110 @@
+"""Torch reference kernels for page summaries, selection scores and decode attention.
+
+Shapes: ``B`` batch, ``H`` KV heads, ``G`` query heads per KV head, ``P`` pages,
+``S`` tokens per page, ``D`` head dim. Queries come as ``[B, H, G, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def page_summaries(keys: torch.Tensor, valid: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean, min and max key of every page over its valid tokens.
+
+    keys ``[B, H, P*S, D]``, valid ``[B, P*S]`` bool -> three ``[B, H, P, D]`` tensors.
+    Pages with no valid token get zero mean and an empty (inverted) box.
+    """
+    b, h, t, d = keys.shape
+    p = t // page_size
+    k = keys[:, :, : p * page_size].reshape(b, h, p, page_size, d)
+    m = valid[:, : p * page_size].reshape(b, 1, p, page_size, 1).to(keys.dtype)
+    count = m.sum(dim=3).clamp_min(1.0)
+    mean = (k * m).sum(dim=3) / count
+    big = torch.finfo(keys.dtype).max
+    kmin = torch.where(m.bool(), k, torch.full_like(k, big)).amin(dim=3)
+    kmax = torch.where(m.bool(), k, torch.full_like(k, -big)).amax(dim=3)
+    return mean, kmin, kmax
+
+
+def score_mean(query: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+    """Per page, the largest q.mean over the query heads of a KV head: ``[B, H, P]``."""
+    return torch.matmul(query, means.transpose(-1, -2)).amax(dim=2)
+
+
+def score_quest(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bound of q.k over a page's key box, max over query heads: ``[B, H, P]``."""
+    q = query.unsqueeze(3)  # [B, H, G, 1, D]
+    bound = torch.maximum(q * kmin.unsqueeze(2), q * kmax.unsqueeze(2)).sum(dim=-1)
+    return bound.amax(dim=2)
+
+
+def kmeans(points: torch.Tensor, num_clusters: int, iters: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched k-means by cosine-free L2 on ``[N, P, D]`` points.
+
+    Initial centroids are evenly spaced pages, so neighbouring pages start together.
+    Returns centroids ``[N, C, D]`` and assignment ``[N, P]``.
+    """
+    n, p, d = points.shape
+    c = max(1, min(num_clusters, p))
+    init = torch.linspace(0, p - 1, c, device=points.device).round().long()
+    cent = points[:, init].clone()
+    assign = torch.zeros(n, p, dtype=torch.long, device=points.device)
+    for _ in range(iters):
+        dist = torch.cdist(points, cent)
+        assign = dist.argmin(dim=2)
+        sums = torch.zeros_like(cent).scatter_add_(1, assign.unsqueeze(-1).expand(-1, -1, d), points)
+        counts = torch.zeros(n, c, device=points.device, dtype=points.dtype).scatter_add_(1, assign, torch.ones_like(assign, dtype=points.dtype))
+        cent = torch.where(counts.unsqueeze(-1) > 0, sums / counts.clamp_min(1).unsqueeze(-1), cent)
+    return cent, assign
+
+
+def hierarchical_select(
+    query: torch.Tensor,
+    centroids: torch.Tensor,
+    assign: torch.Tensor,
+    means: torch.Tensor,
+    selectable: torch.Tensor,
+    k: int,
+    candidates: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two-level selection: best centroids first, then the best pages under them.
+
+    centroids ``[B, H, C, D]``, assign ``[B, H, P]`` (cluster of each page), means
+    ``[B, H, P, D]``, selectable ``[B, P]``. Centroids are taken in score order until
+    their selectable pages reach ``candidates``; those pages are scored by mean key
+    and the top ``k`` kept. Returns (pages ``[B, H, k]``, their scores).
+    """
+    b, h, c, _ = centroids.shape
+    cscore = torch.matmul(query, centroids.transpose(-1, -2)).amax(dim=2)  # [B, H, C]
+    sel = selectable.unsqueeze(1).expand(b, h, -1)
+    sizes = torch.zeros(b, h, c, device=assign.device, dtype=torch.long).scatter_add_(2, assign, sel.long())
+    cscore = cscore.masked_fill(sizes == 0, NEG_INF)
+    order = cscore.argsort(dim=2, descending=True)
+    csum = sizes.gather(2, order).cumsum(dim=2)
+    # Take a centroid while the pages before it are still short of the target.
+    take_sorted = (csum - sizes.gather(2, order)) < candidates
+    take = torch.zeros_like(take_sorted).scatter_(2, order, take_sorted)
+    cand = take.gather(2, assign) & sel
+    pscore = score_mean(query, means).masked_fill(~cand, NEG_INF)
+    return topk_pages(pscore, k)
+
+
+def topk_pages(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    k = min(k, scores.shape[-1])
+    vals, idx = scores.topk(k, dim=-1)
+    return idx, vals
+
+
+def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Exact softmax attention of one query token over gathered keys.
+
+    query ``[B, H, G, D]``, keys/values ``[B, H, N, D]``, valid ``[B, H, N]`` bool
+    -> ``[B, H, G, D]``.
+    """
+    logits = torch.matmul(query, keys.transpose(-1, -2)) * scaling
+    logits = logits.masked_fill(~valid.unsqueeze(2), NEG_INF)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.matmul(probs, values)

@@ -1,0 +1,120 @@
+"""attach() on tiny random-weight models, against a real kvstored."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from kvdrive_client import UnsupportedModelError, attach
+
+
+def generate(model, ids, mask=None, new=16):
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+
+
+def left_padded(lengths, vocab=512, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    t = max(lengths)
+    ids = torch.zeros(len(lengths), t, dtype=torch.long)
+    mask = torch.zeros(len(lengths), t, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, t - n :] = torch.randint(1, vocab, (n,), generator=g)
+        mask[i, t - n :] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_full_budget_is_token_identical(kind, daemon, make_tiny):
+    model = make_tiny(kind)
+    ids, mask = left_padded([300])
+    ref = generate(model, ids, mask, new=24)
+    with daemon.client() as store:
+        handle = attach(model, store, budget=1.0)
+        out = generate(model, ids, mask, new=24)
+        handle.detach()
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(out.logits, ref.logits)) < 1e-4
+
+
+def test_full_budget_batch_with_padding_is_token_identical(daemon, make_tiny):
+    model = make_tiny("qwen2")
+    ids, mask = left_padded([300, 170, 233])
+    ref = generate(model, ids, mask, new=20)
+    with daemon.client() as store:
+        handle = attach(model, store, budget=1.0)
+        out = generate(model, ids, mask, new=20)
+        stats = handle.stats()
+        handle.detach()
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(out.logits, ref.logits)) < 1e-4
+    assert stats["attended_fraction"] == pytest.approx(1.0)
+
+
+def test_sparse_budget_fetches_from_ssd_when_dram_is_small(daemon_factory, make_tiny):
+    d = daemon_factory(dram="64K").start()
+    model = make_tiny("qwen2", layers=3)
+    ids, mask = left_padded([900, 700])
+    with d.client() as store:
+        handle = attach(model, store, budget=0.0625, window=1)
+        out = generate(model, ids, mask, new=24)
+        stats = handle.stats()
+        handle.detach()
+    assert out.sequences.shape == (2, 900 + 24)
+    assert stats["misses"] > 0 and 0 < stats["hit_rate"] < 1
+    assert stats["bytes_from_ssd"] > 0
+    assert stats["attended_fraction"] < 0.5
+
+
+def test_pages_completed_during_decode_are_stored_and_selectable(daemon, make_tiny):
+    model = make_tiny("llama")
+    ids, mask = left_padded([130])
+    with daemon.client() as store:
+        handle = attach(model, store, budget=1.0, local_tokens=16, keep=True, namespace="flush")
+        out = generate(model, ids, mask, new=70)
+        stats = handle.stats()
+        seqs = store.list("flush")
+        handle.detach()
+        assert len(seqs) == 1
+        # 130 + 70 tokens: pages 0..11 complete (page 12 still open), every layer of each stored.
+        assert seqs[0]["complete_pages"] == (130 + 70 - 1) // 16
+        assert stats["pages_flushed"] == seqs[0]["complete_pages"] - 130 // 16
+    ref = generate(model, ids, mask, new=70)
+    assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_detach_restores_the_model(daemon, tiny_qwen2):
+    ids, mask = left_padded([100])
+    before = tiny_qwen2.config._attn_implementation
+    ref = generate(tiny_qwen2, ids, mask, new=8)
+    with daemon.client() as store:
+        handle = attach(tiny_qwen2, store, budget=0.5)
+        assert tiny_qwen2.config._attn_implementation == "kvdrive"
+        generate(tiny_qwen2, ids, mask, new=8)
+        handle.detach()
+    assert tiny_qwen2.config._attn_implementation == before
+    assert "generate" not in tiny_qwen2.__dict__
+    again = generate(tiny_qwen2, ids, mask, new=8)
+    assert torch.equal(again.sequences, ref.sequences)
+
+
+def test_unsupported_model_is_refused_with_a_reason():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        attach(model)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"budget": 0}, "budget"),
+    ({"budget": 1.5}, "whole"),
+    ({"index": "kmeans"}, "hierarchical"),
+    ({"eviction": "fifo"}, "lookahead"),
+    ({"window": 0.5}, "window"),
+    ({"sink_tokens": 10}, "multiple of page_size"),
+    ({"local_tokens": 4}, "local_tokens"),
+    ({"nonsense": 1}, "nonsense"),
+])
+def test_bad_options_are_refused(options, message, tiny_qwen2):
+    with pytest.raises((ValueError, TypeError), match=message):
+        attach(tiny_qwen2, store="ipc:///nonexistent/kvstored.sock", **options)
