@@ -20,6 +20,10 @@ class AttachConfig:
     window: device cache per (layer, KV head) as a multiple of the step's selection
         (the paper's xW); ``cache_bytes`` instead sets a total byte budget.
     obs_window: prompt tokens whose attention scores page importance at prefill.
+    reuse: keep each prompt's complete pages in the store under a name derived from
+        the model and the tokens; a later generate() on the same prompt loads them
+        instead of running prefill over them (also after a daemon restart).
+    keep: keep the session's own store sequences (decode pages) after generate().
     """
 
     budget: float = 0.0625
@@ -35,6 +39,7 @@ class AttachConfig:
     candidate_factor: float = 4.0
     namespace: str = "kvdrive"
     keep: bool = False
+    reuse: bool = False
     device: str | None = None
 
     def __post_init__(self) -> None:

@@ -31,6 +31,7 @@ from kvdrive.layout.geometry import Geometry
 from kvdrive_client.config import AttachConfig
 from kvdrive_client.device_cache import DeviceCache
 from kvdrive_client.selectors import IndexKind, Selector, make_selector
+from kvdrive_client.errors import NotFoundError
 from kvdrive_client.store import Sequence, StoreClient
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,12 @@ class Session:
         self.geometry = Geometry(shape.num_layers, shape.num_kv_heads, shape.head_dim, _TORCH_TO_DTYPE[shape.dtype], cfg.page_size)
         self.block_bytes = self.geometry.block_bytes
         self.seqs: list[Sequence] = []
+        # Reuse: pages [0, base_pages) of each row live in a kept, token-named prefix
+        # sequence; pages from base_pages on (and all decode pages) in this session's own.
+        self.base_names: list[str] | None = None
+        self.base_seqs: list[Sequence] = []
+        self.base_pages = 0
+        self.restored = False
         self._pending_pages: list[tuple[int, torch.Tensor]] = []  # (page, [L, B, H, 2, S, D]) being assembled
         self._page_parts: dict[int, list] = {}
         self._staging = None
@@ -111,10 +118,14 @@ class Session:
         ls = self.layers[layer]
         q_len = key.shape[2]
         if ls.selector is None:
-            if ls.prefill is not None or ls.num_tokens:
+            if ls.prefill is not None:
                 raise RuntimeError("KVDrive prefill runs once per session")
+            if self.restored:
+                past_k, past_v = self._load_prefix(layer)
+                key, value = torch.cat([past_k, key], dim=2), torch.cat([past_v, value], dim=2)
             ls.prefill = (key, value)
-            ls.num_tokens = q_len
+            ls.num_tokens = key.shape[2]
+            self.stats["prefill_tokens"] += q_len * (layer == 0)
             return key, value
         if q_len != 1:
             raise ValueError(
@@ -186,9 +197,10 @@ class Session:
     def _importance(self, query: torch.Tensor, keys: torch.Tensor, t: int, num_pages: int) -> torch.Tensor:
         """SnapKV-style: attention of the last prompt tokens, summed per page and KV head."""
         sh = self.shape
-        obs = min(self.cfg.obs_window, t)
+        # The query rows are the last q_len positions (all of them on a fresh prefill).
+        obs = min(self.cfg.obs_window, query.shape[2])
         b, h, _, d = keys.shape
-        q = query[:, :, t - obs :].reshape(b, h, sh.group, obs, d)
+        q = query[:, :, query.shape[2] - obs :].reshape(b, h, sh.group, obs, d)
         logits = torch.einsum("bhgod,bhtd->bhgot", q, keys) * sh.scaling
         pos_q = torch.arange(t - obs, t, device=keys.device)
         allowed = (torch.arange(t, device=keys.device)[None, :] <= pos_q[:, None])[None, None, None]
@@ -219,6 +231,36 @@ class Session:
         for row in range(self.batch):
             name = f"{uuid.uuid4().hex}-{row}"
             self.seqs.append(self.store.create(self.cfg.namespace, name, self.geometry))
+        if self.base_names is not None and not self.restored:
+            self.base_seqs = [self.store.create(self.cfg.namespace, n, self.geometry, exist_ok=True) for n in self.base_names]
+
+    def try_restore(self, names: list[str], prefix_pages: int) -> bool:
+        """Use the stored prefix pages of every row, if all are there; else store them at prefill."""
+        self.base_names, self.base_pages = names, prefix_pages
+        if prefix_pages == 0:
+            return False
+        try:
+            seqs = [self.store.open(self.cfg.namespace, n) for n in names]
+        except NotFoundError:
+            return False
+        if any(seq.geometry != self.geometry or seq.complete_pages < prefix_pages for seq in seqs):
+            return False
+        self.base_seqs = seqs
+        self.restored = True
+        for ls in self.layers:
+            ls.num_tokens = prefix_pages * self.cfg.page_size
+        self.stats["restored_pages"] += prefix_pages * len(seqs)
+        log.info("reusing %d stored prompt pages of %d sequence(s)", prefix_pages, len(seqs))
+        return True
+
+    def _load_prefix(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored prefix page of one layer, ``[B, H, P*S, D]`` K and V."""
+        sh, s = self.shape, self.cfg.page_size
+        p = self.base_pages
+        pages = torch.arange(p).expand(self.batch, sh.num_kv_heads, p)
+        kf, vf = self._fetch(layer, pages, torch.ones_like(pages, dtype=torch.bool))
+        shape = (self.batch, sh.num_kv_heads, p * s, sh.head_dim)
+        return kf.reshape(shape).to(self.device), vf.reshape(shape).to(self.device)
 
     def _blocks(self, keys: torch.Tensor, values: torch.Tensor, num_pages: int) -> np.ndarray:
         """``[B, H, P*S, D]`` K and V -> ``[B, H, P, block_bytes]`` bytes (K then V per block)."""
@@ -233,9 +275,18 @@ class Session:
         blocks = self._blocks(keys, values, num_pages)
         imp = importance.detach().float().cpu().numpy()
         clu = None if cluster is None else cluster.detach().cpu().numpy().astype(np.int32)
-        for row, seq in enumerate(self.seqs):
-            self.store.put(seq, [layer], range(num_pages), blocks[row : row + 1],
-                           cluster=None if clu is None else clu[row : row + 1], importance=imp[row : row + 1])
+        # Pages below base_pages go to the kept prefix sequence (unless they came from it).
+        split = min(self.base_pages, num_pages)
+        parts = [(self.seqs, split, num_pages)]
+        if split and not self.restored:
+            parts.append((self.base_seqs, 0, split))
+        for seqs, lo, hi in parts:
+            if lo == hi:
+                continue
+            for row, seq in enumerate(seqs):
+                self.store.put(seq, [layer], range(lo, hi), blocks[row : row + 1, :, lo:hi],
+                               cluster=None if clu is None else clu[row : row + 1, :, lo:hi],
+                               importance=imp[row : row + 1, :, lo:hi])
         self.stats["bytes_put"] += blocks.nbytes
         self.stats["put_ms"] += (time.perf_counter() - t0) * 1e3
 
@@ -264,11 +315,15 @@ class Session:
                 self.store.unregister(self._staging)
             self._staging = self.store.register(max(n * bb, 1 << 20))
         rows = bi.cpu().numpy()
-        blocks = np.stack([np.full(n, layer), hi.cpu().numpy(), pages[bi, hi, ki].cpu().numpy()], axis=1)
+        page_ids = pages[bi, hi, ki].cpu().numpy()
+        blocks = np.stack([np.full(n, layer), hi.cpu().numpy(), page_ids], axis=1)
+        in_base = page_ids < self.base_pages
         pending = []
         for row in np.unique(rows).tolist():
-            at = np.flatnonzero(rows == row)
-            pending.append(self.store.get_async(self.seqs[row], blocks[at], self._staging, dst=at.astype(np.int64) * bb))
+            for seqs, where in ((self.base_seqs, in_base), (self.seqs, ~in_base)):
+                at = np.flatnonzero((rows == row) & where)
+                if len(at):
+                    pending.append(self.store.get_async(seqs[row], blocks[at], self._staging, dst=at.astype(np.int64) * bb))
         for p in pending:
             r = p.wait()
             self.stats["blocks_dram"] += r["dram"]

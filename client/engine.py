@@ -1,0 +1,60 @@
+"""The lower-level API, for inference engines that are not transformers.
+
+The engine runs its own model and its own dense prefill attention; KVDrive takes
+each layer's keys and values (post-RoPE) and, per decode step and layer, returns
+the attention output for the step's query::
+
+    kv = SparseKV(store, num_layers=32, num_kv_heads=8, num_q_heads=32, head_dim=128,
+                  dtype=torch.float16, batch=1, budget=0.0625)
+    for layer in range(32):                      # prefill
+        kv.prefill(layer, query, keys, values)   # [B, Hq, T, D], [B, H, T, D], [B, H, T, D]
+    for step in ...:                              # decode, one token per step
+        for layer in range(32):
+            out = kv.decode(layer, q, k, v)      # q [B, Hq, D], k/v [B, H, D] -> [B, Hq, D]
+    kv.close()
+
+``valid`` (``[B, T]`` bool) marks real tokens of left-padded rows at prefill.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import torch
+
+from kvdrive_client.config import AttachConfig
+from kvdrive_client.session import ModelShape, Session
+from kvdrive_client.store import StoreClient
+
+
+class SparseKV:
+    def __init__(self, store: StoreClient, *, num_layers: int, num_kv_heads: int, num_q_heads: int, head_dim: int,
+                 dtype: torch.dtype, batch: int, device: str | torch.device = "cpu", scaling: float | None = None,
+                 **options) -> None:
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        cfg = replace(AttachConfig(), **options) if options else AttachConfig()
+        shape = ModelShape(num_layers, num_kv_heads, num_q_heads, head_dim, dtype, scaling or head_dim**-0.5)
+        self.stats: Counter = Counter()
+        self.session = Session(cfg, shape, store, batch, torch.device(device), self.stats)
+
+    def prefill(self, layer: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                valid: torch.Tensor | None = None) -> None:
+        """Store, index and cache one layer's prompt KV (the engine computed its attention)."""
+        self.session.update(keys, values, layer)
+        mask = None if valid is None else valid[:, None, None, :]
+        self.session.finish_prefill(layer, query, mask)
+
+    def decode(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Append one token's K/V and attend: ``[B, Hq, D]`` -> ``[B, Hq, D]``."""
+        self.session.update(key[:, :, None], value[:, :, None], layer)
+        valid = self.session.valid
+        t = self.session.layers[layer].num_tokens
+        if valid.shape[1] < t:
+            valid = torch.cat([valid, valid.new_ones(valid.shape[0], t - valid.shape[1])], dim=1)
+        out = self.session.decode_attention(layer, query[:, :, None], valid[:, None, None, :])
+        return out[:, :, 0]
+
+    def close(self) -> None:
+        self.session.close()

@@ -1,0 +1,37 @@
+"""The lower-level API against plain dense attention."""
+
+import torch
+
+from kvdrive_client.engine import SparseKV
+
+
+def dense(q, k, v, valid, scale):
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    logits = torch.einsum("bhd,bhtd->bht", q, k) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    return torch.einsum("bht,bhtd->bhd", torch.softmax(logits, -1), v)
+
+
+def test_full_budget_decode_equals_dense_attention(daemon):
+    g = torch.Generator().manual_seed(0)
+    B, H, HQ, D, T, L = 2, 2, 4, 32, 200, 2
+    keys = [torch.randn(B, H, T, D, generator=g) for _ in range(L)]
+    values = [torch.randn(B, H, T, D, generator=g) for _ in range(L)]
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :37] = False  # row 1 is left-padded
+    with daemon.client() as store:
+        kv = SparseKV(store, num_layers=L, num_kv_heads=H, num_q_heads=HQ, head_dim=D, dtype=torch.float32,
+                      batch=B, budget=1.0)
+        for layer in range(L):
+            kv.prefill(layer, torch.randn(B, HQ, T, D, generator=g), keys[layer], values[layer], valid)
+        for _ in range(40):
+            valid = torch.cat([valid, torch.ones(B, 1, dtype=torch.bool)], dim=1)
+            for layer in range(L):
+                q, k, v = torch.randn(B, HQ, D, generator=g), torch.randn(B, H, D, generator=g), torch.randn(B, H, D, generator=g)
+                keys[layer] = torch.cat([keys[layer], k[:, :, None]], dim=2)
+                values[layer] = torch.cat([values[layer], v[:, :, None]], dim=2)
+                out = kv.decode(layer, q, k, v)
+                torch.testing.assert_close(out, dense(q, keys[layer], values[layer], valid, D**-0.5), atol=1e-5, rtol=1e-5)
+        assert kv.stats["pages_flushed"] == (T + 40) // 16 - T // 16
+        kv.close()
