@@ -90,7 +90,9 @@ class Catalog:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.env = lmdb.open(
             str(path), map_size=map_size, max_dbs=4, subdir=True,
-            sync=durable, metasync=durable, readonly=readonly, lock=not readonly,
+            # Readers take a slot in the lock file too: a reader without one is invisible to a
+            # live writer, which may then recycle the pages under its snapshot.
+            sync=durable, metasync=durable, readonly=readonly, lock=True,
         )
         self.meta = self.env.open_db(b"meta", create=not readonly)
         self.seqs = self.env.open_db(b"seqs", create=not readonly)

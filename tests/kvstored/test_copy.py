@@ -1,0 +1,88 @@
+"""The daemon's byte mover: serial and parallel kernels against a numpy reference."""
+
+import numpy as np
+import pytest
+
+from kvstored.copy import _gather_scatter, _gather_scatter_parallel, gather_scatter
+
+
+def reference(src, src_offs, dst, dst_offs, nbytes):
+    out = dst.copy()
+    for s, d in zip(src_offs, dst_offs):
+        out[d : d + nbytes] = src[s : s + nbytes]
+    return out
+
+
+@pytest.mark.parametrize("kernel", [_gather_scatter, _gather_scatter_parallel], ids=["serial", "parallel"])
+def test_kernels_match_the_reference_at_unaligned_offsets(kernel):
+    rng = np.random.default_rng(0)
+    src = np.frombuffer(rng.bytes(1 << 20), dtype=np.uint8)
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    nbytes = 8192
+    src_offs = rng.integers(0, len(src) - nbytes, 64).astype(np.int64)
+    dst_offs = (np.arange(64) * (nbytes + 3) + 5).astype(np.int64)
+    expect = reference(src, src_offs, dst, dst_offs, nbytes)
+    assert kernel(src, src_offs, dst, dst_offs, nbytes)
+    np.testing.assert_array_equal(dst, expect)
+
+
+def test_wrapper_accepts_any_int_offsets_and_empty_lists():
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    gather_scatter(src, np.array([], dtype=np.int64), dst, np.array([], dtype=np.int64), 8)
+    assert not dst.any()
+    gather_scatter(src, np.array([8, 0], dtype=np.int32), dst, np.array([0, 56], dtype=np.int32), 8)
+    np.testing.assert_array_equal(dst[:8], src[8:16])
+    np.testing.assert_array_equal(dst[56:], src[:8])
+
+
+@pytest.mark.parametrize(
+    "src_offs, dst_offs",
+    [([-1], [0]), ([0], [-8]), ([57], [0]), ([0], [60]), ([0, 8], [0])],
+    ids=["negative-src", "negative-dst", "past-src", "past-dst", "length-mismatch"],
+)
+def test_out_of_bounds_blocks_are_refused_and_nothing_is_copied(src_offs, dst_offs):
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    with pytest.raises(ValueError, match="outside"):
+        gather_scatter(src, np.array(src_offs), dst, np.array(dst_offs), 8)
+    assert not dst.any()
+
+
+def test_read_only_or_wrongly_typed_destinations_are_refused():
+    src = np.arange(64, dtype=np.uint8)
+    with pytest.raises(ValueError, match="writable"):
+        gather_scatter(src, np.array([0]), src.copy().view(np.uint16), np.array([0]), 8)
+    frozen = np.zeros(64, dtype=np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        gather_scatter(src, np.array([0]), frozen, np.array([0]), 8)
+
+
+def test_streaming_stores_match_the_reference_aligned_or_not():
+    rng = np.random.default_rng(1)
+    src = np.frombuffer(rng.bytes(1 << 20), dtype=np.uint8)
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    nbytes = 4096
+    # Aligned destinations stream, the odd ones fall back to memcpy, in one call.
+    dst_offs = np.array([0, 4096 + 7, 3 * 4096, 5 * 4096 + 32, 7 * 4096 + 16], dtype=np.int64)
+    src_offs = rng.integers(0, len(src) - nbytes, len(dst_offs)).astype(np.int64)
+    expect = reference(src, src_offs, dst, dst_offs, nbytes)
+    assert _gather_scatter(src, src_offs, dst, dst_offs, nbytes, True)
+    np.testing.assert_array_equal(dst, expect)
+    # A block size that is no multiple of the vector width never streams.
+    dst[:] = 0
+    expect = reference(src, src_offs, dst, dst_offs, 4000)
+    assert _gather_scatter(src, src_offs, dst, dst_offs, 4000, True)
+    np.testing.assert_array_equal(dst, expect)
+
+
+def test_large_copies_through_the_wrapper_are_exact():
+    rng = np.random.default_rng(2)
+    nbytes, count = 8192, 4096  # 32 MiB: the streaming path
+    src = np.frombuffer(rng.bytes(count * nbytes * 2), dtype=np.uint8)
+    dst = np.zeros(count * nbytes, dtype=np.uint8)
+    src_offs = rng.permutation(2 * count)[:count].astype(np.int64) * nbytes
+    dst_offs = np.arange(count, dtype=np.int64) * nbytes
+    gather_scatter(src, src_offs, dst, dst_offs, nbytes)
+    np.testing.assert_array_equal(dst.reshape(count, nbytes), src.reshape(-1, nbytes)[src_offs // nbytes])

@@ -1,0 +1,66 @@
+"""``kvdrive-bench``: KVDrive's benchmarks, one subcommand each.
+
+Every benchmark lives in a sibling module ``bench_<name>.py`` that provides
+
+- ``add_arguments(parser)``: its options, on the subcommand's parser;
+- ``run(args) -> int``: the measurement; it prints one table and returns the exit code.
+
+:data:`BENCHMARKS` names them. A module is imported only when its subcommand is
+chosen, so a benchmark with heavy dependencies (a model, torch) costs nothing to the
+others. Adding one (``fidelity``, ``decode``) is a new module and one line here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    module: str
+    summary: str
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(f"kvdrive.tools.{self.module}")
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    "store": Benchmark(
+        "bench_store",
+        "kvstored's data path: DRAM-tier sparse get vs memcpy, SSD-tier packed vs token-order vs sequential, "
+        "single-block round trips",
+    ),
+    "fidelity": Benchmark(
+        "bench_fidelity",
+        "sparse decode vs dense on SmolLM2 per selector (recall, loss, KL, index size, selection time), "
+        "and eviction policies replayed on the selection trace",
+    ),
+}
+
+
+def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only the ``selected`` benchmark's module is imported for its options."""
+    p = argparse.ArgumentParser(prog="kvdrive-bench", description="KVDrive benchmarks. Each prints one table from one run.")
+    sub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name, bench in BENCHMARKS.items():
+        sp = sub.add_parser(name, help=bench.summary, description=bench.summary,
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        if name == selected:
+            bench.load().add_arguments(sp)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The top-level parser has no options of its own: the first word is the subcommand.
+    selected = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(selected if selected in BENCHMARKS else None).parse_args(argv)
+    return BENCHMARKS[args.bench].load().run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
