@@ -60,6 +60,8 @@ class DramTier:
             return out
 
     def release(self, block_bytes: int, offsets: np.ndarray) -> None:
+        if not len(offsets):
+            return  # a sequence that never had DRAM slots (or a tier of size 0)
         with self.lock:
             self._free.setdefault(block_bytes, []).extend(offsets.tolist())
             self._resident[block_bytes] -= len(offsets)

@@ -126,6 +126,7 @@ class Store:
             "ssd_max_bytes": self.ssd.allocator.capacity,
             "sync": self.cfg.sync,
             "pid": os.getpid(),
+            "ssd_dir": str(self.cfg.ssd_dir.resolve()),
         }
 
     def create(self, req: Create) -> dict:
@@ -211,6 +212,30 @@ class Store:
         importance = (req.importance if req.importance is not None else np.zeros(total, np.float32)).reshape(num_l, num_h, num_p)
 
         ext_bytes = align_up(num_p * bb)
+        staging_map = mmap.mmap(-1, num_l * num_h * ext_bytes)
+        staging = np.frombuffer(staging_map, dtype=np.uint8)
+        slot_pages = np.empty((num_l, num_h, num_p), dtype=np.int64)
+        src_offs = np.empty((num_l, num_h, num_p), dtype=np.int64)
+        records = []
+        for li in range(num_l):
+            for h in range(num_h):
+                perm = packing_order(pages, cluster[li, h], None if order is None else order[li, h])
+                slot_pages[li, h] = pages[perm]
+                src_offs[li, h] = req.offset + ((li * num_h + h) * num_p + perm) * bb
+        stage_offs = (np.arange(num_l * num_h, dtype=np.int64)[:, None] * ext_bytes + np.arange(num_p) * bb).reshape(num_l, num_h, num_p)
+        with self.gate.reading():
+            # Inside the gate an unregister of the source waits for this copy to end before
+            # it unmaps the buffer; one that came first fails the put here.
+            self.buffers.lookup(req.buf)
+            gather_scatter(mb.array, src_offs.ravel(), staging, stage_offs.ravel(), bb)
+        lay = np.broadcast_to(layers[:, None, None], slot_pages.shape)
+        hed = np.broadcast_to(np.arange(num_h)[None, :, None], slot_pages.shape)
+        crc = (block_crcs(staging, stage_offs.ravel(), bb) ^ address_tags(entry.uid, lay.ravel(), hed.ravel(), slot_pages.ravel())).reshape(slot_pages.shape)
+        # Importance and cluster follow the pages into slot order.
+        perm_idx = (src_offs - req.offset) // bb - (np.arange(num_l * num_h).reshape(num_l, num_h, 1) * num_p)
+        slot_imp = np.take_along_axis(importance, perm_idx, axis=2)
+        slot_cluster = np.take_along_axis(cluster, perm_idx, axis=2)
+        # Space is taken only once nothing but the write can fail, so no path leaks it.
         self.ssd.apply_frees()
         offsets: list[int] = []
         try:
@@ -225,32 +250,13 @@ class Store:
                 f"SSD tier full: this put needs {format_size(num_l * num_h * ext_bytes)} ({exc}); "
                 f"delete sequences or raise --ssd-max",
             ) from None
-
-        staging_map = mmap.mmap(-1, num_l * num_h * ext_bytes)
-        staging = np.frombuffer(staging_map, dtype=np.uint8)
-        slot_pages = np.empty((num_l, num_h, num_p), dtype=np.int64)
-        src_offs = np.empty((num_l, num_h, num_p), dtype=np.int64)
-        records = []
-        for li in range(num_l):
-            for h in range(num_h):
-                perm = packing_order(pages, cluster[li, h], None if order is None else order[li, h])
-                slot_pages[li, h] = pages[perm]
-                src_offs[li, h] = req.offset + ((li * num_h + h) * num_p + perm) * bb
-        stage_offs = (np.arange(num_l * num_h, dtype=np.int64)[:, None] * ext_bytes + np.arange(num_p) * bb).reshape(num_l, num_h, num_p)
-        gather_scatter(mb.array, src_offs.ravel(), staging, stage_offs.ravel(), bb)
-        lay = np.broadcast_to(layers[:, None, None], slot_pages.shape)
-        hed = np.broadcast_to(np.arange(num_h)[None, :, None], slot_pages.shape)
-        crc = (block_crcs(staging, stage_offs.ravel(), bb) ^ address_tags(entry.uid, lay.ravel(), hed.ravel(), slot_pages.ravel())).reshape(slot_pages.shape)
-        # Importance and cluster follow the pages into slot order.
-        perm_idx = (src_offs - req.offset) // bb - (np.arange(num_l * num_h).reshape(num_l, num_h, 1) * num_p)
-        slot_imp = np.take_along_axis(importance, perm_idx, axis=2)
-        slot_cluster = np.take_along_axis(cluster, perm_idx, axis=2)
         try:
             self._write_extents(offsets, staging, ext_bytes)
         except OSError as exc:
             for off in offsets:
                 self.ssd.allocator.free(off, ext_bytes)
-            staging_map.close()
+            # The staging map is left to the garbage collector: views of it (the traceback's
+            # frames hold some) keep it exported, and closing it now would raise BufferError.
             code = ErrorCode.FULL if exc.errno == 28 else ErrorCode.IO
             raise ProtocolError(code, f"writing blocks failed: {exc}") from None
         k = 0
@@ -344,11 +350,13 @@ class Store:
 
     # ------------------------------------------------------------ DRAM residency
 
-    def _admit(self, entry, layers, heads, pages, importance, src, src_offs, replace: bool) -> None:
+    def _admit(self, entry, layers, heads, pages, importance, src, src_offs, replace: bool,
+               expect_crc: np.ndarray | None = None) -> None:
         """Copy blocks into DRAM: into free slots, and with ``replace`` over residents that matter less.
 
         Residents are ranked by importance, then by last use; a candidate displaces the
-        lowest-ranked resident only if it ranks higher itself.
+        lowest-ranked resident only if it ranks higher itself. With ``expect_crc`` (the
+        source is client memory) only copies that verify against it are kept.
         """
         if not self.dram.capacity:
             return
@@ -372,6 +380,15 @@ class Store:
                     slots = np.concatenate([slots, self.dram.allocate(bb, len(sel) - len(slots))])
             sel = sel[: len(slots)]
             gather_scatter(src, src_offs[sel], self.dram.arena, slots, bb)
+            if expect_crc is not None:
+                # A client's buffer may hold one block twice (overlapping destinations) or
+                # change under the copy; checking the DRAM copy keeps it from poisoning the tier.
+                tags = address_tags(entry.uid, layers[sel], heads[sel], pages[sel])
+                good = (block_crcs(self.dram.arena, slots, bb) ^ tags) == expect_crc[sel]
+                if not good.all():
+                    self.dram.release(bb, slots[~good])
+                    self.counters["dram_admit_refused"] += int((~good).sum())
+                    sel, slots = sel[good], slots[good]
             entry.dram_off[layers[sel], heads[sel], pages[sel]] = slots
             self.counters["dram_admitted"] += len(sel)
 
@@ -429,6 +446,8 @@ class Store:
         _check_span(mb, req.offset, int(dst.max()) + bb, "destination")
         dst = dst + req.offset
         with self.gate.reading():
+            # An unregister before this point has unmapped the buffer; after it, it waits for us.
+            self.buffers.lookup(req.buf)
             with self.index.lock:
                 inside = pag < entry.capacity
                 ssd_off = np.full(n, -1, dtype=np.int64)
@@ -449,7 +468,7 @@ class Store:
             plan = self._read_ssd(entry, lay[miss], hed[miss], pag[miss], ssd_off[miss], crc[miss], mb.array, dst[miss])
             if len(miss):
                 self._admit(entry, lay[miss], hed[miss], pag[miss], entry.importance[lay[miss], hed[miss], pag[miss]],
-                            mb.array, dst[miss], replace=False)
+                            mb.array, dst[miss], replace=False, expect_crc=crc[miss])
         n_hit = int(hit.sum())
         self.counters["gets"] += 1
         self.counters["blocks_dram"] += n_hit

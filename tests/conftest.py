@@ -99,3 +99,12 @@ def daemon_factory(tmp_path):
 @pytest.fixture
 def daemon(daemon_factory) -> DaemonProcess:
     return daemon_factory().start()
+
+
+@pytest.fixture(scope="module")
+def module_daemon(tmp_path_factory) -> DaemonProcess:
+    """One daemon shared by a module's tests, for long tables of independent requests."""
+    d = DaemonProcess(tmp_path_factory.mktemp("daemon")).start()
+    yield d
+    if d.alive():
+        d.kill9()
