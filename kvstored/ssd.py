@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,7 @@ class SsdTier:
             self.fd = os.open(path, flags, 0o600)
         self.allocator = ExtentAllocator(capacity)
         self._ready_frees: list[tuple[int, int]] = []
+        self._frees_lock = threading.Lock()
 
     def load(self, used: list[tuple[int, int]]) -> None:
         self.allocator = ExtentAllocator.from_used(self.allocator.capacity, used)
@@ -47,11 +49,12 @@ class SsdTier:
             raise RuntimeError(f"{self.path} is {size} bytes but extents reach {self.allocator.end}: data file truncated")
 
     def queue_free(self, start: int, nbytes: int) -> None:
-        # list.append is atomic under the GIL; the writer swaps the list out.
-        self._ready_frees.append((start, nbytes))
+        with self._frees_lock:
+            self._ready_frees.append((start, nbytes))
 
     def apply_frees(self) -> None:
-        frees, self._ready_frees = self._ready_frees, []
+        with self._frees_lock:
+            frees, self._ready_frees = self._ready_frees, []
         for start, nbytes in frees:
             self.allocator.free(start, nbytes)
 
