@@ -1,0 +1,123 @@
+"""``kvdrive-bench fidelity``: its measuring parts on a tiny model, then a short SmolLM2 run end to end."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from kvdrive.tools import bench
+from kvdrive.tools.bench_fidelity import PrefillSnapshot, RecallObserver, TraceObserver, compare, teacher_force
+from kvdrive_client import attach
+
+FIDELITY_KEYS = {"selector", "budget", "context", "recall", "dloss", "kl", "top1", "index_bytes", "select_ms"}
+CACHE_KEYS = {"selector", "budget", "context", "window", "capacity", "policy", "hits", "lookups", "hit_rate"}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(1, 512, (1, 420), generator=torch.Generator().manual_seed(1))
+    return model, ids[:, :400], ids[:, 400:412]
+
+
+def test_replayed_prefill_decodes_exactly_like_a_real_one(tiny, daemon):
+    model, ctx, fed = tiny
+    with torch.no_grad(), daemon.client() as store:
+        snapshot = PrefillSnapshot.capture(model, store, ctx)
+        plain = DynamicCache(config=model.config)
+        model(input_ids=ctx, cache=plain)
+        assert torch.equal(teacher_force(model, plain, fed), teacher_force(model, snapshot.dense_cache(model.config), fed))
+        outs = []
+        for replay in (False, True):
+            handle = attach(model, store, budget=0.0625, index="hierarchical")
+            cache = handle.new_cache(1)
+            if replay:
+                snapshot.replay(cache)
+            else:
+                model(input_ids=ctx, cache=cache)
+            outs.append(teacher_force(model, cache, fed))
+            cache.close()
+            handle.detach()
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.0625])
+def test_recall_is_one_at_full_budget_and_the_trace_covers_every_stream(tiny, daemon, budget):
+    model, ctx, fed = tiny
+    with torch.no_grad(), daemon.client() as store:
+        handle = attach(model, store, budget=budget, index="hierarchical")
+        cache = handle.new_cache(1)
+        recall, tracer = RecallObserver(cache.session), TraceObserver()
+        cache.session.observers += [recall, tracer]
+        model(input_ids=ctx, cache=cache)
+        teacher_force(model, cache, fed)
+        cache.close()
+        handle.detach()
+    assert recall.count == 2 * 2 * fed.shape[1]  # layers x KV heads x steps
+    if budget == 1.0:
+        assert recall.recall == pytest.approx(1.0, abs=1e-6)
+    else:
+        assert 0 < recall.recall < 1
+    trace = tracer.trace()
+    assert (trace.num_streams, trace.num_steps) == (2 * 2, fed.shape[1])
+    assert trace.scores.shape[2] >= trace.selected.max() + 1
+    assert trace.max_selected >= 1
+
+
+def test_compare_against_itself_and_against_another_distribution():
+    a = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    targets = torch.arange(5)
+    assert compare(a, a, targets) == (0.0, 0.0, 1.0)
+    dloss, kl, top1 = compare(torch.zeros_like(a), a, targets)
+    assert kl > 0 and top1 == 0.0
+    assert dloss == pytest.approx(float(math.log(50) + torch.log_softmax(a, -1)[targets, targets].mean()))
+
+
+def test_quick_run_end_to_end(tmp_path):
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "kvdrive.tools.bench", "fidelity", "--quick", "--context", "512", "--tokens", "4",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    rows = doc["fidelity"]
+    assert [(r["selector"], r["budget"], r["context"]) for r in rows] == [
+        (s, 0.0625, 512) for s in ("oracle", "hierarchical", "meankey", "quest")]
+    for r in rows:
+        assert set(r) == FIDELITY_KEYS
+        for key in FIDELITY_KEYS - {"selector"}:
+            assert math.isfinite(r[key]), (r["selector"], key)
+        assert 0 < r["recall"] <= 1 + 1e-6 and 0 <= r["top1"] <= 1 and r["kl"] >= -1e-9
+        assert r["index_bytes"] > 0 and r["select_ms"] > 0
+    by = {r["selector"]: r for r in rows}
+    # The oracle picks by exact mass, so no selector recalls more at the same budget.
+    assert all(by["oracle"]["recall"] >= r["recall"] - 1e-6 for r in rows)
+    assert by["hierarchical"]["index_bytes"] < by["quest"]["index_bytes"]
+    cache = doc["cache"]
+    assert [(r["window"], r["policy"]) for r in cache] == [
+        (w, p) for w in (1, 2, 4) for p in ("lookahead", "lru", "belady")]
+    for r in cache:
+        assert set(r) == CACHE_KEYS and r["selector"] == "hierarchical" and r["budget"] == 0.0625
+        assert 0 <= r["hits"] <= r["lookups"] and r["hit_rate"] == pytest.approx(r["hits"] / r["lookups"])
+    for w in (1, 2, 4):
+        rates = {r["policy"]: r["hits"] for r in cache if r["window"] == w}
+        assert rates["belady"] >= max(rates["lookahead"], rates["lru"])
+    assert "selector" in proc.stdout and "hit_rate" in proc.stdout
+    assert proc.stdout.count("target: ") == 4 and ("PASS" in proc.stdout or "MISS" in proc.stdout)
+
+
+def test_subcommand_is_registered_and_bad_options_are_refused(capsys):
+    assert "fidelity" in bench.BENCHMARKS
+    assert bench.main(["fidelity", "--context", "100"]) == 2
+    assert "--context must be at least" in capsys.readouterr().err
+    assert bench.main(["fidelity", "--budget", "1.5"]) == 2
+    assert "--budget takes fractions" in capsys.readouterr().err
+    assert bench.main(["fidelity", "--threads", "-1"]) == 2
+    assert "--threads must be >= 0" in capsys.readouterr().err

@@ -1,0 +1,498 @@
+"""``kvdrive-bench fidelity``: how close sparse decoding stays to dense attention, per selector.
+
+SmolLM2-135M (float32) reads a context of real text (the Debian common licenses, or
+``--text FILE``), then decodes the next ``--tokens`` tokens of that text teacher-forced,
+once densely and once through KVDrive for every selector and budget:
+
+- oracle (exact attention mass per page), hierarchical (KVDrive's clustered index),
+  meankey (one mean key per page, every page scored; ShadowKV-style), quest (per-page
+  key min/max bounds);
+- budgets 6.25% and 3.125% of the selectable pages (``--quick``: 6.25% only).
+
+Per run: ``recall`` is the exact softmax attention mass (over every key the model
+holds at that step) on the chosen pages over the mass on all selectable pages, per
+step, layer and KV head (query heads of a group summed), averaged; sink pages and
+the local window are attended always and are not selectable. ``dloss`` is the mean
+NLL of the decoded tokens minus the dense one (nats), ``kl`` the mean
+KL(dense || KVDrive) of the next-token distributions, ``top1`` the fraction of steps
+whose argmax agrees with dense. ``index_bytes``: every layer's index at the context
+length; ``select_ms``: the session's selection time per decode step (all layers).
+
+The cache part replays the hierarchical selector's trace at 6.25% (the pages chosen
+per step, layer and KV head, and its scores of every page) through
+:mod:`kvdrive_client.cache_sim` with caches of window x k pages (k: pages selected
+per step), windows x1, x2, x4, under LOOKAHEAD, LRU and BELADY (optimal) eviction.
+Cache-sim caches start empty and hold selected pages only (sink pages are outside).
+
+The prefill is dense and identical for every run, so it runs once per context: the
+keys, values and queries that KVDrive's prefill hook receives are kept and replayed
+into each run's fresh session (and into a DynamicCache for the dense reference).
+
+``--json FILE`` writes ``{"fidelity": [...], "cache": [...]}``: ``fidelity`` has one
+row per selector x budget x context with exactly the keys selector, budget, context,
+recall, dloss, kl, top1, index_bytes, select_ms; ``cache`` one row per context x
+window x policy (selector, budget, context, window, capacity, policy, hits, lookups,
+hit_rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvdrive_client.cache_sim import CachePolicy, Trace, simulate
+from kvdrive_client.config import AttachConfig
+from kvdrive_client.selectors import IndexKind
+from kvdrive_client.session import Observer, Session
+
+PAGE_SIZE = 16
+DEFAULT_CONTEXT, QUICK_CONTEXT = 7168, 2048
+DEFAULT_TOKENS, QUICK_TOKENS = 64, 16
+DEFAULT_BUDGETS, QUICK_BUDGETS = (0.0625, 0.03125), (0.0625,)
+SELECTORS = (IndexKind.ORACLE, IndexKind.HIERARCHICAL, IndexKind.MEAN_KEY, IndexKind.QUEST)
+TRACE_BUDGET = 0.0625
+WINDOWS = (1, 2, 4)
+POLICIES = (CachePolicy.LOOKAHEAD, CachePolicy.LRU, CachePolicy.BELADY)
+DRAM = "1G"
+
+TARGET_RECALL_VS_MEANKEY = 0.97
+TARGET_INDEX_VS_QUEST = 0.5
+TARGET_SELECT_SPEEDUP = 2.0
+TARGET_LOOKAHEAD_VS_BELADY = 0.97
+TARGET_WINDOW = 4
+
+
+class InputError(ValueError):
+    """The text or the options cannot give the run asked for; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class FidelityConfig:
+    contexts: tuple[int, ...]
+    tokens: int
+    budgets: tuple[float, ...]
+    selectors: tuple[IndexKind, ...]
+    text: Path | None
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if any(c < 16 * PAGE_SIZE for c in self.contexts):
+            raise ValueError(f"--context must be at least {16 * PAGE_SIZE} tokens, got {list(self.contexts)}")
+        if self.tokens < 1:
+            raise ValueError(f"--tokens must be >= 1, got {self.tokens}")
+        if any(not 0 < b <= 1 for b in self.budgets):
+            raise ValueError(f"--budget takes fractions in (0, 1], got {list(self.budgets)}")
+        if self.threads < 0:
+            raise ValueError(f"--threads must be >= 0, got {self.threads}")
+        if self.text is not None and not self.text.is_file():
+            raise ValueError(f"--text {self.text} is not a file")
+
+    @property
+    def traced(self) -> bool:
+        return IndexKind.HIERARCHICAL in self.selectors and TRACE_BUDGET in self.budgets
+
+
+@dataclass(frozen=True)
+class FidelityRow:
+    selector: str
+    budget: float
+    context: int
+    recall: float
+    dloss: float
+    kl: float
+    top1: float
+    index_bytes: int
+    select_ms: float
+
+
+@dataclass(frozen=True)
+class CacheRow:
+    selector: str
+    budget: float
+    context: int
+    window: int
+    capacity: int
+    policy: str
+    hits: int
+    lookups: int
+    hit_rate: float
+
+
+# ---------------------------------------------------------------- prefill once, replay per run
+
+
+class PrefillSnapshot:
+    """What KVDrive's prefill hook received per layer: keys, values, queries, mask."""
+
+    def __init__(self, layers: list[tuple]) -> None:
+        self.layers = layers
+
+    @classmethod
+    def capture(cls, model, store, ids: torch.Tensor) -> "PrefillSnapshot":
+        from kvdrive_client import attach  # noqa: PLC0415
+
+        handle = attach(model, store, index=IndexKind.MEAN_KEY)
+        try:
+            cache = handle.new_cache(ids.shape[0])
+            session = cache.session
+            layers: list[tuple | None] = [None] * session.shape.num_layers
+            finish = session.finish_prefill
+
+            def keep(layer: int, query: torch.Tensor, mask: torch.Tensor | None) -> None:
+                keys, values = session.layers[layer].prefill
+                layers[layer] = (keys, values, query, mask)
+                finish(layer, query, mask)
+
+            session.finish_prefill = keep  # this one session only
+            model(input_ids=ids, cache=cache, logits_to_keep=1)
+            cache.close()
+        finally:
+            handle.detach()
+        assert all(x is not None for x in layers), "the prefill skipped a layer"
+        return cls(layers)
+
+    def replay(self, cache) -> None:
+        """Prefill a fresh KVDriveCache as the model's forward pass would."""
+        session: Session = cache.session
+        for layer, (keys, values, query, mask) in enumerate(self.layers):
+            cache.update(keys, values, layer)
+            session.current_layer = None  # what the attention hook does before finishing the layer
+            session.finish_prefill(layer, query, mask)
+
+    def dense_cache(self, config):
+        from transformers import DynamicCache  # noqa: PLC0415
+
+        cache = DynamicCache(config=config)
+        for layer, (keys, values, _, _) in enumerate(self.layers):
+            cache.update(keys, values, layer)
+        return cache
+
+
+def teacher_force(model, cache, fed: torch.Tensor) -> torch.Tensor:
+    """Logits ``[T, V]`` after each of the ``fed`` tokens ``[1, T]``, one decode step each."""
+    out = []
+    for i in range(fed.shape[1]):
+        out.append(model(input_ids=fed[:, i : i + 1], cache=cache).logits[0, -1].float())
+    return torch.stack(out)
+
+
+def compare(logits: torch.Tensor, dense: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:
+    """(dloss, kl, top1) of ``logits`` against ``dense``, both ``[T, V]``; ``targets`` ``[T]``."""
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    ld = torch.log_softmax(dense.double(), dim=-1)
+    nll = -lp.gather(1, targets[:, None])
+    nll_dense = -ld.gather(1, targets[:, None])
+    kl = (ld.exp() * (ld - lp)).sum(dim=-1)
+    top1 = (logits.argmax(dim=-1) == dense.argmax(dim=-1)).double()
+    return float((nll - nll_dense).mean()), float(kl.mean()), float(top1.mean())
+
+
+# ---------------------------------------------------------------- observers
+
+
+class RecallObserver(Observer):
+    """Exact attention mass of the chosen pages over that of the selectable pages."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.keys: dict[int, torch.Tensor] = {}
+        self.valid: dict[int, torch.Tensor] = {}
+        self.total = 0.0
+        self.count = 0
+
+    @property
+    def recall(self) -> float:
+        return self.total / self.count if self.count else math.nan
+
+    def on_prefill(self, layer, keys, valid):
+        self.keys[layer], self.valid[layer] = keys, valid
+
+    def on_page(self, layer, page, keys, valid):
+        self.keys[layer] = torch.cat([self.keys[layer], keys], dim=2)
+        self.valid[layer] = torch.cat([self.valid[layer], valid], dim=1)
+
+    def on_select(self, layer, step, query, chosen, selectable, selector):
+        s = self.session
+        ls = s.layers[layer]
+        paged = self.keys[layer]
+        n = paged.shape[2]
+        b, h, g, _ = query.shape
+        pages = n // PAGE_SIZE
+        assert pages == selectable.shape[1] == ls.num_pages, "observer missed a page"
+        # The keys past the last complete page (the current token among them) sit only in the local window.
+        tail = ls.local_k[:, :, n - ls.local_start :]
+        keys = torch.cat([paged, tail], dim=2)
+        valid = torch.cat([self.valid[layer], s.valid[:, n : ls.num_tokens]], dim=1)
+        logits = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * s.shape.scaling
+        probs = torch.softmax(logits.masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1)
+        mass = probs[..., :n].reshape(b, h, g, pages, PAGE_SIZE).sum(dim=(2, 4))  # [B, H, P]
+        on_selectable = (mass * selectable[:, None, :]).sum(dim=-1)
+        on_chosen = mass.gather(2, chosen.clamp_min(0)).masked_fill(chosen < 0, 0.0).sum(dim=-1)
+        ok = on_selectable > 0
+        self.total += float((on_chosen[ok] / on_selectable[ok]).sum())
+        self.count += int(ok.sum())
+
+
+class TraceObserver(Observer):
+    """The chosen pages and the selector's scores of every page, per step, layer and KV head."""
+
+    def __init__(self) -> None:
+        self.steps: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def on_select(self, layer, step, query, chosen, selectable, selector):
+        scores = selector.scores(query).float()
+        self.steps[(step, layer)] = (chosen.cpu().numpy(), scores.cpu().numpy())
+
+    def trace(self) -> Trace:
+        """Streams are (batch row, layer, KV head); steps and pages padded with -1 / -inf."""
+        keys = sorted(self.steps)
+        steps = sorted({s for s, _ in keys})
+        layers = sorted({l for _, l in keys})
+        b, h, _ = self.steps[keys[0]][0].shape
+        k = max(c.shape[2] for c, _ in self.steps.values())
+        p = max(sc.shape[2] for _, sc in self.steps.values())
+        selected = np.full((b, len(layers), h, len(steps), k), -1, dtype=np.int64)
+        scores = np.full((b, len(layers), h, len(steps), p), -np.inf, dtype=np.float32)
+        for (step, layer), (chosen, sc) in self.steps.items():
+            t, li = steps.index(step), layers.index(layer)
+            selected[:, li, :, t, : chosen.shape[2]] = chosen
+            scores[:, li, :, t, : sc.shape[2]] = sc
+        n = b * len(layers) * h
+        return Trace(selected.reshape(n, len(steps), k), scores.reshape(n, len(steps), p))
+
+
+# ---------------------------------------------------------------- runs
+
+
+def _note(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def run_selector(model, store, snapshot: PrefillSnapshot, fed: torch.Tensor, kind: IndexKind, budget: float,
+                 trace: bool) -> tuple[torch.Tensor, dict]:
+    from kvdrive_client import attach  # noqa: PLC0415
+
+    handle = attach(model, store, budget=budget, index=kind, page_size=PAGE_SIZE)  # a fresh handle: fresh stats
+    try:
+        cache = handle.new_cache(1)
+        recall = RecallObserver(cache.session)
+        tracer = TraceObserver() if trace else None
+        cache.session.observers += [recall] + ([tracer] if tracer else [])
+        try:
+            snapshot.replay(cache)
+            index_bytes = cache.session.index_bytes()
+            logits = teacher_force(model, cache, fed)
+        finally:
+            cache.close()
+        stats = handle.stats()
+    finally:
+        handle.detach()
+    info = {"recall": recall.recall, "index_bytes": index_bytes,
+            "select_ms": stats.get("select_ms", 0.0) / max(stats.get("steps", 0), 1),
+            "trace": tracer.trace() if tracer else None}
+    return logits, info
+
+
+def cache_rows(trace: Trace, context: int) -> list[CacheRow]:
+    k = trace.max_selected
+    rows = []
+    for window in WINDOWS:
+        for policy in POLICIES:
+            r = simulate(trace, window * k, policy)
+            rows.append(CacheRow(IndexKind.HIERARCHICAL.value, TRACE_BUDGET, context, window, r.capacity,
+                                 policy.value, r.hits, r.lookups, r.hit_rate))
+    return rows
+
+
+def run_fidelity(cfg: FidelityConfig) -> tuple[list[FidelityRow], list[CacheRow], dict]:
+    from kvdrive_client import connect  # noqa: PLC0415
+    from kvdrive_client.models import license_text, load_smollm2  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    model, tok = load_smollm2()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    text = cfg.text.read_text(encoding="utf-8") if cfg.text else license_text()
+    ids = tok(text, return_tensors="pt").input_ids
+    info = {"load_s": time.perf_counter() - t0, "text_tokens": ids.shape[1],
+            "max_positions": model.config.max_position_embeddings}
+    need = max(cfg.contexts) + cfg.tokens + 1
+    if ids.shape[1] < need:
+        raise InputError(f"the text has {ids.shape[1]} tokens; --context {max(cfg.contexts)} + --tokens {cfg.tokens} "
+                         f"+ 1 needs {need}")
+    if need > info["max_positions"]:
+        raise InputError(f"--context {max(cfg.contexts)} + --tokens {cfg.tokens} exceeds the model's "
+                         f"{info['max_positions']} positions")
+    rows: list[FidelityRow] = []
+    crows: list[CacheRow] = []
+    store = connect(None, dram=DRAM)
+    try:
+        with torch.no_grad():
+            for context in cfg.contexts:
+                ctx = ids[:, :context]
+                fed = ids[:, context : context + cfg.tokens]
+                targets = ids[0, context + 1 : context + cfg.tokens + 1]
+                t = time.perf_counter()
+                snapshot = PrefillSnapshot.capture(model, store, ctx)
+                info[f"prefill_s_{context}"] = time.perf_counter() - t
+                _note(f"context {context}: dense prefill {info[f'prefill_s_{context}']:.0f} s (once, replayed per run)")
+                t = time.perf_counter()
+                dense = teacher_force(model, snapshot.dense_cache(model.config), fed)
+                _note(f"context {context}: dense decode of {cfg.tokens} tokens {time.perf_counter() - t:.0f} s")
+                for budget in cfg.budgets:
+                    for kind in cfg.selectors:
+                        t = time.perf_counter()
+                        trace = cfg.traced and kind is IndexKind.HIERARCHICAL and budget == TRACE_BUDGET
+                        logits, r = run_selector(model, store, snapshot, fed, kind, budget, trace)
+                        dloss, kl, top1 = compare(logits, dense, targets)
+                        rows.append(FidelityRow(kind.value, budget, context, r["recall"], dloss, kl, top1,
+                                                r["index_bytes"], r["select_ms"]))
+                        if r["trace"] is not None:
+                            crows += cache_rows(r["trace"], context)
+                        _note(f"context {context}: {kind.value} at {budget:.3%}: {time.perf_counter() - t:.0f} s")
+                del snapshot
+    finally:
+        store.close()
+    return rows, crows, info
+
+
+# ---------------------------------------------------------------- report
+
+
+def _table(head: tuple[str, ...], body: list[tuple[str, ...]], right: set[int]) -> list[str]:
+    table = [head, *body]
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    lines = []
+    for k, row in enumerate(table):
+        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return lines
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def target_lines(rows: list[FidelityRow], crows: list[CacheRow]) -> list[str]:
+    by = {(r.selector, r.budget, r.context): r for r in rows}
+    lines = []
+    for context in sorted({r.context for r in rows}):
+        for budget in sorted({r.budget for r in rows}, reverse=True):
+            hier = by.get((IndexKind.HIERARCHICAL.value, budget, context))
+            mean = by.get((IndexKind.MEAN_KEY.value, budget, context))
+            quest = by.get((IndexKind.QUEST.value, budget, context))
+            where = f"(budget {budget:.3%}, context {context})"
+            if hier and mean:
+                goal = TARGET_RECALL_VS_MEANKEY * mean.recall
+                lines.append(f"target: hierarchical recall >= {TARGET_RECALL_VS_MEANKEY:g} x meankey recall {where}: "
+                             f"{hier.recall:.4f} vs {TARGET_RECALL_VS_MEANKEY:g} x {mean.recall:.4f} = {goal:.4f}: "
+                             f"{_verdict(hier.recall >= goal)}")
+            if hier and quest:
+                ratio = hier.index_bytes / quest.index_bytes
+                lines.append(f"target: hierarchical index_bytes <= {TARGET_INDEX_VS_QUEST:g} x quest's {where}: "
+                             f"{hier.index_bytes} / {quest.index_bytes} = {ratio:.3f}x: "
+                             f"{_verdict(ratio <= TARGET_INDEX_VS_QUEST)}")
+                speedup = quest.select_ms / hier.select_ms if hier.select_ms > 0 else math.inf
+                lines.append(f"target: hierarchical select_ms >= {TARGET_SELECT_SPEEDUP:g}x faster than quest's {where}: "
+                             f"{quest.select_ms:.2f} ms / {hier.select_ms:.2f} ms = {speedup:.2f}x: "
+                             f"{_verdict(speedup >= TARGET_SELECT_SPEEDUP)}")
+    cby = {(r.context, r.window, r.policy): r for r in crows}
+    for context in sorted({r.context for r in crows}):
+        look = cby.get((context, TARGET_WINDOW, CachePolicy.LOOKAHEAD.value))
+        best = cby.get((context, TARGET_WINDOW, CachePolicy.BELADY.value))
+        goal = TARGET_LOOKAHEAD_VS_BELADY * best.hit_rate
+        lines.append(f"target: lookahead hit rate >= {TARGET_LOOKAHEAD_VS_BELADY:g} x belady's at x{TARGET_WINDOW} "
+                     f"(context {context}): {look.hit_rate:.4f} vs {TARGET_LOOKAHEAD_VS_BELADY:g} x {best.hit_rate:.4f} "
+                     f"= {goal:.4f}: {_verdict(look.hit_rate >= goal)}")
+    if not lines:
+        lines.append("no targets: they need hierarchical with meankey / quest (and a 6.25% budget for the cache)")
+    return lines
+
+
+def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, info: dict) -> str:
+    text = str(cfg.text) if cfg.text else "/usr/share/common-licenses (concatenated)"
+    attach_cfg = AttachConfig()
+    lines = [
+        f"kvdrive-bench fidelity: SmolLM2-135M-Instruct float32 (30 layers, 9 query / 3 KV heads, head dim 64); "
+        f"text {text} ({info['text_tokens']} tokens)",
+        f"context {', '.join(map(str, cfg.contexts))} tokens, then {cfg.tokens} teacher-forced decode tokens; page "
+        f"{PAGE_SIZE} tokens, sink {attach_cfg.sink_tokens} and local window {attach_cfg.local_tokens} tokens always "
+        f"attended; hierarchical: {attach_cfg.pages_per_cluster} pages per cluster, {attach_cfg.candidate_factor:g} x k "
+        "candidates",
+        "select_ms: the session's selection time per decode step, all layers (with the scoring of cached pages for "
+        f"lookahead eviction); {os.cpu_count()} CPUs, torch threads: {torch.get_num_threads()}; model load "
+        f"{info['load_s']:.0f} s",
+    ]
+    if cfg.contexts != (DEFAULT_CONTEXT,) or cfg.tokens != DEFAULT_TOKENS:
+        lines.append(f"NOTE: not the benchmark's {DEFAULT_CONTEXT}-token context with {DEFAULT_TOKENS} decode tokens "
+                     "(--quick / --context / --tokens)")
+    lines.append("")
+    body = [(r.selector, f"{r.budget:.3%}", str(r.context), f"{r.recall:.4f}", f"{r.dloss:+.4f}", f"{r.kl:.4f}",
+             f"{r.top1:.3f}", str(r.index_bytes), f"{r.select_ms:.2f}") for r in rows]
+    lines += _table(("selector", "budget", "context", "recall", "dloss", "kl", "top1", "index_bytes", "select_ms"),
+                    body, set(range(1, 9)))
+    if crows:
+        k = {r.context: r.capacity // r.window for r in crows}
+        lines += ["", f"cache: hierarchical selection trace at {TRACE_BUDGET:.2%}, replayed per (layer, KV head); "
+                  f"capacity = window x k, k = {', '.join(f'{v} pages at {c}' for c, v in k.items())}; empty at start"]
+        body = [(str(r.context), f"x{r.window}", str(r.capacity), r.policy, str(r.hits), str(r.lookups),
+                 f"{r.hit_rate:.4f}") for r in crows]
+        lines += _table(("context", "window", "capacity", "policy", "hits", "lookups", "hit_rate"), body, {2, 4, 5, 6})
+    elif not cfg.traced:
+        lines += ["", "cache: skipped (needs the hierarchical selector at a 6.25% budget)"]
+    lines += ["", *target_lines(rows, crows)]
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true",
+                   help=f"a short run: {QUICK_CONTEXT}-token context, {QUICK_TOKENS} decode tokens, budget 6.25%% only")
+    p.add_argument("--context", type=int, nargs="+", default=None, metavar="TOKENS",
+                   help=f"context length(s) (default {DEFAULT_CONTEXT}, {QUICK_CONTEXT} with --quick)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help=f"teacher-forced decode tokens (default {DEFAULT_TOKENS}, {QUICK_TOKENS} with --quick)")
+    p.add_argument("--budget", type=float, nargs="+", default=None, metavar="FRACTION",
+                   help="budgets, fractions of the selectable pages (default 0.0625 0.03125, 0.0625 with --quick)")
+    p.add_argument("--selectors", nargs="+", default=[k.value for k in SELECTORS], choices=[k.value for k in SELECTORS])
+    p.add_argument("--text", type=Path, default=None, metavar="FILE",
+                   help="UTF-8 text to read instead of the common licenses")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads; selection kernels take microseconds per layer and extra threads on "
+                        "a shared machine mostly add noise to select_ms (0: torch's own default)")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE",
+                   help='also write {"fidelity": [rows], "cache": [rows]} as JSON')
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = FidelityConfig(
+            contexts=tuple(args.context or ((QUICK_CONTEXT if args.quick else DEFAULT_CONTEXT),)),
+            tokens=args.tokens or (QUICK_TOKENS if args.quick else DEFAULT_TOKENS),
+            budgets=tuple(args.budget or (QUICK_BUDGETS if args.quick else DEFAULT_BUDGETS)),
+            selectors=tuple(IndexKind(s) for s in args.selectors),
+            text=args.text,
+            threads=args.threads,
+        )
+    except ValueError as exc:
+        print(f"kvdrive-bench fidelity: {exc}", file=sys.stderr)
+        return 2
+    try:
+        rows, crows, info = run_fidelity(cfg)
+    except InputError as exc:
+        print(f"kvdrive-bench fidelity: {exc}", file=sys.stderr)
+        return 2
+    print(render(rows, crows, cfg, info), flush=True)
+    if args.json is not None:
+        doc = {"fidelity": [asdict(r) for r in rows], "cache": [asdict(r) for r in crows]}
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
