@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from kvdrive.kernels import cpu
 from kvdrive.kernels import reference as ref
 
 
@@ -57,6 +58,12 @@ class Selector(ABC):
         """The ``k`` best selectable pages per (batch, head): (pages ``[B, H, k]``, scores)."""
         s = self.scores(query).masked_fill(~selectable[:, None, : self.num_pages], ref.NEG_INF)
         return ref.topk_pages(s, k)
+
+    def select_and_score(self, query: torch.Tensor, selectable: torch.Tensor, k: int,
+                         cached: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:meth:`select`, plus :meth:`page_scores` of ``cached`` when given (one pass where it can)."""
+        pages, scores = self.select(query, selectable, k)
+        return pages, scores, None if cached is None else self.page_scores(query, cached)
 
     def page_scores(self, query: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         """Scores of given pages ``[B, H, n]`` (-1 = none), for lookahead eviction."""
@@ -151,11 +158,11 @@ class HierarchicalIndex(Selector):
 
     def _quantize(self, means: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = means.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127.0
-        return (means / scale).round().to(torch.int8), scale.to(torch.float16)
+        return (means / scale).round().to(torch.int8), scale.squeeze(-1).float()
 
     def _means(self) -> torch.Tensor:
         n = self.num_pages
-        return self.q8[:, :, :n].float() * self.scale[:, :, :n].float()
+        return self.q8[:, :, :n].float() * self.scale[:, :, :n, None]
 
     def build(self, keys, valid):
         means, _, _ = ref.page_summaries(keys, valid, self.page_size)
@@ -165,7 +172,7 @@ class HierarchicalIndex(Selector):
         c = max(1, math.ceil(p / self.pages_per_cluster))
         cent, assign = ref.kmeans(means.reshape(b * h, p, d).float(), c)
         self.centroids = cent.reshape(b, h, -1, d).to(keys.dtype)
-        self.assign = assign.reshape(b, h, p)
+        self.assign = assign.reshape(b, h, p).to(torch.int32)
         return self.assign
 
     def add_page(self, keys, valid):
@@ -188,21 +195,33 @@ class HierarchicalIndex(Selector):
     def page_scores(self, query, pages):
         idx = pages.clamp_min(0)
         q8 = self.q8.gather(2, idx[..., None].expand(-1, -1, -1, self.q8.shape[-1]))
-        scale = self.scale.gather(2, idx[..., None])
-        return ref.score_mean(query, (q8.float() * scale.float()).to(query.dtype)).masked_fill(pages < 0, ref.NEG_INF)
+        scale = self.scale.gather(2, idx)
+        return (ref.score_mean(query, q8.to(query.dtype)) * scale).masked_fill(pages < 0, ref.NEG_INF)
+
+    def select_and_score(self, query, selectable, k, cached):
+        if query.device.type != "cpu":
+            return super().select_and_score(query, selectable, k, cached)
+        n = self.num_pages
+        return cpu.hierarchical_select(
+            query, self.centroids, self.assign[:, :, :n].contiguous(), self.q8[:, :, :n].contiguous(),
+            self.scale[:, :, :n].contiguous(), selectable[:, :n].contiguous(), k,
+            max(k, int(self.candidate_factor * k)), None if cached is None else cached.contiguous(),
+        )
 
     def select(self, query, selectable, k):
         n = self.num_pages
         cand = max(k, int(self.candidate_factor * k))
+        if query.device.type == "cpu":
+            pages, scores, _ = self.select_and_score(query, selectable, k, None)
+            return pages, scores
         return ref.hierarchical_select(
-            query, self.centroids, self.assign[:, :, :n], self._means().to(query.dtype), selectable[:, :n], k, cand,
+            query, self.centroids, self.assign[:, :, :n].long(), self._means().to(query.dtype), selectable[:, :n], k, cand,
         )
 
     @property
     def index_bytes(self):
         n = self.num_pages
-        return (self.q8[:, :, :n].numel() + self.scale[:, :, :n].numel() * 2 + self.assign[:, :, :n].numel() * 2
-                + self.centroids.numel() * self.centroids.element_size())
+        return sum(t.numel() * t.element_size() for t in (self.q8[:, :, :n], self.scale[:, :, :n], self.assign[:, :, :n], self.centroids))
 
 
 class OracleSelector(Selector):

@@ -29,7 +29,7 @@ import torch
 from kvdrive.kernels import reference as ref
 from kvdrive.layout.geometry import Geometry
 from kvdrive_client.config import AttachConfig
-from kvdrive_client.device_cache import DeviceCache
+from kvdrive_client.device_cache import DeviceCache, EvictionPolicy
 from kvdrive_client.selectors import IndexKind, Selector, make_selector
 from kvdrive_client.errors import NotFoundError
 from kvdrive_client.store import Sequence, StoreClient
@@ -371,12 +371,15 @@ class Session:
         keys, values, pos = [], [], []
         if sink + k:
             t0 = time.perf_counter()
+            lookahead = cfg.eviction is EvictionPolicy.LOOKAHEAD
+            slot_scores = None
             chosen = torch.arange(sink, device=self.device).expand(b, sh.num_kv_heads, sink)
             if k:
                 selectable = torch.zeros(b, ls.num_pages, dtype=torch.bool, device=self.device)
                 selectable[:, sink:first_local] = True
                 page_valid = self.valid[:, : ls.num_pages * s].reshape(b, ls.num_pages, s).any(dim=2)
-                picked, scores = ls.selector.select(q, selectable & page_valid, k)
+                picked, scores, slot_scores = ls.selector.select_and_score(
+                    q, selectable & page_valid, k, ls.cache.slot_page if lookahead else None)
                 # A row with fewer selectable pages than k (padding) gets -1: nothing there.
                 picked = picked.masked_fill(scores == ref.NEG_INF, -1)
                 if self.observers:
@@ -389,7 +392,12 @@ class Session:
                 ls.cache.grow(self._cache_capacity(first_local))
             if chosen.shape[2] > ls.cache.capacity:
                 ls.cache.grow(chosen.shape[2])
-            slot_scores = ls.selector.page_scores(q, ls.cache.slot_page) if cfg.eviction.value == "lookahead" else None
+            if lookahead:
+                if slot_scores is None:
+                    slot_scores = ls.selector.page_scores(q, ls.cache.slot_page)
+                elif slot_scores.shape[2] < ls.cache.capacity:  # slots added by grow() are empty
+                    pad = slot_scores.new_full((*slot_scores.shape[:2], ls.cache.capacity - slot_scores.shape[2]), ref.NEG_INF)
+                    slot_scores = torch.cat([slot_scores, pad], dim=2)
             t1 = time.perf_counter()
             placement = ls.cache.place(chosen, self.step, slot_scores)
             self.stats["hits"] += placement.num_hits
