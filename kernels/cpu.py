@@ -7,6 +7,19 @@ import numpy as np
 import torch
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _page_score(query, q8, scale, b, h, p):  # pragma: no cover - compiled
+    """max over the query heads of q . mean(page), the mean stored as int8 x scale."""
+    best = -np.inf
+    for g in range(query.shape[2]):
+        acc = 0.0
+        for d in range(query.shape[3]):
+            acc += query[b, h, g, d] * q8[b, h, p, d]
+        if acc > best:
+            best = acc
+    return best * scale[b, h, p]
+
+
 @numba.njit(nogil=True, cache=True)
 def _hierarchical_select(query, centroids, assign, q8, scale, selectable, k, candidates, out_pages, out_scores,
                          cached, cached_scores):  # pragma: no cover - compiled
@@ -43,14 +56,7 @@ def _hierarchical_select(query, centroids, assign, q8, scale, selectable, k, can
             pscore = np.full(p_n, neg, np.float32)
             for p in range(p_n):
                 if selectable[b, p] and take[assign[b, h, p]]:
-                    best = neg
-                    for g in range(g_n):
-                        acc = 0.0
-                        for d in range(d_n):
-                            acc += query[b, h, g, d] * q8[b, h, p, d]
-                        if acc > best:
-                            best = acc
-                    pscore[p] = best * scale[b, h, p]
+                    pscore[p] = _page_score(query, q8, scale, b, h, p)
             top = np.argsort(-pscore)[:k]
             for i in range(k):
                 out_pages[b, h, i] = top[i]
@@ -58,17 +64,7 @@ def _hierarchical_select(query, centroids, assign, q8, scale, selectable, k, can
             # Current scores of the cached pages, for lookahead eviction (-1: empty slot).
             for i in range(cached.shape[2]):
                 p = cached[b, h, i]
-                if p < 0 or p >= p_n:
-                    cached_scores[b, h, i] = neg
-                    continue
-                best = neg
-                for g in range(g_n):
-                    acc = 0.0
-                    for d in range(d_n):
-                        acc += query[b, h, g, d] * q8[b, h, p, d]
-                    if acc > best:
-                        best = acc
-                cached_scores[b, h, i] = best * scale[b, h, p]
+                cached_scores[b, h, i] = neg if p < 0 or p >= p_n else _page_score(query, q8, scale, b, h, p)
 
 
 def hierarchical_select(query: torch.Tensor, centroids: torch.Tensor, assign: torch.Tensor, q8: torch.Tensor,
