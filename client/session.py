@@ -108,6 +108,8 @@ class Session:
         self._staging = None
         self._closed = False
         self.observers: list[Observer] = []
+        self._selectable_key: tuple | None = None
+        self._selectable_mask: torch.Tensor | None = None
 
     # ------------------------------------------------------------ transformers Cache hooks
 
@@ -375,17 +377,15 @@ class Session:
             slot_scores = None
             chosen = torch.arange(sink, device=self.device).expand(b, sh.num_kv_heads, sink)
             if k:
-                selectable = torch.zeros(b, ls.num_pages, dtype=torch.bool, device=self.device)
-                selectable[:, sink:first_local] = True
-                page_valid = self.valid[:, : ls.num_pages * s].reshape(b, ls.num_pages, s).any(dim=2)
+                selectable = self._selectable(t, ls.num_pages, sink, first_local)
                 picked, scores, slot_scores = ls.selector.select_and_score(
-                    q, selectable & page_valid, k, ls.cache.slot_page if lookahead else None)
+                    q, selectable, k, ls.cache.slot_page if lookahead else None)
                 # A row with fewer selectable pages than k (padding) gets -1: nothing there.
                 picked = picked.masked_fill(scores == ref.NEG_INF, -1)
                 if self.observers:
                     t_ob = time.perf_counter()
                     for ob in self.observers:
-                        ob.on_select(layer, self.step, q, picked, selectable & page_valid, ls.selector)
+                        ob.on_select(layer, self.step, q, picked, selectable, ls.selector)
                     t0 += time.perf_counter() - t_ob  # measurement is not selection time
                 chosen = torch.cat([chosen, picked], dim=2)
             if self.cfg.cache_bytes is None:
@@ -429,6 +429,20 @@ class Session:
             self.stats["steps"] += 1
             self._flush_ready()
         return out.reshape(b, sh.num_q_heads, 1, sh.head_dim)
+
+    def _selectable(self, t: int, num_pages: int, sink: int, first_local: int) -> torch.Tensor:
+        """Pages a step may choose: between sink and local window, holding a real token.
+
+        The same for every layer of a step, so it is built once per step.
+        """
+        key = (t, num_pages, sink, first_local)
+        if self._selectable_key != key:
+            s = self.cfg.page_size
+            sel = torch.zeros(self.batch, num_pages, dtype=torch.bool, device=self.device)
+            sel[:, sink:first_local] = True
+            sel &= self.valid[:, : num_pages * s].reshape(self.batch, num_pages, s).any(dim=2)
+            self._selectable_key, self._selectable_mask = key, sel.contiguous()
+        return self._selectable_mask
 
     def _flush_ready(self) -> None:
         if self._page_parts:
