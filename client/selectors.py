@@ -203,8 +203,7 @@ class HierarchicalIndex(Selector):
             return super().select_and_score(query, selectable, k, cached)
         n = self.num_pages
         return cpu.hierarchical_select(
-            query, self.centroids, self.assign[:, :, :n].contiguous(), self.q8[:, :, :n].contiguous(),
-            self.scale[:, :, :n].contiguous(), selectable[:, :n].contiguous(), k,
+            query, self.centroids, self.assign, self.q8, self.scale, selectable[:, :n].contiguous(), k,
             max(k, int(self.candidate_factor * k)), None if cached is None else cached.contiguous(),
         )
 

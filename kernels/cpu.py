@@ -22,10 +22,9 @@ def _page_score(query, q8, scale, b, h, p):  # pragma: no cover - compiled
 
 @numba.njit(nogil=True, cache=True)
 def _hierarchical_select(query, centroids, assign, q8, scale, selectable, k, candidates, out_pages, out_scores,
-                         cached, cached_scores):  # pragma: no cover - compiled
+                         cached, cached_scores, p_n):  # pragma: no cover - compiled
     b_n, h_n, g_n, d_n = query.shape
     c_n = centroids.shape[2]
-    p_n = assign.shape[2]
     neg = -np.inf
     for b in range(b_n):
         for h in range(h_n):
@@ -78,13 +77,16 @@ def hierarchical_select(query: torch.Tensor, centroids: torch.Tensor, assign: to
     so lookahead eviction costs no second call.
     """
     b, h = assign.shape[:2]
-    k = min(k, assign.shape[2])
+    # The index's arrays may have spare capacity past the pages in use: the selectable
+    # mask's length says how many pages there are, so no slice needs a copy.
+    num_pages = selectable.shape[1]
+    k = min(k, num_pages)
     pages = np.empty((b, h, k), np.int64)
     scores = np.empty((b, h, k), np.float32)
     cached_np = np.full((b, h, 0), -1, np.int64) if cached is None else cached.numpy()
     cached_scores = np.empty(cached_np.shape, np.float32)
     _hierarchical_select(
         query.detach().float().numpy(), centroids.detach().float().numpy(), assign.numpy(), q8.numpy(),
-        scale.numpy(), selectable.numpy(), k, candidates, pages, scores, cached_np, cached_scores,
+        scale.numpy(), selectable.numpy(), k, candidates, pages, scores, cached_np, cached_scores, num_pages,
     )
     return torch.from_numpy(pages), torch.from_numpy(scores), None if cached is None else torch.from_numpy(cached_scores)
