@@ -23,7 +23,7 @@ class EmbeddedDaemon:
         self.log_path = self.root / "kvstored.log"
         cmd = [
             sys.executable, "-m", "kvstored", "--ssd", str(self.root / "ssd"), "--dram", dram,
-            "--ssd-max", ssd_max, "--listen", self.address, *(extra_args or []),
+            "--ssd-max", ssd_max, "--listen", self.address, "--parent-pid", str(os.getpid()), *(extra_args or []),
         ]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)

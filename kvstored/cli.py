@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--engine", choices=("auto", "posix", "kvikio"), default="auto", help="SSD read engine")
     p.add_argument("--no-direct", action="store_true", help="buffered I/O instead of O_DIRECT (reads may hit the page cache)")
+    p.add_argument("--parent-pid", type=int, default=0, metavar="PID",
+                   help="shut down when process PID is no longer this daemon's parent (embedded daemons use it)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
@@ -53,6 +55,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         sync=args.sync,
         engine=args.engine,
         direct_io=not args.no_direct,
+        parent_pid=args.parent_pid,
     )
 
 

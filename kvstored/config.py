@@ -61,6 +61,8 @@ class DaemonConfig:
     max_blocks_per_request: int = 1 << 22
     lmdb_map_bytes: int = 64 << 30
     engine: str = "auto"
+    # Stop when this process is no longer our parent (a private daemon outliving a crashed client).
+    parent_pid: int = 0
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

@@ -76,6 +76,9 @@ class Server:
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.done, zmq.POLLIN)
         while not self._stop.is_set():
+            if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
+                log.warning("parent process %d is gone; shutting down", self.cfg.parent_pid)
+                break
             for sock, _ in poller.poll(200):
                 if sock is self.router:
                     self._drain_requests()
