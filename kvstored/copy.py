@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import zlib
-
 import numba
 import numpy as np
 from llvmlite import ir
@@ -143,9 +141,3 @@ def address_tags(uid: int, layers: np.ndarray, heads: np.ndarray, pages: np.ndar
     x = (x ^ (x >> np.uint64(29))) * np.uint64(0xBF58476D1CE4E5B9)
     x = x ^ (x >> np.uint64(32))
     return (x & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-
-
-def block_crcs(buf: np.ndarray, offsets: np.ndarray, nbytes: int) -> np.ndarray:
-    """CRC-32 of ``nbytes`` at each offset of ``buf`` (zlib releases the GIL per block)."""
-    view = memoryview(buf)
-    return np.fromiter((zlib.crc32(view[o : o + nbytes]) for o in offsets.tolist()), dtype=np.uint32, count=len(offsets))

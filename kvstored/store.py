@@ -31,7 +31,8 @@ from kvdrive.layout.format import DATA_FILE, FORMAT_VERSION, META_DIR
 from kvstored.buffers import BufferRegistry, MappedBuffer
 from kvstored.catalog import Catalog, ExtentRecord, SeqRecord
 from kvstored.config import DaemonConfig, SyncPolicy, format_size
-from kvstored.copy import address_tags, block_crcs, gather_scatter
+from kvstored.checksum import block_crcs, verify_scatter
+from kvstored.copy import address_tags, gather_scatter
 from kvstored.dram import DramTier
 from kvstored.gate import ReclaimGate
 from kvstored.index import BlockIndex, SeqEntry
@@ -493,11 +494,9 @@ class Store:
         def consume(run: int, view: np.ndarray) -> None:
             idx = by_run[bounds[run] : bounds[run + 1]]
             offs = plan.offset_in_run[idx]
-            ok = (block_crcs(view, offs, bb) ^ tags[idx]) == crc[idx]
+            ok = verify_scatter(view, offs, dst_array, dst[idx], bb, tags[idx], crc[idx])
             if not ok.all():
                 bad.extend(idx[~ok].tolist())
-                idx, offs = idx[ok], offs[ok]
-            gather_scatter(view, offs, dst_array, dst[idx], bb)
 
         try:
             self.engine.read_runs(self.ssd.fd, plan.starts, plan.ends, consume)

@@ -2,7 +2,7 @@
 
 # Bumped whenever the data file or the LMDB records change shape; a store written
 # with another version is refused at open rather than misread.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: block checksums are CRC-32C (1 used zlib's CRC-32)
 
 # Every extent starts and ends on this boundary so it can be read with O_DIRECT.
 ALIGN = 4096

@@ -328,8 +328,9 @@ class Progress:
 
 
 def verify(layout: Layout, selected: list[SeqRecord], progress: bool) -> dict:
-    """Re-read every block of ``selected`` and check it as a get does: CRC-32 xor address tag."""
-    from kvstored.copy import address_tags, block_crcs  # noqa: PLC0415 - numba loads slowly; only verify needs it
+    """Re-read every block of ``selected`` and check it as a get does: CRC-32C xor address tag."""
+    from kvstored.checksum import block_crcs  # noqa: PLC0415 - numba loads slowly; only verify needs it
+    from kvstored.copy import address_tags  # noqa: PLC0415
 
     uids = {s.uid for s in selected}
     work = sorted(((p.seq, e) for p in layout.partitions.values() if p.seq.uid in uids for e in p.extents),
