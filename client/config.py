@@ -18,7 +18,16 @@ class AttachConfig:
     page_size: tokens per page (the unit of selection, caching and storage).
     sink_tokens / local_tokens: always attended: the first tokens and the last ones.
     window: device cache per (layer, KV head) as a multiple of the step's selection
-        (the paper's xW); ``cache_bytes`` instead sets a total byte budget.
+        (the paper's xW); 0 keeps no cache (every selected page is fetched every
+        step); None calibrates it during the first decode steps (grown while fetching
+        takes longer than the hit/miss evaluation). ``cache_bytes`` instead sets a
+        total byte budget; ``windows`` (or a ``profile`` file written by
+        ``kvdrive-profile``) sets one window per (layer, KV head).
+    micro_batch: batch rows per pipeline micro-batch; None calibrates it during the
+        first decode steps (each candidate size timed on one step, the fastest kept).
+    pipeline: overlap selection, hit/miss evaluation, fetching and attention of
+        successive micro-batches (off: one stage after another for the whole batch).
+    trace: write a Chrome trace JSON of every decode stage here when the session ends.
     obs_window: prompt tokens whose attention scores page importance at prefill.
     reuse: keep each prompt's complete pages in the store under a name derived from
         the model and the tokens; a later generate() on the same prompt loads them
@@ -30,8 +39,13 @@ class AttachConfig:
     page_size: int = 16
     sink_tokens: int = 16
     local_tokens: int = 64
-    window: float = 4.0
+    window: float | None = 4.0
     cache_bytes: int | None = None
+    windows: tuple[tuple[float, ...], ...] | None = None
+    profile: str | None = None
+    micro_batch: int | None = None
+    pipeline: bool = True
+    trace: str | None = None
     index: IndexKind = IndexKind.HIERARCHICAL
     eviction: EvictionPolicy = EvictionPolicy.LOOKAHEAD
     obs_window: int = 32
@@ -64,8 +78,15 @@ class AttachConfig:
             raise ValueError(f"local_tokens ({self.local_tokens}) must be at least page_size ({self.page_size})")
         if self.sink_tokens % self.page_size:
             raise ValueError(f"sink_tokens ({self.sink_tokens}) must be a multiple of page_size ({self.page_size})")
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1 (the cache holds at least one step's selection), got {self.window}")
+        if self.window is not None and self.window != 0 and not self.window >= 1:
+            raise ValueError(f"window must be 0 (no cache), >= 1 (the cache holds at least one step's selection) "
+                             f"or None (calibrate), got {self.window}")
+        if self.windows is not None:
+            object.__setattr__(self, "windows", tuple(tuple(float(w) for w in layer) for layer in self.windows))
+            if any(not w >= 1 for layer in self.windows for w in layer):
+                raise ValueError("every per-head window must be >= 1")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise ValueError(f"micro_batch must be >= 1 or None (calibrate), got {self.micro_batch}")
         if self.cache_bytes is not None and self.cache_bytes <= 0:
             raise ValueError(f"cache_bytes must be > 0, got {self.cache_bytes}")
         if self.obs_window < 1:

@@ -41,11 +41,15 @@ class Placement:
 
 class DeviceCache:
     def __init__(self, batch: int, heads: int, capacity: int, page_size: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, policy: EvictionPolicy) -> None:
+                 dtype: torch.dtype, device: torch.device | str, policy: EvictionPolicy, reuse: bool = True) -> None:
         if capacity < 1:
             raise ValueError(f"device cache capacity must be >= 1 page, got {capacity}")
         self.capacity = capacity
         self.policy = policy
+        # reuse=False: a staging area, not a cache; every step fetches all it selects (the x0 baseline).
+        self.reuse = reuse
+        # Slots each KV head may use (None: all); set_head_capacity() limits them per head.
+        self.head_capacity: torch.Tensor | None = None
         self.k = torch.zeros(batch, heads, capacity, page_size, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.slot_page = torch.full((batch, heads, capacity), -1, dtype=torch.long, device=device)
@@ -67,6 +71,31 @@ class DeviceCache:
         self.slot_page = torch.cat([self.slot_page, self.slot_page.new_full((b, h, extra), -1)], dim=2)
         self.last_used = torch.cat([self.last_used, self.last_used.new_zeros(b, h, extra)], dim=2)
         self.capacity = capacity
+
+    def set_head_capacity(self, per_head: torch.Tensor | None) -> None:
+        """Limit each KV head to ``per_head[h]`` slots (per-head windows); grows the cache to the largest."""
+        if per_head is None:
+            self.head_capacity = None
+            return
+        per_head = per_head.to(torch.long)
+        self.grow(int(per_head.max()))
+        self.head_capacity = per_head.to(self.slot_page.device)
+
+    def rows(self, lo: int, hi: int) -> "DeviceCache":
+        """A view of batch rows ``[lo, hi)`` sharing this cache's storage.
+
+        Rows are independent (every slot belongs to one (row, head)), so views of
+        disjoint rows can be placed, filled and read from different threads. Grow the
+        cache and size ``page_slot`` (:meth:`reserve_pages`) before taking views.
+        """
+        view = object.__new__(DeviceCache)
+        view.__dict__.update(self.__dict__)
+        for name in ("k", "v", "slot_page", "last_used", "page_slot"):
+            setattr(view, name, getattr(self, name)[lo:hi])
+        return view
+
+    def reserve_pages(self, n: int) -> None:
+        self._ensure_pages(n)
 
     def _ensure_pages(self, n: int) -> None:
         cur = self.page_slot.shape[2]
@@ -92,17 +121,25 @@ class DeviceCache:
             raise ValueError(f"{k} pages selected but the device cache holds {self.capacity} per head")
         none = pages < 0
         pages = pages.clamp_min(0)
+        if not self.reuse:
+            self.page_slot.fill_(-1)
+            self.slot_page.fill_(-1)
         slots = self.lookup(pages)
         miss = (slots < 0) & ~none
         slots = slots.masked_fill(none & (slots < 0), 0)
         # Priority of each slot as a victim: empty first, then by policy; selected hits never.
-        if self.policy is EvictionPolicy.LOOKAHEAD:
+        if self.policy is EvictionPolicy.LOOKAHEAD and self.reuse:
             if slot_scores is None:
                 raise ValueError("lookahead eviction needs the current scores of the cached pages")
             prio = slot_scores.float().clone()
         else:
             prio = self.last_used.float().clone()
         prio = prio.masked_fill(self.slot_page < 0, float("-inf"))
+        if self.head_capacity is not None:  # slots past a head's window are never used
+            beyond = torch.arange(self.capacity, device=prio.device) >= self.head_capacity[:, None]
+            prio = prio.masked_fill(beyond[None], float("inf"))
+            if bool((self.head_capacity < k).any()):
+                raise ValueError(f"{k} pages selected but a head's window holds {int(self.head_capacity.min())}")
         keep = torch.zeros(b, h, self.capacity, dtype=torch.bool, device=pages.device)
         hb, hh, hk = torch.nonzero(~miss & ~none, as_tuple=True)
         keep[hb, hh, slots[hb, hh, hk]] = True

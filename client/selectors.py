@@ -16,6 +16,7 @@ token frame; ``selectable`` masks the pages a step may choose from.
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from abc import ABC, abstractmethod
@@ -69,6 +70,14 @@ class Selector(ABC):
         """Scores of given pages ``[B, H, n]`` (-1 = none), for lookahead eviction."""
         s = self.scores(query)
         return s.gather(2, pages.clamp_min(0)).masked_fill(pages < 0, ref.NEG_INF)
+
+    def rows(self, lo: int, hi: int) -> "Selector":
+        """A read-only view of batch rows ``[lo, hi)`` for selection (every index tensor is batch-first)."""
+        view = copy.copy(self)
+        for name, value in self.__dict__.items():
+            if isinstance(value, torch.Tensor) and value.dim():
+                setattr(view, name, value[lo:hi])
+        return view
 
     @staticmethod
     def _gathered_mean_scores(query: torch.Tensor, means: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:

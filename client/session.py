@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +35,7 @@ from kvdrive_client.device_cache import DeviceCache, EvictionPolicy
 from kvdrive_client.selectors import IndexKind, Selector, make_selector
 from kvdrive_client.errors import NotFoundError
 from kvdrive_client.store import Sequence, StoreClient
+from kvdrive_client.timeline import Timeline
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +108,14 @@ class Session:
         self.restored = False
         self._pending_pages: list[tuple[int, torch.Tensor]] = []  # (page, [L, B, H, 2, S, D]) being assembled
         self._page_parts: dict[int, list] = {}
-        self._staging = None
+        self._staging: list = [None, None]  # double-buffered: one fetch lands while the previous is read
         self._closed = False
+        self.timeline = Timeline()
+        self._front: ThreadPoolExecutor | None = None
+        self.window = cfg.window if cfg.window is not None else CALIBRATION_START_WINDOW
+        self.micro_batch = cfg.micro_batch or batch
+        self._tuning = _Tuning(self, cfg, batch)
+        self._step_start = 0.0
         self.observers: list[Observer] = []
         self._selectable_key: tuple | None = None
         self._selectable_mask: torch.Tensor | None = None
@@ -174,9 +183,11 @@ class Session:
         ls.local_start = first_local * s
         ls.local_k = keys[:, :, ls.local_start :].clone()
         ls.local_v = values[:, :, ls.local_start :].clone()
-        capacity = self._cache_capacity(first_local)
-        ls.cache = DeviceCache(b, h, capacity, s, d, keys.dtype, self.device, cfg.eviction)
-        self._seed_cache(ls, keys, values, importance, first_local)
+        capacity, per_head = self._cache_capacity(layer, first_local)
+        ls.cache = DeviceCache(b, h, capacity, s, d, keys.dtype, self.device, cfg.eviction, reuse=self.window != 0)
+        ls.cache.set_head_capacity(per_head)
+        if ls.cache.reuse:
+            self._seed_cache(ls, keys, values, importance, first_local)
         self.stats["prefill_ms"] += (time.perf_counter() - t0) * 1e3
 
     def _selector_options(self) -> dict:
@@ -187,14 +198,21 @@ class Session:
     def _first_local_page(self, num_tokens: int, num_pages: int) -> int:
         return max(0, min(num_pages, (num_tokens - self.cfg.local_tokens) // self.cfg.page_size))
 
-    def _cache_capacity(self, first_local: int) -> int:
+    def _cache_capacity(self, layer: int, first_local: int) -> tuple[int, torch.Tensor | None]:
+        """Slots per (row, KV head) for a context of ``first_local`` pages, and per-head limits (or None)."""
         sink = min(self.cfg.sink_pages, first_local)
         k = self.cfg.pages_to_select(first_local - sink)
+        if self.cfg.windows is not None:
+            per_head = torch.tensor([math.ceil(w * k) + sink for w in self.cfg.windows[layer]], dtype=torch.long)
+            per_head = per_head.clamp_min(max(k + sink, 1))
+            return int(per_head.max()), per_head
         if self.cfg.cache_bytes is not None:
             per_page = 2 * self.cfg.page_size * self.shape.head_dim * torch.tensor([], dtype=self.shape.dtype).element_size()
             slots = self.cfg.cache_bytes // (per_page * self.batch * self.shape.num_kv_heads * self.shape.num_layers)
-            return max(int(slots), k + sink, 1)
-        return max(1, math.ceil(self.cfg.window * k) + sink)
+            return max(int(slots), k + sink, 1), None
+        if self.window == 0:
+            return max(1, k + sink), None
+        return max(1, math.ceil(self.window * k) + sink), None
 
     def _importance(self, query: torch.Tensor, keys: torch.Tensor, t: int, num_pages: int) -> torch.Tensor:
         """SnapKV-style: attention of the last prompt tokens, summed per page and KV head."""
@@ -214,7 +232,8 @@ class Session:
 
     def _seed_cache(self, ls: LayerState, keys, values, importance, first_local: int) -> None:
         sink = min(self.cfg.sink_pages, first_local)
-        n = min(ls.cache.capacity, first_local)
+        cap = ls.cache.capacity if ls.cache.head_capacity is None else int(ls.cache.head_capacity.min())
+        n = min(cap, first_local)
         if n == 0:
             return
         score = importance[:, :, :first_local].clone()
@@ -260,7 +279,8 @@ class Session:
         sh, s = self.shape, self.cfg.page_size
         p = self.base_pages
         pages = torch.arange(p).expand(self.batch, sh.num_kv_heads, p)
-        kf, vf = self._fetch(layer, pages, torch.ones_like(pages, dtype=torch.bool))
+        fetch = self._fetch_submit(layer, 0, pages, torch.ones_like(pages, dtype=torch.bool), slot=0)
+        kf, vf = self._fetch_finish(fetch)
         shape = (self.batch, sh.num_kv_heads, p * s, sh.head_dim)
         return kf.reshape(shape).to(self.device), vf.reshape(shape).to(self.device)
 
@@ -306,36 +326,52 @@ class Session:
             self.stats["put_ms"] += (time.perf_counter() - t0) * 1e3
             del self._page_parts[page]
 
-    def _fetch(self, layer: int, pages: torch.Tensor, miss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fetch missed pages from the store: one sparse get per batch row, all in flight together."""
+    def _staging_buffer(self, slot: int, nbytes: int):
+        buf = self._staging[slot]
+        if buf is None or buf.size < nbytes:
+            if buf is not None:
+                self.store.unregister(buf)
+            buf = self._staging[slot] = self.store.register(max(nbytes, 1 << 20))
+        return buf
+
+    def _fetch_submit(self, layer: int, row0: int, pages: torch.Tensor, miss: torch.Tensor, slot: int) -> "_Fetch | None":
+        """Ask the store for the missed pages of rows ``row0 ..``: one sparse get per row, all in flight."""
         bi, hi, ki = torch.nonzero(miss, as_tuple=True)
         n = len(bi)
-        s, d = self.cfg.page_size, self.shape.head_dim
+        if n == 0:
+            return None
         bb = self.block_bytes
-        if self._staging is None or self._staging.size < n * bb:
-            if self._staging is not None:
-                self.store.unregister(self._staging)
-            self._staging = self.store.register(max(n * bb, 1 << 20))
-        rows = bi.cpu().numpy()
+        staging = self._staging_buffer(slot, n * bb)
+        rows = bi.cpu().numpy() + row0
         page_ids = pages[bi, hi, ki].cpu().numpy()
         blocks = np.stack([np.full(n, layer), hi.cpu().numpy(), page_ids], axis=1)
         in_base = page_ids < self.base_pages
+        started = time.perf_counter()
         pending = []
         for row in np.unique(rows).tolist():
             for seqs, where in ((self.base_seqs, in_base), (self.seqs, ~in_base)):
                 at = np.flatnonzero((rows == row) & where)
                 if len(at):
-                    pending.append(self.store.get_async(seqs[row], blocks[at], self._staging, dst=at.astype(np.int64) * bb))
-        for p in pending:
-            r = p.wait()
+                    pending.append(self.store.get_async(seqs[row], blocks[at], staging, dst=at.astype(np.int64) * bb))
+        return _Fetch(layer, pending, n, staging, started)
+
+    def _fetch_finish(self, fetch: "_Fetch", mb: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for a fetch; its pages as ``[n, S, D]`` K and V on the compute device."""
+        t0 = time.perf_counter()
+        replies = [p.wait() for p in fetch.pending]
+        t1 = time.perf_counter()
+        worked = max(r.get("ms", 0.0) for r in replies) / 1e3
+        self.timeline.add("fetch", "daemon", fetch.started, fetch.started + worked, layer=fetch.layer, mb=mb, pages=fetch.n)
+        for r in replies:
             self.stats["blocks_dram"] += r["dram"]
             self.stats["blocks_ssd"] += r["ssd"]
-        raw = torch.from_numpy(self._staging.array[: n * bb].copy()).view(self.shape.dtype).reshape(n, 2, s, d)
+        s, d, bb = self.cfg.page_size, self.shape.head_dim, self.block_bytes
+        raw = torch.from_numpy(fetch.staging.array[: fetch.n * bb].copy()).view(self.shape.dtype).reshape(fetch.n, 2, s, d)
         raw = raw.to(self.device)
-        self.stats["bytes_fetched"] += n * bb
+        self.stats["bytes_fetched"] += fetch.n * bb
+        self.stats["fetch_wait_ms"] += (t1 - t0) * 1e3
+        self.stats["fetch_ms"] += worked * 1e3
         return raw[:, 0], raw[:, 1]
-
-    # ------------------------------------------------------------ decode
 
     def _advance(self, layer: int) -> None:
         """Index (and queue for the store) pages completed by the new token; slide the local window."""
@@ -359,6 +395,10 @@ class Session:
             ls.local_start += drop
 
     def decode_attention(self, layer: int, query: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """One layer of one decode step: select, evaluate hits, fetch misses, attend; per micro-batch."""
+        t_start = time.perf_counter()
+        if layer == 0:
+            self._step_start = t_start
         ls = self.layers[layer]
         sh, cfg = self.shape, self.cfg
         b = query.shape[0]
@@ -366,69 +406,172 @@ class Session:
         self.valid = self._valid_from_mask(mask, t)
         self._advance(layer)
         s = cfg.page_size
-        q = query[:, :, 0].reshape(b, sh.num_kv_heads, sh.group, sh.head_dim)
         first_local = ls.local_start // s
         sink = min(cfg.sink_pages, first_local)
         k = cfg.pages_to_select(first_local - sink)
-        keys, values, pos = [], [], []
+        work = _LayerWork(layer, query[:, :, 0].reshape(b, sh.num_kv_heads, sh.group, sh.head_dim), t, sink, k,
+                          self._selectable(t, ls.num_pages, sink, first_local) if k else None)
         if sink + k:
+            capacity, _ = self._cache_capacity(layer, first_local)
+            if self.cfg.windows is not None:
+                ls.cache.set_head_capacity(self._cache_capacity(layer, first_local)[1])
+            ls.cache.grow(max(capacity, sink + k))
+            ls.cache.reserve_pages(ls.num_pages + 1)
+            self._flush_ready()  # a page completed in an earlier step must be in the store before it is fetched
+        size = b if self.observers else min(self.micro_batch, b)  # observers see whole batches
+        groups = [(lo, min(lo + size, b)) for lo in range(0, b, size)]
+        if cfg.pipeline and len(groups) > 1:
+            outs = self._run_pipelined(work, groups)
+        else:
+            outs = [self._run_serial(work, i, lo, hi) for i, (lo, hi) in enumerate(groups)]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        self.stats["context_tokens"] += int(self.valid.sum()) * sh.num_kv_heads
+        self.stats["layer_ms"] += (time.perf_counter() - t_start) * 1e3
+        if layer == sh.num_layers - 1:
+            self._flush_ready()
+            now = time.perf_counter()
+            step_ms = (now - self._step_start) * 1e3
+            self.timeline.mark("step", now, step=self.step, ms=step_ms)
+            self.stats["step_ms"] += step_ms
+            self._tuning.after_step(self.step, step_ms)
+            self.step += 1
+            self.stats["steps"] += 1
+        return out
+
+    # ------------------------------------------------------------ decode stages
+
+    def _select(self, w: "_LayerWork", lo: int, hi: int, lane: str, mb: int):
+        """Stage 1: the pages each (row, head) of rows ``[lo, hi)`` attends, and cached pages' scores."""
+        t0 = time.perf_counter()
+        ls, sh = self.layers[w.layer], self.shape
+        whole = (lo, hi) == (0, self.batch)
+        selector = ls.selector if whole else ls.selector.rows(lo, hi)
+        q = w.query[lo:hi]
+        cached = ls.cache.slot_page[lo:hi]
+        lookahead = self.cfg.eviction is EvictionPolicy.LOOKAHEAD and ls.cache.reuse
+        chosen = torch.arange(w.sink, device=self.device).expand(hi - lo, sh.num_kv_heads, w.sink)
+        slot_scores = None
+        if w.k:
+            picked, scores, slot_scores = selector.select_and_score(q, w.selectable[lo:hi], w.k, cached if lookahead else None)
+            # A row with fewer selectable pages than k (padding) gets -1: nothing there.
+            picked = picked.masked_fill(scores == ref.NEG_INF, -1)
+            if self.observers:
+                t_ob = time.perf_counter()
+                for ob in self.observers:
+                    ob.on_select(w.layer, self.step, q, picked, w.selectable, ls.selector)
+                t0 += time.perf_counter() - t_ob  # measurement is not selection time
+            chosen = torch.cat([chosen, picked], dim=2)
+        if lookahead and slot_scores is None:
+            slot_scores = selector.page_scores(q, cached)
+        self.timeline.add("select", lane, t0, time.perf_counter(), layer=w.layer, mb=mb)
+        return chosen, slot_scores
+
+    def _place(self, w: "_LayerWork", lo: int, hi: int, chosen, slot_scores, lane: str, mb: int):
+        """Stage 2: hit/miss evaluation; the cache's bookkeeping for rows ``[lo, hi)``."""
+        t0 = time.perf_counter()
+        cache = self.layers[w.layer].cache
+        cache = cache if (lo, hi) == (0, self.batch) else cache.rows(lo, hi)
+        placement = cache.place(chosen, self.step, slot_scores)
+        self.timeline.add("hit/miss", lane, t0, time.perf_counter(), layer=w.layer, mb=mb)
+        return cache, placement
+
+    def _finish(self, w: "_LayerWork", mb: int, lo: int, hi: int, chosen, cache, placement, fetch) -> torch.Tensor:
+        """Stages 3 and 4 on the main thread: land the fetched pages, then attend."""
+        if fetch is not None:
+            kf, vf = self._fetch_finish(fetch, mb)
             t0 = time.perf_counter()
-            lookahead = cfg.eviction is EvictionPolicy.LOOKAHEAD
-            slot_scores = None
-            chosen = torch.arange(sink, device=self.device).expand(b, sh.num_kv_heads, sink)
-            if k:
-                selectable = self._selectable(t, ls.num_pages, sink, first_local)
-                picked, scores, slot_scores = ls.selector.select_and_score(
-                    q, selectable, k, ls.cache.slot_page if lookahead else None)
-                # A row with fewer selectable pages than k (padding) gets -1: nothing there.
-                picked = picked.masked_fill(scores == ref.NEG_INF, -1)
-                if self.observers:
-                    t_ob = time.perf_counter()
-                    for ob in self.observers:
-                        ob.on_select(layer, self.step, q, picked, selectable, ls.selector)
-                    t0 += time.perf_counter() - t_ob  # measurement is not selection time
-                chosen = torch.cat([chosen, picked], dim=2)
-            if self.cfg.cache_bytes is None:
-                ls.cache.grow(self._cache_capacity(first_local))
-            if chosen.shape[2] > ls.cache.capacity:
-                ls.cache.grow(chosen.shape[2])
-            if lookahead:
-                if slot_scores is None:
-                    slot_scores = ls.selector.page_scores(q, ls.cache.slot_page)
-                elif slot_scores.shape[2] < ls.cache.capacity:  # slots added by grow() are empty
-                    pad = slot_scores.new_full((*slot_scores.shape[:2], ls.cache.capacity - slot_scores.shape[2]), ref.NEG_INF)
-                    slot_scores = torch.cat([slot_scores, pad], dim=2)
+            cache.fill(placement, kf, vf)
             t1 = time.perf_counter()
-            placement = ls.cache.place(chosen, self.step, slot_scores)
-            self.stats["hits"] += placement.num_hits
-            self.stats["misses"] += placement.num_misses
-            if placement.num_misses:
-                self._flush_ready()
-                kf, vf = self._fetch(layer, chosen, placement.miss)
-                ls.cache.fill(placement, kf, vf)
-            t2 = time.perf_counter()
-            kk, vv = ls.cache.gather(placement.slots)
+            self.timeline.add("fill", "main", t0, t1, layer=w.layer, mb=mb)
+            self.stats["fetch_ms"] += (t1 - t0) * 1e3
+        return self._compute(w, mb, lo, hi, chosen, cache, placement)
+
+    def _compute(self, w: "_LayerWork", mb: int, lo: int, hi: int, chosen, cache, placement) -> torch.Tensor:
+        t0 = time.perf_counter()
+        ls, sh, s = self.layers[w.layer], self.shape, self.cfg.page_size
+        bm = hi - lo
+        keys, values, pos = [], [], []
+        if chosen is not None:
+            kk, vv = cache.gather(placement.slots)
             keys.append(kk)
             values.append(vv)
             page_pos = chosen[..., None] * s + torch.arange(s, device=self.device)
-            pos.append(page_pos.masked_fill(chosen[..., None] < 0, -1).reshape(b, sh.num_kv_heads, -1))
-            self.stats["select_ms"] += (t1 - t0) * 1e3
-            self.stats["fetch_ms"] += (t2 - t1) * 1e3
-        keys.append(ls.local_k)
-        values.append(ls.local_v)
-        pos.append(torch.arange(ls.local_start, t, device=self.device).expand(b, sh.num_kv_heads, -1))
-        t3 = time.perf_counter()
+            pos.append(page_pos.masked_fill(chosen[..., None] < 0, -1).reshape(bm, sh.num_kv_heads, -1))
+        keys.append(ls.local_k[lo:hi])
+        values.append(ls.local_v[lo:hi])
+        pos.append(torch.arange(ls.local_start, w.t, device=self.device).expand(bm, sh.num_kv_heads, -1))
         kk, vv, pp = torch.cat(keys, dim=2), torch.cat(values, dim=2), torch.cat(pos, dim=2)
-        valid = self.valid.gather(1, pp.clamp_min(0).reshape(b, -1)).reshape(pp.shape) & (pp >= 0)
-        out = ref.decode_attention(q, kk, vv, valid, sh.scaling)
-        self.stats["attention_ms"] += (time.perf_counter() - t3) * 1e3
+        valid = self.valid[lo:hi].gather(1, pp.clamp_min(0).reshape(bm, -1)).reshape(pp.shape) & (pp >= 0)
+        out = ref.decode_attention(w.query[lo:hi], kk, vv, valid, sh.scaling)
+        t1 = time.perf_counter()
+        self.timeline.add("compute", "main", t0, t1, layer=w.layer, mb=mb)
+        self.stats["attention_ms"] += (t1 - t0) * 1e3
         self.stats["attended_tokens"] += int(valid.sum())
-        self.stats["context_tokens"] += int(self.valid.sum()) * sh.num_kv_heads
-        if layer == sh.num_layers - 1:
-            self.step += 1
-            self.stats["steps"] += 1
-            self._flush_ready()
-        return out.reshape(b, sh.num_q_heads, 1, sh.head_dim)
+        return out.reshape(bm, sh.num_q_heads, 1, sh.head_dim)
+
+    def _count(self, placement, t_select: float, t_place: float) -> None:
+        self.stats["hits"] += placement.num_hits
+        self.stats["misses"] += placement.num_misses
+        self.stats["select_ms"] += t_select
+        self.stats["hitmiss_ms"] += t_place
+
+    def _run_serial(self, w: "_LayerWork", mb: int, lo: int, hi: int) -> torch.Tensor:
+        if w.sink + w.k == 0:
+            return self._compute(w, mb, lo, hi, None, None, None)
+        t0 = time.perf_counter()
+        chosen, slot_scores = self._select(w, lo, hi, "main", mb)
+        t1 = time.perf_counter()
+        cache, placement = self._place(w, lo, hi, chosen, slot_scores, "main", mb)
+        self._count(placement, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
+        fetch = self._fetch_submit(w.layer, lo, chosen, placement.miss, slot=0)
+        return self._finish(w, mb, lo, hi, chosen, cache, placement, fetch)
+
+    def _run_pipelined(self, w: "_LayerWork", groups: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """Micro-batches through the stages, overlapped.
+
+        A front thread selects and evaluates hits for micro-batch i+1 while the main
+        thread submits i's fetch and the daemon serves it, and attends for i-1 whose
+        pages have landed; two fetches are in flight at most (two staging buffers).
+        The store client's socket is used by the main thread only.
+        """
+        if w.sink + w.k == 0:
+            return [self._compute(w, i, lo, hi, None, None, None) for i, (lo, hi) in enumerate(groups)]
+        ready: queue.Queue = queue.Queue()
+
+        def front() -> None:
+            try:
+                for i, (lo, hi) in enumerate(groups):
+                    t0 = time.perf_counter()
+                    chosen, slot_scores = self._select(w, lo, hi, "front", i)
+                    t1 = time.perf_counter()
+                    cache, placement = self._place(w, lo, hi, chosen, slot_scores, "front", i)
+                    ready.put((i, lo, hi, chosen, cache, placement, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
+            except BaseException as exc:  # handed to the main thread, which raises it
+                ready.put(exc)
+
+        if self._front is None:
+            self._front = ThreadPoolExecutor(1, thread_name_prefix="kvdrive-front")
+        done = self._front.submit(front)
+        outs: list[torch.Tensor | None] = [None] * len(groups)
+        inflight: deque = deque()
+        try:
+            for n in range(len(groups)):
+                item = ready.get()
+                if isinstance(item, BaseException):
+                    raise item
+                i, lo, hi, chosen, cache, placement, t_sel, t_place = item
+                self._count(placement, t_sel, t_place)
+                fetch = self._fetch_submit(w.layer, lo, chosen, placement.miss, slot=n % 2)
+                inflight.append((i, lo, hi, chosen, cache, placement, fetch))
+                if len(inflight) == 2:
+                    i0, *rest = inflight.popleft()
+                    outs[i0] = self._finish(w, i0, *rest)
+            while inflight:
+                i0, *rest = inflight.popleft()
+                outs[i0] = self._finish(w, i0, *rest)
+        finally:
+            done.result()
+        return outs
 
     def _selectable(self, t: int, num_pages: int, sink: int, first_local: int) -> torch.Tensor:
         """Pages a step may choose: between sink and local window, holding a real token.
@@ -462,9 +605,82 @@ class Session:
         self._closed = True
         self.stats["index_bytes"] = self.index_bytes()
         self.stats["device_cache_bytes"] = self.cache_bytes()
-        if self._staging is not None:
-            self.store.unregister(self._staging)
-            self._staging = None
+        if self._front is not None:
+            self._front.shutdown(wait=True)
+            self._front = None
+        for i, buf in enumerate(self._staging):
+            if buf is not None:
+                self.store.unregister(buf)
+                self._staging[i] = None
+        if self.cfg.trace:
+            log.info("decode timeline written to %s", self.timeline.save(self.cfg.trace))
         if not self.cfg.keep:
             for seq in self.seqs:
                 self.store.delete(seq.ns, seq.name)
+
+
+CALIBRATION_START_WINDOW = 1.0
+CALIBRATION_MAX_WINDOW = 16.0
+CALIBRATION_WINDOW_STEPS = 8
+
+
+@dataclass
+class _LayerWork:
+    """What every stage of one layer's decode step needs."""
+
+    layer: int
+    query: torch.Tensor  # [B, H, G, D]
+    t: int  # tokens in the context, the new one included
+    sink: int
+    k: int
+    selectable: torch.Tensor | None
+
+
+@dataclass
+class _Fetch:
+    layer: int
+    pending: list
+    n: int
+    staging: object
+    started: float
+
+
+class _Tuning:
+    """Warm-up calibration of the micro-batch size and the cache window; logs what it chose.
+
+    Micro-batch: after one warm-up step, each candidate size (the batch, its half,
+    its quarter, one row) runs one step; the fastest is kept. Window (``window=None``):
+    starts at 1x and grows by half while a step's fetching takes longer than its
+    hit/miss evaluation, for at most a few steps (the paper's rule).
+    """
+
+    def __init__(self, session: "Session", cfg: AttachConfig, batch: int) -> None:
+        self.session = session
+        self.tune_window = cfg.window is None
+        sizes = sorted({batch, -(-batch // 2), -(-batch // 4), 1}, reverse=True)
+        self.candidates = sizes if cfg.micro_batch is None and cfg.pipeline and batch > 1 else []
+        self.timed: dict[int, float] = {}
+        self._last = Counter()
+
+    def after_step(self, step: int, step_ms: float) -> None:
+        s = self.session
+        if self.candidates:
+            if step >= 1:
+                self.timed[s.micro_batch] = step_ms
+            todo = [c for c in self.candidates if c not in self.timed]
+            if todo:
+                s.micro_batch = todo[0]
+            else:
+                s.micro_batch = min(self.timed, key=self.timed.get)
+                log.info("calibrated micro-batch: %d of %d rows (step ms by size: %s)", s.micro_batch, s.batch,
+                         ", ".join(f"{c}: {ms:.1f}" for c, ms in sorted(self.timed.items())))
+                self.candidates = []
+        if self.tune_window:
+            fetch = s.stats["fetch_ms"] - self._last["fetch_ms"]
+            hitmiss = s.stats["hitmiss_ms"] - self._last["hitmiss_ms"]
+            self._last = Counter({"fetch_ms": s.stats["fetch_ms"], "hitmiss_ms": s.stats["hitmiss_ms"]})
+            if step + 1 >= CALIBRATION_WINDOW_STEPS or fetch <= hitmiss or s.window >= CALIBRATION_MAX_WINDOW:
+                log.info("calibrated cache window: x%g (last step: fetch %.1f ms, hit/miss %.1f ms)", s.window, fetch, hitmiss)
+                self.tune_window = False
+            else:
+                s.window = min(CALIBRATION_MAX_WINDOW, s.window * 1.5)

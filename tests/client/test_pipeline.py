@@ -1,0 +1,130 @@
+"""The micro-batch pipeline, per-head windows, the x0 mode and the decode timeline."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from kvdrive_client import attach
+from kvdrive_client.device_cache import DeviceCache, EvictionPolicy
+from kvdrive_client.engine import SparseKV
+
+
+def run_engine(store, steps=24, seed=0, B=4, **options):
+    """Sparse decode of random K/V through the low-level API; returns every step's outputs and the stats."""
+    g = torch.Generator().manual_seed(seed)
+    H, HQ, D, T, L = 2, 4, 32, 640, 2
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :70] = False  # a left-padded row
+    kv = SparseKV(store, num_layers=L, num_kv_heads=H, num_q_heads=HQ, head_dim=D, dtype=torch.float32, batch=B,
+                  budget=0.125, **options)
+    for layer in range(L):
+        kv.prefill(layer, torch.randn(B, HQ, T, D, generator=g), torch.randn(B, H, T, D, generator=g),
+                   torch.randn(B, H, T, D, generator=g), valid)
+    outs = []
+    for _ in range(steps):
+        for layer in range(L):
+            q, k, v = (torch.randn(B, n, D, generator=g) for n in (HQ, H, H))
+            outs.append(kv.decode(layer, q, k, v))
+    stats = dict(kv.stats)
+    session = kv.session
+    kv.close()
+    return torch.stack(outs), stats, session
+
+
+@pytest.mark.parametrize("micro_batch", [1, 2, 3])
+def test_pipelined_decode_equals_serial_decode(daemon, micro_batch):
+    with daemon.client() as store:
+        serial, s_stats, _ = run_engine(store, pipeline=False)
+        piped, p_stats, session = run_engine(store, pipeline=True, micro_batch=micro_batch)
+    assert session.micro_batch == micro_batch
+    torch.testing.assert_close(piped, serial, atol=1e-6, rtol=1e-6)
+    # The same pages were selected, hit and fetched.
+    for key in ("hits", "misses", "bytes_fetched"):
+        assert p_stats[key] == s_stats[key], key
+    assert s_stats["misses"] > 0
+
+
+def test_the_timeline_shows_stages_of_every_micro_batch_overlapping(daemon, tmp_path):
+    path = tmp_path / "trace.json"
+    with daemon.client() as store:
+        run_engine(store, steps=6, pipeline=True, micro_batch=1, trace=str(path))
+    trace = json.loads(path.read_text())
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    names = {e["name"] for e in events}
+    assert {"select", "hit/miss", "fetch", "compute"} <= names
+    assert {e["args"]["mb"] for e in events if e["name"] == "compute"} == {0, 1, 2, 3}
+    lanes = {e["tid"] for e in events}
+    assert len(lanes) == 3  # front thread, daemon, main thread
+    # Somewhere a front-thread selection runs while the main thread computes.
+    front = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "select"]
+    main = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "compute"]
+    assert any(a0 < b1 and b0 < a1 for a0, a1 in front for b0, b1 in main)
+    assert sum(1 for e in trace["traceEvents"] if e["name"] == "step") == 6
+
+
+def test_micro_batch_size_is_calibrated_and_logged(daemon, caplog):
+    with caplog.at_level(logging.INFO, logger="kvdrive_client.session"), daemon.client() as store:
+        _, _, session = run_engine(store, steps=6, pipeline=True)
+    assert session.micro_batch in (1, 2, 4)
+    assert any("calibrated micro-batch" in r.message for r in caplog.records)
+
+
+def test_window_calibration_grows_the_cache_and_logs_it(daemon, caplog):
+    with caplog.at_level(logging.INFO, logger="kvdrive_client.session"), daemon.client() as store:
+        _, _, session = run_engine(store, steps=10, window=None, pipeline=False)
+    assert any("calibrated cache window" in r.message for r in caplog.records)
+    assert session.window >= 1.0
+
+
+def test_window_zero_fetches_every_selected_page_every_step(daemon):
+    with daemon.client() as store:
+        _, none, _ = run_engine(store, steps=8, window=0, pipeline=False)
+        _, cached, _ = run_engine(store, steps=8, window=4, pipeline=False)
+    assert none["hits"] == 0
+    assert none["misses"] > cached["misses"] > 0
+
+
+def test_per_head_windows_cap_each_heads_slots(daemon):
+    windows = ((1.0, 3.0), (2.0, 1.5))
+    with daemon.client() as store:
+        _, stats, session = run_engine(store, steps=8, windows=windows, pipeline=False)
+        for layer, ws in enumerate(windows):
+            cache = session.layers[layer].cache
+            used = (cache.slot_page >= 0).sum(dim=2).max(dim=0).values  # per head, over rows
+            assert (used <= cache.head_capacity).all()
+            assert cache.head_capacity[0] != cache.head_capacity[1]
+    assert stats["misses"] > 0
+
+
+def test_a_head_limit_below_the_selection_is_refused():
+    cache = DeviceCache(1, 2, 4, 16, 8, torch.float32, "cpu", EvictionPolicy.LRU)
+    cache.set_head_capacity(torch.tensor([4, 2]))
+    with pytest.raises(ValueError, match="window holds 2"):
+        cache.place(torch.tensor([[[0, 1, 2], [0, 1, 2]]]), 0)
+
+
+def test_bad_pipeline_options_are_refused():
+    from kvdrive_client.config import AttachConfig
+
+    with pytest.raises(ValueError, match="micro_batch"):
+        AttachConfig(micro_batch=0)
+    with pytest.raises(ValueError, match="window"):
+        AttachConfig(window=0.5)
+    with pytest.raises(ValueError, match="per-head window"):
+        AttachConfig(windows=((1.0, 0.5),))
+
+
+def test_pipelined_generate_is_token_identical_to_serial(daemon, make_tiny):
+    model = make_tiny("qwen2", layers=2)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 512, (4, 400), generator=g)
+    outs = {}
+    with daemon.client() as store:
+        for pipeline in (False, True):
+            handle = attach(model, store, budget=0.1, pipeline=pipeline, micro_batch=2)
+            with torch.no_grad():
+                outs[pipeline] = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+            handle.detach()
+    assert torch.equal(outs[True], outs[False])
