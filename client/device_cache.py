@@ -160,12 +160,16 @@ class DeviceCache:
         self.last_used[bi, hi, slots[bi, hi, ki]] = step
         return Placement(slots, miss)
 
+    def _flat_slots(self, bi: torch.Tensor, hi: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Row of each (batch row, head, slot) in ``k``/``v`` viewed as ``[B*H*capacity, S, D]``."""
+        return (bi * self.k.shape[1] + hi) * self.capacity + slots
+
     def fill(self, placement: Placement, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
         """Write fetched pages (``[num_misses, S, D]`` in ``nonzero(miss)`` order) into their slots."""
         bi, hi, ki = torch.nonzero(placement.miss, as_tuple=True)
-        s = placement.slots[bi, hi, ki]
-        self.k[bi, hi, s] = k_pages
-        self.v[bi, hi, s] = v_pages
+        rows = self._flat_slots(bi, hi, placement.slots[bi, hi, ki])
+        self.k.view(-1, *self.k.shape[3:]).index_copy_(0, rows, k_pages.to(self.k.dtype))
+        self.v.view(-1, *self.v.shape[3:]).index_copy_(0, rows, v_pages.to(self.v.dtype))
 
     def seed(self, pages: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
         """Fill an empty cache with ``pages`` ``[B, H, n]`` (n <= capacity) and their data ``[B, H, n, S, D]``."""
@@ -177,10 +181,34 @@ class DeviceCache:
         self.slot_page[:, :, :n] = pages
         self.page_slot.scatter_(2, pages, slots)
 
-    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the given slots: ``[B, H, k*S, D]`` each."""
+    def gather_into(self, slots: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor, staging: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy the given slots' K and V into ``out_k``/``out_v`` ``[B, H, k*S, D]`` (any dtype, any strides).
+
+        ``staging`` (``[>= B*H*k, S, D]`` in the cache's dtype, contiguous) is reused for the
+        intermediate copy when large enough; the buffer used is returned for next time.
+        Writing into buffers the caller keeps saves allocating (and page-faulting) fresh
+        tensors of a few MiB every layer.
+        """
         b, h, k = slots.shape
-        idx = slots[..., None, None].expand(-1, -1, -1, *self.k.shape[3:])
-        kk = self.k.gather(2, idx).reshape(b, h, -1, self.k.shape[-1])
-        vv = self.v.gather(2, idx).reshape(b, h, -1, self.v.shape[-1])
+        bi = torch.arange(b, device=slots.device)[:, None, None]
+        hi = torch.arange(h, device=slots.device)[None, :, None]
+        rows = self._flat_slots(bi, hi, slots).reshape(-1)
+        n = len(rows)
+        if staging is None or staging.shape[0] < n or staging.dtype != self.k.dtype:
+            staging = torch.empty(max(n, 1), *self.k.shape[3:], dtype=self.k.dtype, device=self.k.device)
+        d = self.k.shape[-1]
+        for src, out in ((self.k, out_k), (self.v, out_v)):
+            torch.index_select(src.view(-1, *src.shape[3:]), 0, rows, out=staging[:n])
+            out.copy_(staging[:n].view(b, h, -1, d))
+        return staging
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given slots: ``[B, H, k*S, D]`` each (one contiguous copy of whole pages)."""
+        b, h, k = slots.shape
+        bi = torch.arange(b, device=slots.device)[:, None, None]
+        hi = torch.arange(h, device=slots.device)[None, :, None]
+        rows = self._flat_slots(bi, hi, slots).reshape(-1)
+        d = self.k.shape[-1]
+        kk = self.k.view(-1, *self.k.shape[3:]).index_select(0, rows).reshape(b, h, -1, d)
+        vv = self.v.view(-1, *self.v.shape[3:]).index_select(0, rows).reshape(b, h, -1, d)
         return kk, vv

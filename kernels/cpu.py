@@ -7,25 +7,41 @@ import numpy as np
 import torch
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@numba.njit(nogil=True, cache=True, inline="always", fastmath=True)
 def _page_score(query, q8, scale, b, h, p):  # pragma: no cover - compiled
     """max over the query heads of q . mean(page), the mean stored as int8 x scale."""
-    best = -np.inf
+    best = np.float32(-np.inf)
     for g in range(query.shape[2]):
-        acc = 0.0
+        acc = np.float32(0.0)  # float32 throughout: a float64 sum halves the vector width
         for d in range(query.shape[3]):
-            acc += query[b, h, g, d] * q8[b, h, p, d]
+            acc += query[b, h, g, d] * np.float32(q8[b, h, p, d])
         if acc > best:
             best = acc
     return best * scale[b, h, p]
 
 
 @numba.njit(nogil=True, cache=True)
+def _nth_unused(out_pages, b, h, i, p_n):  # pragma: no cover - compiled
+    """The lowest page not among ``out_pages[b, h, :i]`` (padding of a row with too few candidates)."""
+    for p in range(p_n):
+        used = False
+        for j in range(i):
+            if out_pages[b, h, j] == p:
+                used = True
+                break
+        if not used:
+            return p
+    return 0
+
+
+@numba.njit(nogil=True, cache=True, fastmath=True)
 def _hierarchical_select(query, centroids, assign, q8, scale, selectable, k, candidates, out_pages, out_scores,
                          cached, cached_scores, p_n):  # pragma: no cover - compiled
     b_n, h_n, g_n, d_n = query.shape
     c_n = centroids.shape[2]
     neg = -np.inf
+    cand = np.empty(p_n, np.int64)
+    cscores = np.empty(p_n, np.float32)
     for b in range(b_n):
         for h in range(h_n):
             sizes = np.zeros(c_n, np.int64)
@@ -37,7 +53,7 @@ def _hierarchical_select(query, centroids, assign, q8, scale, selectable, k, can
                 best = neg
                 if sizes[c] > 0:
                     for g in range(g_n):
-                        acc = 0.0
+                        acc = np.float32(0.0)
                         for d in range(d_n):
                             acc += query[b, h, g, d] * centroids[b, h, c, d]
                         if acc > best:
@@ -52,14 +68,22 @@ def _hierarchical_select(query, centroids, assign, q8, scale, selectable, k, can
                     break
                 take[c] = True
                 before += sizes[c]
-            pscore = np.full(p_n, neg, np.float32)
+            # Score only the candidates, and sort only them: pages in page order, so ties
+            # between equal scores go to the lower page as a full argsort would.
+            n_c = 0
             for p in range(p_n):
                 if selectable[b, p] and take[assign[b, h, p]]:
-                    pscore[p] = _page_score(query, q8, scale, b, h, p)
-            top = np.argsort(-pscore)[:k]
+                    cand[n_c] = p
+                    cscores[n_c] = -_page_score(query, q8, scale, b, h, p)
+                    n_c += 1
+            top = np.argsort(cscores[:n_c], kind="mergesort")
             for i in range(k):
-                out_pages[b, h, i] = top[i]
-                out_scores[b, h, i] = pscore[top[i]]
+                if i < n_c:
+                    out_pages[b, h, i] = cand[top[i]]
+                    out_scores[b, h, i] = -cscores[top[i]]
+                else:  # fewer candidates than k: the rest are unselectable pages, scored -inf
+                    out_pages[b, h, i] = _nth_unused(out_pages, b, h, i, p_n)
+                    out_scores[b, h, i] = neg
             # Current scores of the cached pages, for lookahead eviction (-1: empty slot).
             for i in range(cached.shape[2]):
                 p = cached[b, h, i]

@@ -102,9 +102,14 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     """Exact softmax attention of one query token over gathered keys.
 
     query ``[B, H, G, D]``, keys/values ``[B, H, N, D]``, valid ``[B, H, N]`` bool
-    -> ``[B, H, G, D]``.
+    -> ``[B, H, G, D]``. On the CPU, half-precision inputs are computed in float32
+    (CPUs without native fp16 math run half matmuls several times slower than the
+    conversion costs) and the result is returned in the input dtype.
     """
+    out_dtype = values.dtype
+    if query.device.type == "cpu" and out_dtype in (torch.float16, torch.bfloat16):
+        query, keys, values = query.float(), keys.float(), values.float()
     logits = torch.matmul(query, keys.transpose(-1, -2)) * scaling
     logits = logits.masked_fill(~valid.unsqueeze(2), NEG_INF)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(values.dtype)
-    return torch.matmul(probs, values)
+    return torch.matmul(probs, values).to(out_dtype)
