@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvdrive_client.device_cache import EvictionPolicy
 from kvdrive_client.selectors import IndexKind
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,27 @@ class AttachConfig:
             raise ValueError(f"cache_bytes must be > 0, got {self.cache_bytes}")
         if self.obs_window < 1:
             raise ValueError(f"obs_window must be >= 1, got {self.obs_window}")
+
+    def for_model(self, num_layers: int, num_kv_heads: int) -> "AttachConfig":
+        """This config with ``profile`` loaded into ``windows``, both checked against the model's shape."""
+        cfg = self
+        if self.profile is not None:
+            from kvdrive_client.profile import WindowProfile  # noqa: PLC0415 - numpy-only, loaded when used
+
+            prof = WindowProfile.load(self.profile)
+            if prof.page_size != self.page_size:
+                raise ValueError(f"profile {self.profile} was measured at page_size {prof.page_size}, "
+                                 f"not {self.page_size}")
+            if prof.budget != self.budget:
+                log.warning("profile %s was measured at budget %g; decoding at %g", self.profile, prof.budget, self.budget)
+            cfg = replace(self, windows=prof.windows)
+            log.info("per-head windows from %s: %d layers x %d KV heads, x%g..x%g", self.profile, prof.num_layers,
+                     prof.num_kv_heads, min(min(r) for r in prof.windows), max(max(r) for r in prof.windows))
+        if cfg.windows is not None and (len(cfg.windows) != num_layers or any(len(r) != num_kv_heads for r in cfg.windows)):
+            where = f"profile {self.profile}" if self.profile else "windows"
+            raise ValueError(f"{where} is [{len(cfg.windows)} layers][{len(cfg.windows[0]) if cfg.windows else 0} heads]; "
+                             f"the model has {num_layers} layers x {num_kv_heads} KV heads")
+        return cfg
 
     @property
     def sink_pages(self) -> int:

@@ -34,7 +34,7 @@ class SparseKV:
                  **options) -> None:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        cfg = replace(AttachConfig(), **options) if options else AttachConfig()
+        cfg = (replace(AttachConfig(), **options) if options else AttachConfig()).for_model(num_layers, num_kv_heads)
         shape = ModelShape(num_layers, num_kv_heads, num_q_heads, head_dim, dtype, scaling or head_dim**-0.5)
         self.stats: Counter = Counter()
         self.session = Session(cfg, shape, store, batch, torch.device(device), self.stats)

@@ -133,10 +133,10 @@ class Handle:
 
     def __init__(self, model, cfg: AttachConfig, store: StoreClient, owns_store: bool) -> None:
         self.model = model
-        self.cfg = cfg
         self.store = store
         self._owns_store = owns_store
         self.shape = _model_shape(model)
+        self.cfg = cfg.for_model(self.shape.num_layers, self.shape.num_kv_heads)
         self.device = torch.device(cfg.device) if cfg.device else next(model.parameters()).device
         self._stats: Counter = Counter()
         self.active: Session | None = None
@@ -251,7 +251,8 @@ def attach(model, store: str | StoreClient | None = None, *, dram: str = "256M",
     ``store``: None starts a private embedded kvstored (``dram`` sized); a string is
     the address of a running one; a StoreClient is used as is. ``options`` are the
     fields of :class:`AttachConfig` (budget, page_size, sink_tokens, local_tokens,
-    window, cache_bytes, index, eviction, obs_window, namespace, keep, device).
+    window, cache_bytes, windows, profile, micro_batch, pipeline, trace, index,
+    eviction, obs_window, namespace, keep, reuse, device).
     """
     cfg = replace(AttachConfig(), **options) if options else AttachConfig()
     _model_shape(model)  # refuse unsupported models before starting anything

@@ -116,6 +116,8 @@ class Session:
         self.micro_batch = cfg.micro_batch or batch
         self._tuning = _Tuning(self, cfg, batch)
         self._step_start = 0.0
+        self._work: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._gather_staging: torch.Tensor | None = None
         self.observers: list[Observer] = []
         self._selectable_key: tuple | None = None
         self._selectable_mask: torch.Tensor | None = None
@@ -395,7 +397,15 @@ class Session:
             ls.local_start += drop
 
     def decode_attention(self, layer: int, query: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """One layer of one decode step: select, evaluate hits, fetch misses, attend; per micro-batch."""
+        """One layer of one decode step: select, evaluate hits, fetch misses, attend; per micro-batch.
+
+        Inference only: no gradient flows through KVDrive's decode (its stages run on
+        two threads, and the cache is updated in place).
+        """
+        with torch.no_grad():
+            return self._decode_attention(layer, query, mask)
+
+    def _decode_attention(self, layer: int, query: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         t_start = time.perf_counter()
         if layer == 0:
             self._step_start = t_start
@@ -463,8 +473,9 @@ class Session:
             chosen = torch.cat([chosen, picked], dim=2)
         if lookahead and slot_scores is None:
             slot_scores = selector.page_scores(q, cached)
-        self.timeline.add("select", lane, t0, time.perf_counter(), layer=w.layer, mb=mb)
-        return chosen, slot_scores
+        t1 = time.perf_counter()
+        self.timeline.add("select", lane, t0, t1, layer=w.layer, mb=mb)
+        return chosen, slot_scores, (t1 - t0) * 1e3
 
     def _place(self, w: "_LayerWork", lo: int, hi: int, chosen, slot_scores, lane: str, mb: int):
         """Stage 2: hit/miss evaluation; the cache's bookkeeping for rows ``[lo, hi)``."""
@@ -486,23 +497,35 @@ class Session:
             self.stats["fetch_ms"] += (t1 - t0) * 1e3
         return self._compute(w, mb, lo, hi, chosen, cache, placement)
 
+    def _workspace(self, b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reused ``[b, H, >= n, D]`` K and V buffers in the compute dtype (float32 for half models on the CPU)."""
+        sh = self.shape
+        dtype = torch.float32 if self.device.type == "cpu" and sh.dtype in (torch.float16, torch.bfloat16) else sh.dtype
+        if self._work is None or self._work[0].shape[2] < n or self._work[0].shape[0] < b:
+            cap = max(n, 64) if self._work is None else max(n, int(self._work[0].shape[2] * 1.25))
+            shape = (self.batch, sh.num_kv_heads, cap, sh.head_dim)
+            self._work = (torch.empty(shape, dtype=dtype, device=self.device), torch.empty(shape, dtype=dtype, device=self.device))
+        return self._work[0][:b, :, :n], self._work[1][:b, :, :n]
+
     def _compute(self, w: "_LayerWork", mb: int, lo: int, hi: int, chosen, cache, placement) -> torch.Tensor:
+        """Stage 4: exact attention over sink + selected pages + local window, for rows ``[lo, hi)``."""
         t0 = time.perf_counter()
         ls, sh, s = self.layers[w.layer], self.shape, self.cfg.page_size
         bm = hi - lo
-        keys, values, pos = [], [], []
+        local = ls.local_k.shape[2]
+        paged = 0 if chosen is None else chosen.shape[2] * s
+        kk, vv = self._workspace(bm, paged + local)
+        pos = torch.arange(ls.local_start, w.t, device=self.device).expand(bm, sh.num_kv_heads, -1)
         if chosen is not None:
-            kk, vv = cache.gather(placement.slots)
-            keys.append(kk)
-            values.append(vv)
+            self._gather_staging = cache.gather_into(placement.slots, kk[:, :, :paged], vv[:, :, :paged], self._gather_staging)
             page_pos = chosen[..., None] * s + torch.arange(s, device=self.device)
-            pos.append(page_pos.masked_fill(chosen[..., None] < 0, -1).reshape(bm, sh.num_kv_heads, -1))
-        keys.append(ls.local_k[lo:hi])
-        values.append(ls.local_v[lo:hi])
-        pos.append(torch.arange(ls.local_start, w.t, device=self.device).expand(bm, sh.num_kv_heads, -1))
-        kk, vv, pp = torch.cat(keys, dim=2), torch.cat(values, dim=2), torch.cat(pos, dim=2)
-        valid = self.valid[lo:hi].gather(1, pp.clamp_min(0).reshape(bm, -1)).reshape(pp.shape) & (pp >= 0)
-        out = ref.decode_attention(w.query[lo:hi], kk, vv, valid, sh.scaling)
+            page_pos = page_pos.masked_fill(chosen[..., None] < 0, -1).reshape(bm, sh.num_kv_heads, -1)
+            pos = torch.cat([page_pos, pos], dim=2)
+        kk[:, :, paged:].copy_(ls.local_k[lo:hi])
+        vv[:, :, paged:].copy_(ls.local_v[lo:hi])
+        valid = self.valid[lo:hi].gather(1, pos.clamp_min(0).reshape(bm, -1)).reshape(pos.shape) & (pos >= 0)
+        q = w.query[lo:hi].to(kk.dtype)
+        out = ref.decode_attention(q, kk, vv, valid, sh.scaling).to(w.query.dtype)
         t1 = time.perf_counter()
         self.timeline.add("compute", "main", t0, t1, layer=w.layer, mb=mb)
         self.stats["attention_ms"] += (t1 - t0) * 1e3
@@ -518,13 +541,19 @@ class Session:
     def _run_serial(self, w: "_LayerWork", mb: int, lo: int, hi: int) -> torch.Tensor:
         if w.sink + w.k == 0:
             return self._compute(w, mb, lo, hi, None, None, None)
-        t0 = time.perf_counter()
-        chosen, slot_scores = self._select(w, lo, hi, "main", mb)
+        chosen, slot_scores, t_select = self._select(w, lo, hi, "main", mb)
         t1 = time.perf_counter()
         cache, placement = self._place(w, lo, hi, chosen, slot_scores, "main", mb)
-        self._count(placement, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
+        self._count(placement, t_select, (time.perf_counter() - t1) * 1e3)
         fetch = self._fetch_submit(w.layer, lo, chosen, placement.miss, slot=0)
         return self._finish(w, mb, lo, hi, chosen, cache, placement, fetch)
+
+    def _front_stages(self, w: "_LayerWork", groups: list[tuple[int, int]], ready: queue.Queue) -> None:
+        for i, (lo, hi) in enumerate(groups):
+            chosen, slot_scores, t_select = self._select(w, lo, hi, "front", i)
+            t1 = time.perf_counter()
+            cache, placement = self._place(w, lo, hi, chosen, slot_scores, "front", i)
+            ready.put((i, lo, hi, chosen, cache, placement, t_select, (time.perf_counter() - t1) * 1e3))
 
     def _run_pipelined(self, w: "_LayerWork", groups: list[tuple[int, int]]) -> list[torch.Tensor]:
         """Micro-batches through the stages, overlapped.
@@ -540,12 +569,9 @@ class Session:
 
         def front() -> None:
             try:
-                for i, (lo, hi) in enumerate(groups):
-                    t0 = time.perf_counter()
-                    chosen, slot_scores = self._select(w, lo, hi, "front", i)
-                    t1 = time.perf_counter()
-                    cache, placement = self._place(w, lo, hi, chosen, slot_scores, "front", i)
-                    ready.put((i, lo, hi, chosen, cache, placement, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
+                # Grad mode is per thread; selection and cache bookkeeping never need gradients.
+                with torch.no_grad():
+                    self._front_stages(w, groups, ready)
             except BaseException as exc:  # handed to the main thread, which raises it
                 ready.put(exc)
 
@@ -622,6 +648,7 @@ class Session:
 CALIBRATION_START_WINDOW = 1.0
 CALIBRATION_MAX_WINDOW = 16.0
 CALIBRATION_WINDOW_STEPS = 8
+CALIBRATION_ROUNDS = 2
 
 
 @dataclass
@@ -649,7 +676,8 @@ class _Tuning:
     """Warm-up calibration of the micro-batch size and the cache window; logs what it chose.
 
     Micro-batch: after one warm-up step, each candidate size (the batch, its half,
-    its quarter, one row) runs one step; the fastest is kept. Window (``window=None``):
+    its quarter, one row) runs one step, twice round; the fastest (by its faster
+    step) is kept. Window (``window=None``):
     starts at 1x and grows by half while a step's fetching takes longer than its
     hit/miss evaluation, for at most a few steps (the paper's rule).
     """
@@ -659,18 +687,19 @@ class _Tuning:
         self.tune_window = cfg.window is None
         sizes = sorted({batch, -(-batch // 2), -(-batch // 4), 1}, reverse=True)
         self.candidates = sizes if cfg.micro_batch is None and cfg.pipeline and batch > 1 else []
-        self.timed: dict[int, float] = {}
+        self.timed: dict[int, list[float]] = {}
         self._last = Counter()
 
     def after_step(self, step: int, step_ms: float) -> None:
         s = self.session
         if self.candidates:
             if step >= 1:
-                self.timed[s.micro_batch] = step_ms
-            todo = [c for c in self.candidates if c not in self.timed]
+                self.timed.setdefault(s.micro_batch, []).append(step_ms)
+            todo = [c for c in self.candidates if len(self.timed.get(c, ())) < CALIBRATION_ROUNDS]
             if todo:
-                s.micro_batch = todo[0]
+                s.micro_batch = min(todo, key=lambda c: (len(self.timed.get(c, ())), self.candidates.index(c)))
             else:
+                self.timed = {c: min(v) for c, v in self.timed.items()}
                 s.micro_batch = min(self.timed, key=self.timed.get)
                 log.info("calibrated micro-batch: %d of %d rows (step ms by size: %s)", s.micro_batch, s.batch,
                          ", ".join(f"{c}: {ms:.1f}" for c, ms in sorted(self.timed.items())))

@@ -66,7 +66,7 @@ def test_the_timeline_shows_stages_of_every_micro_batch_overlapping(daemon, tmp_
 
 def test_micro_batch_size_is_calibrated_and_logged(daemon, caplog):
     with caplog.at_level(logging.INFO, logger="kvdrive_client.session"), daemon.client() as store:
-        _, _, session = run_engine(store, steps=6, pipeline=True)
+        _, _, session = run_engine(store, steps=8, pipeline=True)
     assert session.micro_batch in (1, 2, 4)
     assert any("calibrated micro-batch" in r.message for r in caplog.records)
 
@@ -128,3 +128,17 @@ def test_pipelined_generate_is_token_identical_to_serial(daemon, make_tiny):
                 outs[pipeline] = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
             handle.detach()
     assert torch.equal(outs[True], outs[False])
+
+
+def test_pipeline_runs_with_grad_mode_on_and_an_index_built_from_tensors_that_require_grad(daemon):
+    g = torch.Generator().manual_seed(5)
+    B, H, HQ, D, T = 2, 2, 4, 32, 400
+    with daemon.client() as store, torch.enable_grad():
+        kv = SparseKV(store, num_layers=1, num_kv_heads=H, num_q_heads=HQ, head_dim=D, dtype=torch.float32, batch=B,
+                      budget=0.125, micro_batch=1)
+        keys = torch.randn(B, H, T, D, generator=g).requires_grad_()
+        kv.prefill(0, torch.randn(B, HQ, T, D, generator=g), keys, torch.randn(B, H, T, D, generator=g))
+        for _ in range(3):
+            q, k, v = (torch.randn(B, n, D, generator=g) for n in (HQ, H, H))
+            assert torch.isfinite(kv.decode(0, q, k, v)).all()
+        kv.close()

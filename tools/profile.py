@@ -1,0 +1,292 @@
+"""``kvdrive-profile``: a device-cache window per (layer, KV head) for a total cache budget.
+
+SmolLM2-135M (float32) reads ``--context`` tokens of calibration text (the Debian
+common licenses, or ``--text FILE``) through KVDrive (:func:`attach` with a private
+embedded kvstored), then decodes the next ``--steps`` tokens of the text
+teacher-forced. The pages the selector picks at every step, layer and KV head are
+recorded and replayed through the device cache (``LOOKAHEAD`` eviction, as decode
+evicts) at every window of ``--windows``; the first step is replayed but not
+counted, as the replayed caches start empty. Then one window per (layer, KV head)
+is chosen so that the pages fetched per step are fewest within ``--cache-bytes``
+(:func:`kvdrive_client.profile.solve_windows`), and written to ``--out`` as JSON
+(:class:`kvdrive_client.profile.WindowProfile`).
+
+It prints the chosen windows per layer and the predicted bytes fetched per step,
+for the profile and for the best single window at the same cache bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvdrive_client.config import AttachConfig
+from kvdrive_client.profile import DEFAULT_CHOICES, UNIFORM_WINDOW, WindowProfile, capacity_pages
+from kvstored.config import format_size, parse_size
+
+PROG = "kvdrive-profile"
+DEFAULT_CONTEXT, QUICK_CONTEXT = 2048, 512
+DEFAULT_STEPS, QUICK_STEPS = 32, 8
+WARMUP_STEPS = 1
+MIN_SELECTABLE_PAGES = 16
+DRAM = "1G"
+
+
+class InputError(ValueError):
+    """The options or the text cannot give the run asked for; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ProfileRun:
+    context: int
+    steps: int
+    budget: float
+    page_size: int
+    choices: tuple[float, ...]
+    cache_bytes: int | None
+    text: Path | None
+    out: Path
+
+    def __post_init__(self) -> None:
+        attach_cfg = self.attach_config()  # budget and page size are checked there
+        least = attach_cfg.sink_tokens + attach_cfg.local_tokens + MIN_SELECTABLE_PAGES * self.page_size
+        if self.context < least:
+            raise InputError(f"--context must be at least {least} tokens (sink {attach_cfg.sink_tokens} + local "
+                             f"window {attach_cfg.local_tokens} + {MIN_SELECTABLE_PAGES} selectable pages of "
+                             f"{self.page_size}), got {self.context}")
+        if self.steps < WARMUP_STEPS + 1:
+            raise InputError(f"--steps must be at least {WARMUP_STEPS + 1} (the first step is not counted), "
+                             f"got {self.steps}")
+        if not self.choices or min(self.choices) < 1:
+            raise InputError(f"--windows must be >= 1, got {list(self.choices)}")
+        if self.cache_bytes is not None and self.cache_bytes <= 0:
+            raise InputError(f"--cache-bytes must be > 0, got {self.cache_bytes}")
+        if self.text is not None and not self.text.is_file():
+            raise InputError(f"--text {self.text} is not a file")
+        if not self.out.parent.is_dir():
+            raise InputError(f"--out {self.out}: no directory {self.out.parent}")
+
+    def attach_config(self) -> AttachConfig:
+        try:
+            return AttachConfig(budget=self.budget, page_size=self.page_size)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+
+
+def _note(text: str) -> None:
+    print(f"{PROG}: {text}", file=sys.stderr, flush=True)
+
+
+def _tokens(run: ProfileRun, tok, max_positions: int):
+    from kvdrive_client.models import license_text  # noqa: PLC0415
+
+    if run.text is None:
+        text = license_text()
+    else:
+        try:
+            text = run.text.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise InputError(f"--text {run.text} is not UTF-8 text") from None
+    ids = tok(text, return_tensors="pt").input_ids
+    need = run.context + run.steps
+    if ids.shape[1] < need:
+        raise InputError(f"the text has {ids.shape[1]} tokens; --context {run.context} + --steps {run.steps} "
+                         f"needs {need}")
+    if need > max_positions:
+        raise InputError(f"--context {run.context} + --steps {run.steps} exceeds the model's {max_positions} positions")
+    return ids
+
+
+def _check_cache_bytes(run: ProfileRun, attach_cfg: AttachConfig, num_streams: int, page_bytes: int,
+                       k: int | None = None) -> None:
+    """Refuse a cache budget below the smallest window everywhere; ``k`` None: before the run, from its first step."""
+    if run.cache_bytes is None:
+        return
+    if k is None:
+        # k of the first decode step: the least any step selects, so this never refuses a budget that fits.
+        first_local = (run.context + 1 - attach_cfg.local_tokens) // run.page_size
+        k = attach_cfg.pages_to_select(first_local - attach_cfg.sink_pages)
+    floor = num_streams * capacity_pages(min(run.choices), k, attach_cfg.sink_pages) * page_bytes
+    if run.cache_bytes < floor:
+        raise InputError(f"--cache-bytes {run.cache_bytes} cannot hold window {_window(min(run.choices))} for every "
+                         f"(layer, KV head): that takes at least {floor} bytes ({format_size(floor)})")
+
+
+def profile_smollm2(run: ProfileRun) -> tuple[WindowProfile, dict]:
+    """Record SmolLM2's selection trace on the calibration text and solve for the windows."""
+    import torch  # noqa: PLC0415
+
+    from kvdrive_client import attach  # noqa: PLC0415
+    from kvdrive_client.models import SMOLLM2_FILE, load_smollm2  # noqa: PLC0415
+    from kvdrive_client.profile import profile_from_trace  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    _note("loading SmolLM2-135M")
+    model, tok = load_smollm2()
+    ids = _tokens(run, tok, model.config.max_position_embeddings)
+    info = {"load_s": time.perf_counter() - t0, "text_tokens": ids.shape[1]}
+    attach_cfg = run.attach_config()
+    handle = attach(model, dram=DRAM, budget=run.budget, page_size=run.page_size)  # a private embedded kvstored
+    try:
+        shape = handle.shape
+        page_bytes = 2 * run.page_size * shape.head_dim * torch.tensor([], dtype=shape.dtype).element_size()
+        _check_cache_bytes(run, attach_cfg, shape.num_layers * shape.num_kv_heads, page_bytes)
+        trace = record_trace(model, handle, ids, run, info)
+    finally:
+        handle.detach()
+    t = time.perf_counter()
+    _note(f"replaying the selection trace at {len(run.choices)} windows")
+    _check_cache_bytes(run, attach_cfg, trace.num_streams, page_bytes, trace.max_selected)
+    profile = profile_from_trace(
+        trace, num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, page_bytes=page_bytes,
+        cache_bytes=run.cache_bytes, choices=run.choices, sink_pages=attach_cfg.sink_pages, warmup_steps=WARMUP_STEPS,
+        model=SMOLLM2_FILE.split(".")[0], dtype=str(shape.dtype).removeprefix("torch."), page_size=run.page_size,
+        budget=run.budget, text=str(run.text) if run.text else "/usr/share/common-licenses (concatenated)",
+        context=run.context)
+    info["solve_s"] = time.perf_counter() - t
+    return profile, info
+
+
+def record_trace(model, handle, ids, run: ProfileRun, info: dict):
+    """Prefill ``run.context`` tokens through ``handle``, decode ``run.steps`` more teacher-forced; the trace."""
+    import torch  # noqa: PLC0415
+
+    from kvdrive.tools.bench_fidelity import TraceObserver, teacher_force  # noqa: PLC0415
+
+    ctx, fed = ids[:, : run.context], ids[:, run.context : run.context + run.steps]
+    tracer = TraceObserver()
+    cache = handle.new_cache(1)
+    cache.session.observers.append(tracer)
+    try:
+        with torch.no_grad():
+            t = time.perf_counter()
+            _note(f"prefill of {run.context} tokens")
+            model(input_ids=ctx, cache=cache, logits_to_keep=1)
+            info["prefill_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            for i in range(run.steps):
+                teacher_force(model, cache, fed[:, i : i + 1])
+                _note(f"decode step {i + 1}/{run.steps} ({time.perf_counter() - t:.1f} s)")
+            info["decode_s"] = time.perf_counter() - t
+    finally:
+        cache.close()
+    return tracer.trace()
+
+
+# ---------------------------------------------------------------- report
+
+
+def _table(head: tuple[str, ...], body: list[tuple[str, ...]]) -> list[str]:
+    rows = [head, *body]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def _budget(budget: float) -> str:
+    return f"{budget:.3%}" if budget <= 1 else f"{budget:g} tokens"
+
+
+def _window(w: float) -> str:
+    return f"x{w:g}"
+
+
+def render(p: WindowProfile, info: dict) -> str:
+    u_window, u_bytes, u_fetched = p.uniform()
+    u_at = p.choices.index(u_window)
+    lines = [
+        f"{PROG}: {p.model} {p.dtype} ({p.num_layers} layers x {p.num_kv_heads} KV heads); text {p.text} "
+        f"({info['text_tokens']} tokens)",
+        f"context {p.context} tokens, then {p.steps + WARMUP_STEPS} teacher-forced decode steps (the first not "
+        f"counted: cold cache); budget {_budget(p.budget)} -> k = {p.k} pages per step; page {p.page_size} tokens = "
+        f"{format_size(p.page_bytes)} per KV head; {p.sink_pages} sink page(s) per stream",
+        f"windows tried: {' '.join(map(_window, p.choices))}; LOOKAHEAD eviction; model load {info['load_s']:.0f} s, "
+        f"prefill {info['prefill_s']:.0f} s, decode {info['decode_s']:.0f} s, replay and solve {info['solve_s']:.1f} s",
+        "",
+    ]
+    body = []
+    for layer, (row, curves) in enumerate(zip(p.windows, p.misses)):
+        chosen = sum(c[p.choices.index(w)] for w, c in zip(row, curves))
+        uniform = sum(c[u_at] for c in curves)
+        body.append((str(layer), *map(_window, row), f"{chosen:.2f}", f"{uniform:.2f}"))
+    heads = tuple(f"head {h}" for h in range(p.num_kv_heads))
+    lines += _table(("layer", *heads, "misses/step", f"uniform {_window(u_window)}"), body)
+    fetched = p.fetched_bytes_per_step()
+    lines += [
+        "",
+        *_table(("windows", "cache bytes", "predicted fetched/step"), [
+            ("profile", f"{format_size(p.used_bytes)} ({p.used_bytes})", f"{format_size(fetched)} ({fetched:.0f})"),
+            (f"uniform {_window(u_window)}", f"{format_size(u_bytes)} ({u_bytes})",
+             f"{format_size(u_fetched)} ({u_fetched:.0f})"),
+        ]),
+        "",
+        f"cache budget {format_size(p.cache_bytes)} ({p.cache_bytes} bytes): the profile uses "
+        f"{p.used_bytes / p.cache_bytes:.1%} of it and fetches "
+        + (f"{1 - fetched / u_fetched:.1%} fewer bytes per step than uniform {_window(u_window)}"
+           if u_fetched > 0 else "as few bytes per step as uniform (none)"),
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = AttachConfig()
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Choose a device-cache window per (layer, KV head) of SmolLM2 for a total cache budget, from "
+                    "its page selections on calibration text, and write them as a JSON profile.")
+    p.add_argument("--out", type=Path, required=True, metavar="FILE", help="the JSON profile to write")
+    p.add_argument("--text", type=Path, default=None, metavar="FILE",
+                   help="UTF-8 calibration text instead of the Debian common licenses")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a short run: {QUICK_CONTEXT}-token context, {QUICK_STEPS} decode steps")
+    p.add_argument("--context", type=int, default=None, metavar="TOKENS",
+                   help=f"context tokens before decoding (default {DEFAULT_CONTEXT}, {QUICK_CONTEXT} with --quick)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"teacher-forced decode steps (default {DEFAULT_STEPS}, {QUICK_STEPS} with --quick)")
+    p.add_argument("--cache-bytes", default=None, metavar="SIZE",
+                   help=f"total device-cache budget, all layers and heads, e.g. 24M (K/M/G: powers of 1024; "
+                        f"default: what window x{UNIFORM_WINDOW:g} everywhere takes)")
+    p.add_argument("--budget", type=float, default=defaults.budget,
+                   help=f"pages selected per step: a fraction of the selectable pages, as attach(budget=) "
+                        f"(default {defaults.budget:g})")
+    p.add_argument("--page-size", type=int, default=defaults.page_size, help=f"tokens per page, as attach(page_size=) (default {defaults.page_size})")
+    p.add_argument("--windows", type=float, nargs="+", default=list(DEFAULT_CHOICES), metavar="W",
+                   help=f"the windows to choose from, multiples of k (default {' '.join(f'{w:g}' for w in DEFAULT_CHOICES)})")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cache_bytes = None if args.cache_bytes is None else parse_size(args.cache_bytes)
+    except ValueError as exc:
+        print(f"{PROG}: --cache-bytes: {exc}", file=sys.stderr)
+        return 2
+    try:
+        run = ProfileRun(
+            context=args.context if args.context is not None else (QUICK_CONTEXT if args.quick else DEFAULT_CONTEXT),
+            steps=args.steps if args.steps is not None else (QUICK_STEPS if args.quick else DEFAULT_STEPS),
+            budget=args.budget, page_size=args.page_size, choices=tuple(sorted(set(args.windows))),
+            cache_bytes=cache_bytes, text=args.text, out=args.out)
+        profile, info = profile_smollm2(run)
+    except InputError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:  # the model package
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
+    profile.save(run.out)
+    print(render(profile, info), flush=True)
+    print(f"\nwrote {run.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
