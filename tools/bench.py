@@ -39,6 +39,11 @@ BENCHMARKS: dict[str, Benchmark] = {
         "sparse decode vs dense on SmolLM2 per selector (recall, loss, KL, index size, selection time), "
         "and eviction policies replayed on the selection trace",
     ),
+    "decode": Benchmark(
+        "bench_decode",
+        "end-to-end decode tokens/s of KVDrive against dense, whole-layer fetch, Quest-style and ShadowKV-style "
+        "configurations, on SmolLM2 and an attention-only Llama-3-8B-shaped workload, DRAM and DRAM+SSD tiers",
+    ),
 }
 
 

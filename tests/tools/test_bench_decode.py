@@ -1,0 +1,59 @@
+"""kvdrive-bench decode: the --quick path end to end (shrunk further), and its input checks."""
+
+import json
+
+import pytest
+
+from kvdrive.tools import bench_decode
+from kvdrive.tools.bench import main
+
+JSON_KEYS = {"workload", "config", "tier", "batch", "tokens_per_s", "bytes_per_step_dram", "bytes_per_step_ssd",
+             "hit_rate", "select_ms", "fetch_ms", "compute_ms", "step_ms"}
+
+
+def test_quick_run_prints_every_configuration_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    png = tmp_path / "decode.png"
+    rc = main(["decode", "--quick", "--batches-a", "1", "--context-a", "512", "--steps-a", "4", "--layers-b", "1",
+               "--context-b", "2048", "--steps-b", "2", "--json", str(out), "--png", str(png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    assert all(JSON_KEYS <= set(r) for r in rows)
+    configs = {c.name for c in bench_decode.configurations(pipeline_variants=False)}
+    for workload in ("a", "b"):
+        assert {r["config"] for r in rows if r["workload"] == workload} == configs
+        tiers = {r["tier"] for r in rows if r["workload"] == workload and r["config"] != "dense"}
+        assert tiers == {"dram", "dram+ssd"}
+    assert [r["config"] for r in rows if r["workload"] == "c"] == ["kvdrive+pipe"]
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0
+        if r["config"] != "dense":
+            assert r["bytes_per_step_dram"] + r["bytes_per_step_ssd"] > 0, r
+    ssd = [r for r in rows if r["tier"] == "dram+ssd" and r["config"] == "whole-layer"]
+    assert all(r["bytes_per_step_ssd"] > 0 for r in ssd)
+    # Fidelity figures where the real model runs; the dense row is the reference.
+    assert all(r["kl"] is not None for r in rows if r["workload"] == "a" and r["config"] != "dense")
+    for needle in ("target 1:", "target 2:", "target 3:", "target 4:", "target 5:", "locality:", "system costs only"):
+        assert needle in text, needle
+    assert png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--context-a", "100"], "multiple of 16"),
+    (["--workloads", "a,x"], "takes a, b and c"),
+    (["--text", "/nonexistent/text.txt"], "no such file"),
+    (["--quick", "--steps-a", "2"], "warm-up"),
+    (["--batches-a", "0"], "batch sizes"),
+])
+def test_bad_options_are_refused_before_anything_runs(argv, message, capsys):
+    assert main(["decode", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_knobs_and_defaults():
+    cfg = bench_decode.BenchConfig()
+    assert (cfg.context_a, cfg.context_b, cfg.layers_b, cfg.batch_b) == (7168, 32768, 8, 4)
+    names = [c.name for c in bench_decode.configurations()]
+    assert names[:4] == list(bench_decode.BASELINES)
+    assert {"kvdrive+pipe", "kvdrive-pipe", "kvdrive-profile+pipe", "kvdrive-profile-pipe"} <= set(names)
