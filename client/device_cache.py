@@ -203,12 +203,9 @@ class DeviceCache:
         return staging
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the given slots: ``[B, H, k*S, D]`` each (one contiguous copy of whole pages)."""
+        """K and V of the given slots: new ``[B, H, k*S, D]`` tensors (see :meth:`gather_into`)."""
         b, h, k = slots.shape
-        bi = torch.arange(b, device=slots.device)[:, None, None]
-        hi = torch.arange(h, device=slots.device)[None, :, None]
-        rows = self._flat_slots(bi, hi, slots).reshape(-1)
-        d = self.k.shape[-1]
-        kk = self.k.view(-1, *self.k.shape[3:]).index_select(0, rows).reshape(b, h, -1, d)
-        vv = self.v.view(-1, *self.v.shape[3:]).index_select(0, rows).reshape(b, h, -1, d)
+        shape = (b, h, k * self.k.shape[3], self.k.shape[4])
+        kk, vv = self.k.new_empty(shape), self.v.new_empty(shape)
+        self.gather_into(slots, kk, vv)
         return kk, vv

@@ -106,11 +106,10 @@ class Session:
         self.base_seqs: list[Sequence] = []
         self.base_pages = 0
         self.restored = False
-        self._pending_pages: list[tuple[int, torch.Tensor]] = []  # (page, [L, B, H, 2, S, D]) being assembled
         self._page_parts: dict[int, list] = {}
         self._staging: list = [None, None]  # double-buffered: one fetch lands while the previous is read
         self._closed = False
-        self.timeline = Timeline()
+        self.timeline = Timeline(enabled=cfg.trace is not None)
         self._front: ThreadPoolExecutor | None = None
         self.window = cfg.window if cfg.window is not None else CALIBRATION_START_WINDOW
         self.micro_batch = cfg.micro_batch or batch
@@ -284,7 +283,8 @@ class Session:
         fetch = self._fetch_submit(layer, 0, pages, torch.ones_like(pages, dtype=torch.bool), slot=0)
         kf, vf = self._fetch_finish(fetch)
         shape = (self.batch, sh.num_kv_heads, p * s, sh.head_dim)
-        return kf.reshape(shape).to(self.device), vf.reshape(shape).to(self.device)
+        # copy=True: kf/vf may be views of the staging buffer, which the next fetch reuses.
+        return kf.reshape(shape).to(self.device, copy=True), vf.reshape(shape).to(self.device, copy=True)
 
     def _blocks(self, keys: torch.Tensor, values: torch.Tensor, num_pages: int) -> np.ndarray:
         """``[B, H, P*S, D]`` K and V -> ``[B, H, P, block_bytes]`` bytes (K then V per block)."""
@@ -358,7 +358,11 @@ class Session:
         return _Fetch(layer, pending, n, staging, started)
 
     def _fetch_finish(self, fetch: "_Fetch", mb: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Wait for a fetch; its pages as ``[n, S, D]`` K and V on the compute device."""
+        """Wait for a fetch; its pages as ``[n, S, D]`` K and V on the compute device.
+
+        On the CPU they are views of the staging buffer, valid until that buffer's
+        next fetch: copy them (the cache's ``fill`` does) before then.
+        """
         t0 = time.perf_counter()
         replies = [p.wait() for p in fetch.pending]
         t1 = time.perf_counter()
@@ -368,7 +372,7 @@ class Session:
             self.stats["blocks_dram"] += r["dram"]
             self.stats["blocks_ssd"] += r["ssd"]
         s, d, bb = self.cfg.page_size, self.shape.head_dim, self.block_bytes
-        raw = torch.from_numpy(fetch.staging.array[: fetch.n * bb].copy()).view(self.shape.dtype).reshape(fetch.n, 2, s, d)
+        raw = torch.from_numpy(fetch.staging.array[: fetch.n * bb]).view(self.shape.dtype).reshape(fetch.n, 2, s, d)
         raw = raw.to(self.device)
         self.stats["bytes_fetched"] += fetch.n * bb
         self.stats["fetch_wait_ms"] += (t1 - t0) * 1e3
@@ -422,10 +426,10 @@ class Session:
         work = _LayerWork(layer, query[:, :, 0].reshape(b, sh.num_kv_heads, sh.group, sh.head_dim), t, sink, k,
                           self._selectable(t, ls.num_pages, sink, first_local) if k else None)
         if sink + k:
-            capacity, _ = self._cache_capacity(layer, first_local)
-            if self.cfg.windows is not None:
-                ls.cache.set_head_capacity(self._cache_capacity(layer, first_local)[1])
-            ls.cache.grow(max(capacity, sink + k))
+            capacity, per_head = self._cache_capacity(layer, first_local)  # never below sink + k
+            if per_head is not None:
+                ls.cache.set_head_capacity(per_head)
+            ls.cache.grow(capacity)
             ls.cache.reserve_pages(ls.num_pages + 1)
             self._flush_ready()  # a page completed in an earlier step must be in the store before it is fetched
         size = b if self.observers else min(self.micro_batch, b)  # observers see whole batches
@@ -483,8 +487,9 @@ class Session:
         cache = self.layers[w.layer].cache
         cache = cache if (lo, hi) == (0, self.batch) else cache.rows(lo, hi)
         placement = cache.place(chosen, self.step, slot_scores)
-        self.timeline.add("hit/miss", lane, t0, time.perf_counter(), layer=w.layer, mb=mb)
-        return cache, placement
+        t1 = time.perf_counter()
+        self.timeline.add("hit/miss", lane, t0, t1, layer=w.layer, mb=mb)
+        return cache, placement, (t1 - t0) * 1e3
 
     def _finish(self, w: "_LayerWork", mb: int, lo: int, hi: int, chosen, cache, placement, fetch) -> torch.Tensor:
         """Stages 3 and 4 on the main thread: land the fetched pages, then attend."""
@@ -542,18 +547,16 @@ class Session:
         if w.sink + w.k == 0:
             return self._compute(w, mb, lo, hi, None, None, None)
         chosen, slot_scores, t_select = self._select(w, lo, hi, "main", mb)
-        t1 = time.perf_counter()
-        cache, placement = self._place(w, lo, hi, chosen, slot_scores, "main", mb)
-        self._count(placement, t_select, (time.perf_counter() - t1) * 1e3)
+        cache, placement, t_place = self._place(w, lo, hi, chosen, slot_scores, "main", mb)
+        self._count(placement, t_select, t_place)
         fetch = self._fetch_submit(w.layer, lo, chosen, placement.miss, slot=0)
         return self._finish(w, mb, lo, hi, chosen, cache, placement, fetch)
 
     def _front_stages(self, w: "_LayerWork", groups: list[tuple[int, int]], ready: queue.Queue) -> None:
         for i, (lo, hi) in enumerate(groups):
             chosen, slot_scores, t_select = self._select(w, lo, hi, "front", i)
-            t1 = time.perf_counter()
-            cache, placement = self._place(w, lo, hi, chosen, slot_scores, "front", i)
-            ready.put((i, lo, hi, chosen, cache, placement, t_select, (time.perf_counter() - t1) * 1e3))
+            cache, placement, t_place = self._place(w, lo, hi, chosen, slot_scores, "front", i)
+            ready.put((i, lo, hi, chosen, cache, placement, t_select, t_place))
 
     def _run_pipelined(self, w: "_LayerWork", groups: list[tuple[int, int]]) -> list[torch.Tensor]:
         """Micro-batches through the stages, overlapped.

@@ -12,28 +12,32 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 
 LANES = {"front": 1, "daemon": 2, "main": 3}
 
 
 class Timeline:
-    def __init__(self) -> None:
+    """Events of one session; a disabled timeline (no ``trace=`` asked for) records nothing."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self._t0 = time.perf_counter()
         self._events: list[dict] = []
         self._lock = threading.Lock()
-        self.stage_ms: defaultdict[str, float] = defaultdict(float)
 
     def add(self, stage: str, lane: str, start: float, end: float, **args) -> None:
         """One stage from ``start`` to ``end`` (``time.perf_counter()`` seconds)."""
+        if not self.enabled:
+            return
         event = {"name": stage, "cat": "decode", "ph": "X", "pid": 1, "tid": LANES[lane],
                  "ts": round((start - self._t0) * 1e6, 1), "dur": round(max(end - start, 0.0) * 1e6, 1), "args": args}
         with self._lock:
             self._events.append(event)
-            self.stage_ms[stage] += (end - start) * 1e3
 
     def mark(self, name: str, at: float, **args) -> None:
+        if not self.enabled:
+            return
         with self._lock:
             self._events.append({"name": name, "ph": "i", "s": "g", "pid": 1, "tid": LANES["main"],
                                  "ts": round((at - self._t0) * 1e6, 1), "args": args})

@@ -9,7 +9,6 @@ every block of a read, so a get pays no Python work per block.
 
 from __future__ import annotations
 
-import logging
 import platform
 
 import numba
@@ -20,8 +19,6 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from kvstored.copy import _copy_bytes
-
-log = logging.getLogger(__name__)
 
 _POLY = 0x82F63B78  # CRC-32C, reflected
 

@@ -40,6 +40,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvdrive.tools.decode_workload import selection_overlap
+from kvdrive.tools.text_table import text_table
 from kvdrive_client.selectors import IndexKind
 from kvdrive_client.session import Observer
 
@@ -56,9 +58,6 @@ TARGET_PIPELINE_VS_LONGEST = 1.15
 TARGET_C_VS_B = 0.5
 TARGET_OVERLAP_GAP = 0.05
 
-JSON_KEYS = ("workload", "config", "tier", "batch", "tokens_per_s", "bytes_per_step_dram", "bytes_per_step_ssd",
-             "hit_rate", "select_ms", "fetch_ms", "compute_ms", "step_ms")
-
 
 class InputError(ValueError):
     """Bad options or inputs; reported without a traceback."""
@@ -72,9 +71,6 @@ class Config:
     store: bool = True
     options: dict = field(default_factory=dict)
     profile: bool = False
-
-    def label(self) -> str:
-        return self.name
 
 
 def configurations(pipeline_variants: bool = True) -> list[Config]:
@@ -97,6 +93,8 @@ BASELINES = ("dense", "whole-layer", "quest", "shadowkv")
 
 @dataclass
 class Row:
+    """One workload x configuration x tier; the fields up to ``step_ms`` are the JSON keys the bench promises."""
+
     workload: str
     config: str
     tier: str
@@ -117,9 +115,6 @@ class Row:
     kl: float | None = None
     top1: float | None = None
     overlap: float | None = None
-
-    def json(self) -> dict:
-        return {k: v for k, v in asdict(self).items()}
 
 
 @dataclass(frozen=True)
@@ -185,8 +180,6 @@ class OverlapObserver(Observer):
         self.values: list[float] = []
 
     def on_select(self, layer, step, query, chosen, selectable, selector):
-        from kvdrive.tools.decode_workload import selection_overlap  # noqa: PLC0415
-
         if layer in self.prev and self.prev[layer].shape == chosen.shape:
             self.values.append(selection_overlap(self.prev[layer], chosen))
         self.prev[layer] = chosen.clone()
@@ -592,9 +585,7 @@ def render(rows: list[Row], info: dict) -> str:
                      f"{r.fetch_ms:.1f}", f"{r.compute_ms:.1f}", f"{r.attn_ms:.1f}", f"{r.step_ms:.1f}", fmt(r.dloss, "+.3f"),
                      fmt(r.kl, ".3f"),
                      fmt(r.top1, ".3f")))
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(b, widths))) for b in body]
+    lines = text_table(head, body, right=set(range(3, len(head))))
     lines.append("")
     if "b_description" in info:
         lines.append(f"(b)/(c): {info['b_description']}")
@@ -671,8 +662,7 @@ def run(args: argparse.Namespace) -> int:
     print(render(rows, info))
     print(f"\n(ran in {time.perf_counter() - t0:.0f} s)")
     if args.json:
-        args.json.write_text(json.dumps([{k: r.json()[k] for k in JSON_KEYS} | {
-            k: v for k, v in r.json().items() if k not in JSON_KEYS} for r in rows], indent=1))
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
     if args.png:
         _chart(rows, args.png)
     return 0

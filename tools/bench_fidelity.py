@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvdrive.tools.text_table import text_table
 from kvdrive_client.cache_sim import CachePolicy, Trace, simulate
 from kvdrive_client.config import AttachConfig
 from kvdrive_client.selectors import IndexKind
@@ -368,17 +369,6 @@ def run_fidelity(cfg: FidelityConfig) -> tuple[list[FidelityRow], list[CacheRow]
 # ---------------------------------------------------------------- report
 
 
-def _table(head: tuple[str, ...], body: list[tuple[str, ...]], right: set[int]) -> list[str]:
-    table = [head, *body]
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    lines = []
-    for k, row in enumerate(table):
-        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return lines
-
-
 def _verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
@@ -439,7 +429,7 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
     lines.append("")
     body = [(r.selector, f"{r.budget:.3%}", str(r.context), f"{r.recall:.4f}", f"{r.dloss:+.4f}", f"{r.kl:.4f}",
              f"{r.top1:.3f}", str(r.index_bytes), f"{r.select_ms:.2f}") for r in rows]
-    lines += _table(("selector", "budget", "context", "recall", "dloss", "kl", "top1", "index_bytes", "select_ms"),
+    lines += text_table(("selector", "budget", "context", "recall", "dloss", "kl", "top1", "index_bytes", "select_ms"),
                     body, set(range(1, 9)))
     if crows:
         k = {r.context: r.capacity // r.window for r in crows}
@@ -447,7 +437,7 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
                   f"capacity = window x k, k = {', '.join(f'{v} pages at {c}' for c, v in k.items())}; empty at start"]
         body = [(str(r.context), f"x{r.window}", str(r.capacity), r.policy, str(r.hits), str(r.lookups),
                  f"{r.hit_rate:.4f}") for r in crows]
-        lines += _table(("context", "window", "capacity", "policy", "hits", "lookups", "hit_rate"), body, {2, 4, 5, 6})
+        lines += text_table(("context", "window", "capacity", "policy", "hits", "lookups", "hit_rate"), body, {2, 4, 5, 6})
     elif not cfg.traced:
         lines += ["", "cache: skipped (needs the hierarchical selector at a 6.25% budget)"]
     lines += ["", *target_lines(rows, crows)]

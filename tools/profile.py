@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvdrive.tools.text_table import text_table
 from kvdrive_client.config import AttachConfig
 from kvdrive_client.profile import DEFAULT_CHOICES, UNIFORM_WINDOW, WindowProfile, capacity_pages
 from kvstored.config import format_size, parse_size
@@ -179,14 +180,6 @@ def record_trace(model, handle, ids, run: ProfileRun, info: dict):
 # ---------------------------------------------------------------- report
 
 
-def _table(head: tuple[str, ...], body: list[tuple[str, ...]]) -> list[str]:
-    rows = [head, *body]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return lines
-
-
 def _budget(budget: float) -> str:
     return f"{budget:.3%}" if budget <= 1 else f"{budget:g} tokens"
 
@@ -214,11 +207,11 @@ def render(p: WindowProfile, info: dict) -> str:
         uniform = sum(c[u_at] for c in curves)
         body.append((str(layer), *map(_window, row), f"{chosen:.2f}", f"{uniform:.2f}"))
     heads = tuple(f"head {h}" for h in range(p.num_kv_heads))
-    lines += _table(("layer", *heads, "misses/step", f"uniform {_window(u_window)}"), body)
+    lines += text_table(("layer", *heads, "misses/step", f"uniform {_window(u_window)}"), body)
     fetched = p.fetched_bytes_per_step()
     lines += [
         "",
-        *_table(("windows", "cache bytes", "predicted fetched/step"), [
+        *text_table(("windows", "cache bytes", "predicted fetched/step"), [
             ("profile", f"{format_size(p.used_bytes)} ({p.used_bytes})", f"{format_size(fetched)} ({fetched:.0f})"),
             (f"uniform {_window(u_window)}", f"{format_size(u_bytes)} ({u_bytes})",
              f"{format_size(u_fetched)} ({u_fetched:.0f})"),
