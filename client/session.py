@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvdrive.kernels import cpu as cpu_kernels
 from kvdrive.kernels import reference as ref
 from kvdrive.layout.geometry import Geometry
 from kvdrive_client.config import AttachConfig
@@ -491,8 +492,8 @@ class Session:
         self.timeline.add("hit/miss", lane, t0, t1, layer=w.layer, mb=mb)
         return cache, placement, (t1 - t0) * 1e3
 
-    def _finish(self, w: "_LayerWork", mb: int, lo: int, hi: int, chosen, cache, placement, fetch) -> torch.Tensor:
-        """Stages 3 and 4 on the main thread: land the fetched pages, then attend."""
+    def _land(self, w: "_LayerWork", mb: int, cache, placement, fetch) -> None:
+        """Stage 3 on the main thread: wait for the fetched pages and write them into the cache."""
         if fetch is not None:
             kf, vf = self._fetch_finish(fetch, mb)
             t0 = time.perf_counter()
@@ -500,6 +501,10 @@ class Session:
             t1 = time.perf_counter()
             self.timeline.add("fill", "main", t0, t1, layer=w.layer, mb=mb)
             self.stats["fetch_ms"] += (t1 - t0) * 1e3
+
+    def _finish(self, w: "_LayerWork", mb: int, lo: int, hi: int, chosen, cache, placement, fetch) -> torch.Tensor:
+        """Stages 3 and 4 on the main thread: land the fetched pages, then attend."""
+        self._land(w, mb, cache, placement, fetch)
         return self._compute(w, mb, lo, hi, chosen, cache, placement)
 
     def _workspace(self, b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -519,18 +524,25 @@ class Session:
         bm = hi - lo
         local = ls.local_k.shape[2]
         paged = 0 if chosen is None else chosen.shape[2] * s
-        kk, vv = self._workspace(bm, paged + local)
         pos = torch.arange(ls.local_start, w.t, device=self.device).expand(bm, sh.num_kv_heads, -1)
         if chosen is not None:
-            self._gather_staging = cache.gather_into(placement.slots, kk[:, :, :paged], vv[:, :, :paged], self._gather_staging)
             page_pos = chosen[..., None] * s + torch.arange(s, device=self.device)
             page_pos = page_pos.masked_fill(chosen[..., None] < 0, -1).reshape(bm, sh.num_kv_heads, -1)
             pos = torch.cat([page_pos, pos], dim=2)
-        kk[:, :, paged:].copy_(ls.local_k[lo:hi])
-        vv[:, :, paged:].copy_(ls.local_v[lo:hi])
         valid = self.valid[lo:hi].gather(1, pos.clamp_min(0).reshape(bm, -1)).reshape(pos.shape) & (pos >= 0)
-        q = w.query[lo:hi].to(kk.dtype)
-        out = ref.decode_attention(q, kk, vv, valid, sh.scaling).to(w.query.dtype)
+        if chosen is not None and self.device.type == "cpu":
+            # Straight from the cache slots: no gathered copy of K and V.
+            out = cpu_kernels.sparse_attention(w.query[lo:hi], cache.k, cache.v, placement.slots, ls.local_k[lo:hi],
+                                               ls.local_v[lo:hi], valid, sh.scaling).to(w.query.dtype)
+        else:
+            kk, vv = self._workspace(bm, paged + local)
+            if chosen is not None:
+                self._gather_staging = cache.gather_into(placement.slots, kk[:, :, :paged], vv[:, :, :paged],
+                                                         self._gather_staging)
+            kk[:, :, paged:].copy_(ls.local_k[lo:hi])
+            vv[:, :, paged:].copy_(ls.local_v[lo:hi])
+            q = w.query[lo:hi].to(kk.dtype)
+            out = ref.decode_attention(q, kk, vv, valid, sh.scaling).to(w.query.dtype)
         t1 = time.perf_counter()
         self.timeline.add("compute", "main", t0, t1, layer=w.layer, mb=mb)
         self.stats["attention_ms"] += (t1 - t0) * 1e3
@@ -561,9 +573,11 @@ class Session:
     def _run_pipelined(self, w: "_LayerWork", groups: list[tuple[int, int]]) -> list[torch.Tensor]:
         """Micro-batches through the stages, overlapped.
 
-        A front thread selects and evaluates hits for micro-batch i+1 while the main
-        thread submits i's fetch and the daemon serves it, and attends for i-1 whose
-        pages have landed; two fetches are in flight at most (two staging buffers).
+        A front thread selects and evaluates hits for micro-batch i+1 while the daemon
+        serves i's fetch and the main thread attends for the oldest micro-batch whose
+        selection is done. The main thread submits a fetch as soon as its selection is
+        ready and attends whenever the next selection is not; two fetches are in flight
+        at most (two staging buffers).
         The store client's socket is used by the main thread only.
         """
         if w.sink + w.k == 0:
@@ -584,20 +598,31 @@ class Session:
         outs: list[torch.Tensor | None] = [None] * len(groups)
         inflight: deque = deque()
         try:
-            for n in range(len(groups)):
-                item = ready.get()
-                if isinstance(item, BaseException):
-                    raise item
-                i, lo, hi, chosen, cache, placement, t_sel, t_place = item
-                self._count(placement, t_sel, t_place)
-                fetch = self._fetch_submit(w.layer, lo, chosen, placement.miss, slot=n % 2)
-                inflight.append((i, lo, hi, chosen, cache, placement, fetch))
-                if len(inflight) == 2:
-                    i0, *rest = inflight.popleft()
-                    outs[i0] = self._finish(w, i0, *rest)
-            while inflight:
-                i0, *rest = inflight.popleft()
-                outs[i0] = self._finish(w, i0, *rest)
+            n = 0
+
+            def submit_ready(block: bool) -> None:
+                # Submit every selection the front thread has finished (two fetches in flight at most).
+                nonlocal n
+                while n < len(groups) and len(inflight) < 2:
+                    try:
+                        item = ready.get() if block and not inflight else ready.get_nowait()
+                    except queue.Empty:
+                        return
+                    if isinstance(item, BaseException):
+                        raise item
+                    i, lo, hi, chosen, cache, placement, t_sel, t_place = item
+                    self._count(placement, t_sel, t_place)
+                    fetch = self._fetch_submit(w.layer, lo, chosen, placement.miss, slot=n % 2)
+                    inflight.append((i, lo, hi, chosen, cache, placement, fetch))
+                    n += 1
+
+            while n < len(groups) or inflight:
+                submit_ready(block=True)
+                i0, lo, hi, chosen, cache, placement, fetch = inflight.popleft()
+                self._land(w, i0, cache, placement, fetch)
+                # A selection that finished meanwhile is fetched while this micro-batch attends.
+                submit_ready(block=False)
+                outs[i0] = self._compute(w, i0, lo, hi, chosen, cache, placement)
         finally:
             done.result()
         return outs

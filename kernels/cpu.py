@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import numba
+from numba.core import types
+from llvmlite import ir
+from numba.extending import intrinsic, overload
 import numpy as np
 import torch
 
@@ -114,3 +117,170 @@ def hierarchical_select(query: torch.Tensor, centroids: torch.Tensor, assign: to
         scale.numpy(), selectable.numpy(), k, candidates, pages, scores, cached_np, cached_scores, num_pages,
     )
     return torch.from_numpy(pages), torch.from_numpy(scores), None if cached is None else torch.from_numpy(cached_scores)
+
+
+# ---------------------------------------------------------------- sparse decode attention
+
+# Storage kinds of the cached K/V the attention kernel reads (half kinds are passed as uint16 bits).
+FLOAT32, FLOAT16, BFLOAT16 = 0, 1, 2
+
+
+@intrinsic
+def _half_to_float(typingctx, bits):
+    """fp16 bits (uint16) -> float32; LLVM lowers a loop of these to F16C vcvtph2ps where the CPU has it."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _bfloat_to_float(typingctx, bits):
+    """bf16 bits (uint16) -> float32: the bits are the float's upper half."""
+    def codegen(context, builder, signature, args):
+        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+def _widen(src, kind, dst):  # pragma: no cover - replaced by the overload below
+    raise NotImplementedError
+
+
+@overload(_widen, inline="always")
+def _widen_impl(src, kind, dst):
+    """Row ``src`` (float32, or fp16/bf16 bits as uint16) into the float32 row ``dst``."""
+    if isinstance(src.dtype, types.Float):
+        def copy(src, kind, dst):
+            for d in range(src.shape[0]):
+                dst[d] = src[d]
+        return copy
+
+    def from_half(src, kind, dst):
+        if kind == BFLOAT16:
+            for d in range(src.shape[0]):
+                dst[d] = _bfloat_to_float(src[d])
+        else:
+            for d in range(src.shape[0]):
+                dst[d] = _half_to_float(src[d])
+    return from_half
+
+
+# Fast-math without "no infinities": -inf marks masked logits.
+_ATTENTION_FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
+
+
+@numba.njit(nogil=True, cache=True, fastmath=_ATTENTION_FASTMATH, error_model="numpy")
+def _sparse_attention(query, kc, vc, slots, lk, lv, valid, kind, scaling, out):  # pragma: no cover - compiled
+    b_n, h_n, g_n, d_n = query.shape
+    k_n = slots.shape[2]
+    s_n = kc.shape[3]
+    l_n = lk.shape[2]
+    n_tok = k_n * s_n + l_n
+    block = np.empty(max(s_n, l_n) * d_n, np.float32)
+    logits = np.empty((g_n, n_tok), np.float32)
+    acc = np.empty((g_n, d_n), np.float32)
+    q = np.empty((g_n, d_n), np.float32)
+    for b in range(b_n):
+        for h in range(h_n):
+            for g in range(g_n):
+                for d in range(d_n):
+                    q[g, d] = query[b, h, g, d] * scaling
+                for n in range(n_tok):
+                    logits[g, n] = -np.inf
+            # Pass 1: the logits of every valid token, a page (or the local window) at a time.
+            for j in range(k_n + 1):
+                if j < k_n:
+                    slot = slots[b, h, j]
+                    if slot < 0:
+                        continue
+                    first, count = j * s_n, s_n
+                    _widen(kc[b, h, slot].reshape(s_n * d_n), kind, block[: s_n * d_n])
+                else:
+                    first, count = k_n * s_n, l_n
+                    if l_n == 0:
+                        continue
+                    _widen(lk[b, h].reshape(l_n * d_n), kind, block[: l_n * d_n])
+                for t in range(count):
+                    if not valid[b, h, first + t]:
+                        continue
+                    base = t * d_n
+                    for g in range(g_n):
+                        dot = np.float32(0.0)
+                        for d in range(d_n):
+                            dot += q[g, d] * block[base + d]
+                        logits[g, first + t] = dot
+            # Softmax per query head, in place; a head with nothing valid attends nothing (zeros).
+            for g in range(g_n):
+                top = -np.inf
+                for n in range(n_tok):
+                    if logits[g, n] > top:
+                        top = logits[g, n]
+                if top == -np.inf:
+                    for n in range(n_tok):
+                        logits[g, n] = 0.0
+                    continue
+                total = np.float32(0.0)
+                for n in range(n_tok):
+                    e = np.exp(logits[g, n] - top)
+                    logits[g, n] = e
+                    total += e
+                inv = np.float32(1.0) / total
+                for n in range(n_tok):
+                    logits[g, n] *= inv
+            # Pass 2: the probability-weighted sum of the values.
+            acc[:, :] = 0.0
+            for j in range(k_n + 1):
+                if j < k_n:
+                    slot = slots[b, h, j]
+                    if slot < 0:
+                        continue
+                    first, count = j * s_n, s_n
+                    _widen(vc[b, h, slot].reshape(s_n * d_n), kind, block[: s_n * d_n])
+                else:
+                    first, count = k_n * s_n, l_n
+                    if l_n == 0:
+                        continue
+                    _widen(lv[b, h].reshape(l_n * d_n), kind, block[: l_n * d_n])
+                for t in range(count):
+                    if not valid[b, h, first + t]:
+                        continue
+                    base = t * d_n
+                    for g in range(g_n):
+                        p = logits[g, first + t]
+                        for d in range(d_n):
+                            acc[g, d] += p * block[base + d]
+            for g in range(g_n):
+                for d in range(d_n):
+                    out[b, h, g, d] = acc[g, d]
+
+
+def _as_numpy(t: torch.Tensor) -> tuple[np.ndarray, int]:
+    if t.dtype == torch.float32:
+        return t.numpy(), FLOAT32
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return t.view(torch.int16).numpy().view(np.uint16), FLOAT16 if t.dtype == torch.float16 else BFLOAT16
+    raise TypeError(f"sparse_attention reads float32, float16 or bfloat16 K/V, got {t.dtype}")
+
+
+def sparse_attention(query: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
+                     local_k: torch.Tensor, local_v: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Decode attention straight from cache slots: no gathered copy of K and V.
+
+    query ``[B, H, G, D]``; ``cache_k``/``cache_v`` ``[B, H, C, S, D]`` slots;
+    ``slots`` ``[B, H, k]`` (-1: no page); ``local_k``/``local_v`` ``[B, H, L, D]``;
+    ``valid`` ``[B, H, k*S + L]`` for the tokens in that order (selected pages, then
+    the local window). K/V may be float32, float16 or bfloat16 (read in float32).
+    Returns float32 ``[B, H, G, D]``; equals ``reference.decode_attention`` over
+    the gathered tokens.
+    """
+    kc, kind = _as_numpy(cache_k.contiguous())
+    vc, _ = _as_numpy(cache_v.contiguous())
+    lk, lkind = _as_numpy(local_k.contiguous())
+    lv, _ = _as_numpy(local_v.contiguous())
+    if lkind != kind:
+        raise TypeError(f"cache ({cache_k.dtype}) and local window ({local_k.dtype}) differ in dtype")
+    q = query.detach().to(torch.float32).contiguous()
+    out = torch.empty(q.shape, dtype=torch.float32)
+    _sparse_attention(q.numpy(), kc, vc, slots.contiguous().numpy(), lk, lv, valid.contiguous().numpy(), kind,
+                      np.float32(scaling), out.numpy())
+    return out

@@ -1,4 +1,4 @@
-"""The numba selection kernel against its torch reference."""
+"""The numba kernels against their torch references."""
 
 import pytest
 import torch
@@ -27,3 +27,41 @@ def test_numba_hierarchical_select_matches_reference(seed):
     torch.testing.assert_close(scores, ref_scores, rtol=1e-4, atol=1e-4)
     expect = ref.score_mean(query, means).gather(2, cached.clamp_min(0)).masked_fill(cached < 0, float("-inf"))
     torch.testing.assert_close(cached_scores, expect, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("local", [0, 5, 40])
+def test_sparse_attention_from_cache_slots_matches_gathered_reference(dtype, local):
+    g = torch.Generator().manual_seed(local)
+    B, H, G, D, C, S, K = 3, 2, 4, 32, 24, 8, 10
+    kc = torch.randn(B, H, C, S, D, generator=g).to(dtype)
+    vc = torch.randn(B, H, C, S, D, generator=g).to(dtype)
+    lk = torch.randn(B, H, local, D, generator=g).to(dtype)
+    lv = torch.randn(B, H, local, D, generator=g).to(dtype)
+    slots = torch.stack([torch.stack([torch.randperm(C, generator=g)[:K] for _ in range(H)]) for _ in range(B)])
+    query = torch.randn(B, H, G, D, generator=g) * 2
+    valid = torch.rand(B, H, K * S + local, generator=g) > 0.2
+    valid[0, 1] = False  # a head with nothing to attend gives zeros
+    out = cpu.sparse_attention(query, kc, vc, slots, lk, lv, valid, 0.17)
+
+    bi, hi = torch.arange(B)[:, None, None], torch.arange(H)[None, :, None]
+    keys = torch.cat([kc[bi, hi, slots].reshape(B, H, K * S, D), lk], dim=2).float()
+    values = torch.cat([vc[bi, hi, slots].reshape(B, H, K * S, D), lv], dim=2).float()
+    expect = ref.decode_attention(query, keys, values, valid, 0.17)
+    expect[0, 1] = 0
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_widening_is_exact_for_every_finite_value_class(dtype):
+    # One valid token gets probability one, so the output is its value row widened to float32.
+    values = torch.tensor([1.0, -2.5, 6e-8, -6e-8, 0.0, -0.0, 60000.0, 1e-4, 3.14159, -1e-5], dtype=dtype)
+    D = values.numel()
+    kc = torch.randn(1, 1, 1, 2, D).to(dtype)
+    vc = torch.stack([values, torch.zeros_like(values)]).reshape(1, 1, 1, 2, D)
+    valid = torch.tensor([[[True, False]]])
+    empty = kc[:, :, 0, :0]
+    out = cpu.sparse_attention(torch.randn(1, 1, 1, D), kc, vc, torch.zeros(1, 1, 1, dtype=torch.long), empty, empty,
+                               valid, 1.0)
+    assert torch.equal(out.reshape(D), values.float())
