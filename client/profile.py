@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -30,10 +31,12 @@ import numpy as np
 
 from kvdrive_client.cache_sim import CachePolicy, Trace, stream_hits
 
+log = logging.getLogger(__name__)
+
 DEFAULT_CHOICES = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 UNIFORM_WINDOW = 4.0  # AttachConfig's default window: the budget a profile is compared at by default
 FORMAT_NAME = "kvdrive-window-profile"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 EXACT_MAX_COMBINATIONS = 1_000_000
 
 
@@ -199,8 +202,8 @@ def capacity_pages(window: float, k: int, sink_pages: int = 0) -> int:
     return max(1, math.ceil(window * k) + sink_pages)
 
 
-def window_misses(trace: Trace, choices, warmup_steps: int = 1) -> np.ndarray:
-    """Misses per step ``[streams, choices]``: the trace replayed at ``ceil(window x k)`` pages per stream.
+def window_misses_per_step(trace: Trace, choices, warmup_steps: int = 1) -> np.ndarray:
+    """Misses ``[streams, choices, counted steps]``: the trace replayed at ``ceil(window x k)`` pages per stream.
 
     The replayed caches start empty, so the first steps miss every selected page at
     any window, where the real cache is seeded from prefill; ``warmup_steps`` steps
@@ -214,14 +217,70 @@ def window_misses(trace: Trace, choices, warmup_steps: int = 1) -> np.ndarray:
     k = trace.max_selected
     if k < 1:
         raise ValueError("the trace selects no pages")
-    counted = trace.selected[:, warmup_steps:] >= 0
-    out = np.zeros((trace.num_streams, len(choices)))
+    counted = (trace.selected[:, warmup_steps:] >= 0).sum(axis=2)
+    out = np.zeros((trace.num_streams, len(choices), trace.num_steps - warmup_steps))
     for j, window in enumerate(choices):
         capacity = capacity_pages(window, k)
         for n in range(trace.num_streams):
             hits = stream_hits(trace.selected[n], trace.scores[n], capacity, CachePolicy.LOOKAHEAD)
-            out[n, j] = counted[n].sum() - sum(hits[warmup_steps:])
-    return out / (trace.num_steps - warmup_steps)
+            out[n, j] = counted[n] - np.asarray(hits[warmup_steps:])
+    return out
+
+
+def window_misses(trace: Trace, choices, warmup_steps: int = 1) -> np.ndarray:
+    """Misses per step ``[streams, choices]``, averaged over the counted steps (see :func:`window_misses_per_step`)."""
+    return window_misses_per_step(trace, choices, warmup_steps).mean(axis=2)
+
+
+# ---------------------------------------------------------------- guarding against over-fitting
+
+SHRINK_LEVELS = (0.25, 0.5, 0.75, 1.0)  # 0 (below) stands for one window everywhere
+MIN_STEPS_TO_VALIDATE = 4
+
+
+def shrunk(misses: np.ndarray, weight: float) -> np.ndarray:
+    """Each stream's curve pulled toward the mean curve: ``weight`` 1 keeps it, smaller trusts it less."""
+    return weight * misses + (1.0 - weight) * misses.mean(axis=0, keepdims=True)
+
+
+def _solve(misses: np.ndarray, costs: np.ndarray, budget: float) -> list[int]:
+    return fill_budget(solve_windows(misses, costs, budget), costs, budget)
+
+
+@dataclass(frozen=True)
+class Validation:
+    """How much per-stream curves are trusted, chosen on held-out calibration steps.
+
+    The steps are split into two halves; windows solved on one half are scored on
+    the other (both ways) at each shrink level, and against the best uniform window.
+    ``held_out[i]``: pages missed per step, summed over the two held-out halves, at
+    ``SHRINK_LEVELS[i]``; ``uniform``: the same for one window everywhere.
+    """
+
+    shrink: float
+    held_out: tuple[float, ...]
+    uniform: float
+
+
+def choose_shrink(per_step: np.ndarray, costs, budget: float) -> Validation | None:
+    """The shrink level that missed least on held-out steps, or 0 (one window everywhere) where none beat that.
+
+    ``per_step`` ``[streams, choices, steps]``. ``None`` when the trace is too short to
+    split (fewer than :data:`MIN_STEPS_TO_VALIDATE` counted steps): nothing to check with.
+    """
+    steps = per_step.shape[2]
+    if steps < MIN_STEPS_TO_VALIDATE:
+        return None
+    c = np.asarray(costs)
+    halves = (per_step[:, :, : steps // 2].mean(axis=2), per_step[:, :, steps // 2 :].mean(axis=2))
+    j, _ = uniform_cost(halves[0], c, budget)  # the uniform choice does not depend on the data
+    uniform = sum(total_at(h, [j] * len(c)) for h in halves)
+    scores = []
+    for weight in SHRINK_LEVELS:
+        scores.append(sum(total_at(halves[1 - i], _solve(shrunk(halves[i], weight), c, budget)) for i in (0, 1)))
+    best = int(np.argmin(scores))
+    weight = SHRINK_LEVELS[best] if scores[best] < uniform else 0.0
+    return Validation(shrink=weight, held_out=tuple(float(x) for x in scores), uniform=float(uniform))
 
 
 # ---------------------------------------------------------------- the profile
@@ -253,6 +312,7 @@ class WindowProfile:
     text: str
     context: int
     steps: int
+    shrink: float
 
     def __post_init__(self) -> None:
         for name in ("page_size", "k", "sink_pages", "page_bytes", "cache_bytes", "context", "steps"):
@@ -261,6 +321,8 @@ class WindowProfile:
                 raise ProfileError(f"{name} must be a whole number >= {least}, got {value!r}")
         if not isinstance(self.budget, (int, float)) or not self.budget > 0:
             raise ProfileError(f"budget must be a number > 0, got {self.budget!r}")
+        if not isinstance(self.shrink, (int, float)) or isinstance(self.shrink, bool) or not 0 <= self.shrink <= 1:
+            raise ProfileError(f"shrink must be a number in [0, 1], got {self.shrink!r}")
         choices = _floats(self.choices, "choices")
         if not choices or choices != sorted(set(choices)) or choices[0] < 1:
             raise ProfileError(f"choices must be distinct increasing windows >= 1, got {self.choices}")
@@ -391,17 +453,30 @@ def profile_from_trace(trace: Trace, *, num_layers: int, num_kv_heads: int, page
     choices = sorted({float(w) for w in choices})
     if choices[0] < 1:
         raise ValueError(f"windows must be >= 1 (the cache holds at least one step's selection), got {choices}")
-    misses = window_misses(trace, choices, warmup_steps)
+    per_step = window_misses_per_step(trace, choices, warmup_steps)
+    misses = per_step.mean(axis=2)
     k = trace.max_selected
     costs = np.array([[capacity_pages(w, k, sink_pages) * page_bytes for w in choices]] * len(misses), dtype=np.int64)
     if cache_bytes is None:
         cache_bytes = capacity_pages(UNIFORM_WINDOW, k, sink_pages) * page_bytes * len(misses)
-    picked = fill_budget(solve_windows(misses, costs, cache_bytes), costs, cache_bytes)
+    check = choose_shrink(per_step, costs, cache_bytes)
+    if check is None:
+        log.warning("a %d-step trace is too short to check the windows on held-out steps; per-head curves used as "
+                    "measured", per_step.shape[2])
+        weight = 1.0
+    else:
+        weight = check.shrink
+        log.info("held-out calibration steps: per-head windows at shrink %s missed %s pages/step, one window %.1f: "
+                 "shrink %.2f kept", list(SHRINK_LEVELS), [round(x, 1) for x in check.held_out], check.uniform, weight)
+    if weight == 0:
+        picked = [uniform_cost(misses, costs, cache_bytes)[0]] * len(misses)
+    else:
+        picked = _solve(shrunk(misses, weight), costs, cache_bytes)
     windows = [[choices[picked[layer * num_kv_heads + head]] for head in range(num_kv_heads)]
                for layer in range(num_layers)]
     return WindowProfile(
         model=model, dtype=dtype, page_size=page_size, budget=float(budget), k=k, sink_pages=sink_pages,
         page_bytes=page_bytes, cache_bytes=int(cache_bytes), choices=choices, windows=windows,
         misses=misses.reshape(num_layers, num_kv_heads, len(choices)).tolist(), text=text, context=context,
-        steps=trace.num_steps - warmup_steps,
+        steps=trace.num_steps - warmup_steps, shrink=float(weight),
     )

@@ -1,6 +1,7 @@
 """Window profiles: the greedy knapsack against exhaustive search, the trace replay, the JSON file."""
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -11,12 +12,15 @@ from kvdrive_client.profile import (
     ProfileError,
     WindowProfile,
     capacity_pages,
+    choose_shrink,
     profile_from_trace,
+    shrunk,
     solve_windows,
     solve_windows_exact,
     total_at,
     uniform_cost,
     window_misses,
+    window_misses_per_step,
 )
 
 
@@ -160,6 +164,52 @@ def test_profile_from_trace_chooses_within_the_budget_and_beats_uniform():
         profile_from_trace(trace, **{**meta, "num_layers": 3})
 
 
+def test_held_out_steps_keep_real_differences_between_heads():
+    # Half the streams miss a lot at small windows and nothing at large ones, the other
+    # half the reverse shape, on every step: a difference that holds on held-out steps.
+    steps = 8
+    per_step = np.zeros((6, 3, steps))
+    per_step[:3] = np.array([8.0, 2.0, 0.0])[:, None]
+    per_step[3:] = np.array([1.0, 1.0, 1.0])[:, None]
+    costs = np.array([[1, 2, 4]] * 6)
+    check = choose_shrink(per_step, costs, budget=15)  # uniform: choice 1 everywhere (12 bytes)
+    assert check is not None and check.shrink > 0
+    assert min(check.held_out) < check.uniform
+    choice = solve_windows(shrunk(per_step.mean(axis=2), check.shrink), costs, 15)
+    assert choice[:3] == [2, 2, 2] and choice[3:] == [0, 0, 0]
+
+
+def test_noise_between_heads_falls_back_to_one_window_everywhere():
+    # Every stream's curve is the same but for noise that flips between the halves:
+    # per-head windows fitted on one half lose on the other, so one window is kept.
+    steps = 8
+    per_step = np.tile(np.array([6.0, 3.0, 1.0])[None, :, None], (6, 1, steps))
+    flip = np.where(np.arange(6) % 2 == 0, 1.0, -1.0)
+    per_step[:, 1, : steps // 2] += 2.0 * flip[:, None]
+    per_step[:, 1, steps // 2 :] -= 2.0 * flip[:, None]
+    costs = np.array([[1, 2, 4]] * 6)
+    check = choose_shrink(per_step, costs, budget=6 * 2)
+    assert check is not None
+    assert check.shrink == 0.0 and min(check.held_out) >= check.uniform
+    assert choose_shrink(per_step[:, :, :3], costs, budget=12) is None  # too short to split
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_selections_get_one_window_everywhere(seed, caplog):
+    trace = random_trace(seed, streams=2 * 3)  # no head really differs from another
+    meta = dict(num_layers=2, num_kv_heads=3, page_bytes=1024, sink_pages=1, model="tiny", dtype="float32",
+                page_size=16, budget=0.0625, text="random", context=512)
+    budget = 6 * capacity_pages(2.0, 3, 1) * 1024
+    with caplog.at_level(logging.INFO, logger="kvdrive_client.profile"):
+        p = profile_from_trace(trace, cache_bytes=budget, **meta)
+    assert any("held-out calibration steps" in r.message for r in caplog.records)
+    per_step = window_misses_per_step(trace, p.choices)
+    costs = np.array([[capacity_pages(w, 3, 1) * 1024 for w in p.choices]] * 6)
+    check = choose_shrink(per_step, costs, budget)
+    assert p.shrink == check.shrink == 0.0 and min(check.held_out) >= check.uniform
+    assert {w for row in p.windows for w in row} == {2.0}  # the largest window that fits everywhere
+
+
 # ---------------------------------------------------------------- the file
 
 
@@ -170,7 +220,7 @@ def profile():
                          windows=[[4.0, 1.0], [2.0, 2.0], [1.0, 4.0]],
                          misses=[[[3.0, 2.0, 1.0], [1.0, 1.0, 1.0]], [[2.0, 1.0, 1.0], [2.5, 1.0, 0.5]],
                                  [[1.0, 1.0, 1.0], [3.0, 2.0, 0.0]]],
-                         text="calibration.txt", context=2048, steps=31)
+                         text="calibration.txt", context=2048, steps=31, shrink=0.5)
 
 
 def test_save_and_load_round_trip(tmp_path, profile):
@@ -197,7 +247,8 @@ def rewrite(tmp_path, profile, **changes):
 
 
 @pytest.mark.parametrize("changes, match", [
-    ({"version": FORMAT_VERSION + 1}, "version 2; this KVDrive reads version 1"),
+    ({"version": FORMAT_VERSION + 1}, f"version {FORMAT_VERSION + 1}; this KVDrive reads version {FORMAT_VERSION}"),
+    ({"version": 1}, "profile the model again"),
     ({"format": "something-else"}, "not a window profile"),
     ({"cache_bytes": None}, r"missing fields \['cache_bytes'\]"),
     ({"colour": "blue"}, r"unknown fields \['colour'\]"),
@@ -208,6 +259,7 @@ def rewrite(tmp_path, profile, **changes):
     ({"page_size": "16"}, "page_size must be a whole number"),
     ({"choices": [2.0, 1.0, 4.0]}, "increasing"),
     ({"model": 7}, "model must be a string"),
+    ({"shrink": 1.5}, r"shrink must be a number in \[0, 1\]"),
 ])
 def test_bad_files_are_refused_with_the_reason(tmp_path, profile, changes, match):
     path = rewrite(tmp_path, profile, **changes)
