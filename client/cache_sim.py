@@ -45,10 +45,16 @@ class Trace:
 
     selected: np.ndarray
     scores: np.ndarray | None = None
+    # ``seeded`` ``[N, n]``: pages the cache held before the first step, most important
+    # first (-1 padding); a cache of capacity c starts with the first c of them.
+    seeded: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.selected.ndim != 3:
             raise ValueError(f"selected must be [streams, steps, k], got shape {self.selected.shape}")
+        if self.seeded is not None and (self.seeded.ndim != 2 or self.seeded.shape[0] != self.selected.shape[0]):
+            raise ValueError(f"seeded must be [streams, pages] with {self.selected.shape[0]} streams, "
+                             f"got shape {self.seeded.shape}")
         if self.scores is not None:
             if self.scores.ndim != 3 or self.scores.shape[:2] != self.selected.shape[:2]:
                 raise ValueError(f"scores must be [streams, steps, pages] matching selected {self.selected.shape[:2]}, "
@@ -87,16 +93,24 @@ def simulate(trace: Trace, capacity: int, policy: CachePolicy) -> SimResult:
     hits = lookups = 0
     for n in range(trace.num_streams):
         scores = None if trace.scores is None else trace.scores[n]
-        per_step = stream_hits(trace.selected[n], scores, capacity, policy)
+        seeded = None if trace.seeded is None else trace.seeded[n]
+        per_step = stream_hits(trace.selected[n], scores, capacity, policy, seeded)
         hits += sum(per_step)
         lookups += int((trace.selected[n] >= 0).sum())
     return SimResult(policy, capacity, hits, lookups)
 
 
-def stream_hits(selected: np.ndarray, scores: np.ndarray | None, capacity: int, policy: CachePolicy) -> list[int]:
-    """Hits per step of one stream: ``selected`` ``[T, k]``, ``scores`` ``[T, P]``."""
+def stream_hits(selected: np.ndarray, scores: np.ndarray | None, capacity: int, policy: CachePolicy,
+                seeded: np.ndarray | None = None) -> list[int]:
+    """Hits per step of one stream: ``selected`` ``[T, k]``, ``scores`` ``[T, P]``.
+
+    ``seeded``: pages in the cache before the first step, most important first: slot
+    ``i`` holds ``seeded[i]`` for ``i < capacity`` (-1: the slot stays empty), as
+    :meth:`DeviceCache.seed` fills them.
+    """
     if capacity < 1:
         raise ValueError(f"cache capacity must be >= 1 page, got {capacity}")
+    initial = [] if seeded is None else [int(p) for p in np.asarray(seeded)[:capacity]]
     steps = [[int(p) for p in row if p >= 0] for row in np.asarray(selected)]
     for t, pages in enumerate(steps):
         if len(pages) > capacity:
@@ -104,16 +118,17 @@ def stream_hits(selected: np.ndarray, scores: np.ndarray | None, capacity: int, 
         if len(set(pages)) != len(pages):
             raise ValueError(f"step {t} selects a page twice: {pages}")
     if policy is CachePolicy.BELADY:
-        return _belady(steps, capacity)
+        return _belady(steps, capacity, initial)
     if policy is CachePolicy.LOOKAHEAD and scores is None:
         raise ValueError("lookahead eviction needs the trace's scores")
-    return _slotted(steps, scores, capacity, policy)
+    return _slotted(steps, scores, capacity, policy, initial)
 
 
-def _slotted(steps: list[list[int]], scores: np.ndarray | None, capacity: int, policy: CachePolicy) -> list[int]:
-    slot_page = [-1] * capacity
+def _slotted(steps: list[list[int]], scores: np.ndarray | None, capacity: int, policy: CachePolicy,
+             initial: list[int]) -> list[int]:
+    slot_page = initial + [-1] * (capacity - len(initial))
     last_used = [0] * capacity
-    page_slot: dict[int, int] = {}
+    page_slot: dict[int, int] = {page: slot for slot, page in enumerate(initial) if page >= 0}
     out = []
     for t, pages in enumerate(steps):
         misses = [p for p in pages if p not in page_slot]
@@ -141,7 +156,7 @@ def _slotted(steps: list[list[int]], scores: np.ndarray | None, capacity: int, p
     return out
 
 
-def _belady(steps: list[list[int]], capacity: int) -> list[int]:
+def _belady(steps: list[list[int]], capacity: int, initial: list[int]) -> list[int]:
     uses: dict[int, list[int]] = {}
     for t, pages in enumerate(steps):
         for p in pages:
@@ -152,7 +167,7 @@ def _belady(steps: list[list[int]], capacity: int) -> list[int]:
         i = bisect.bisect_right(at, t)
         return at[i] if i < len(at) else math.inf
 
-    cached: set[int] = set()
+    cached: set[int] = {p for p in initial if p >= 0}
     out = []
     for t, pages in enumerate(steps):
         misses = [p for p in pages if p not in cached]

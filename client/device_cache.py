@@ -172,14 +172,17 @@ class DeviceCache:
         self.v.view(-1, *self.v.shape[3:]).index_copy_(0, rows, v_pages.to(self.v.dtype))
 
     def seed(self, pages: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
-        """Fill an empty cache with ``pages`` ``[B, H, n]`` (n <= capacity) and their data ``[B, H, n, S, D]``."""
+        """Fill an empty cache with ``pages`` ``[B, H, n]`` (n <= capacity) and their data ``[B, H, n, S, D]``.
+
+        A page of -1 leaves its slot empty (a head whose window holds fewer than n).
+        """
         n = pages.shape[2]
         self._ensure_pages(int(pages.max()) + 1 if pages.numel() else 1)
         self.k[:, :, :n] = k_pages
         self.v[:, :, :n] = v_pages
-        slots = torch.arange(n, device=pages.device).expand_as(pages)
-        self.slot_page[:, :, :n] = pages
-        self.page_slot.scatter_(2, pages, slots)
+        self.slot_page[:, :, :n] = pages.clamp_min(-1)
+        bi, hi, ki = torch.nonzero(pages >= 0, as_tuple=True)
+        self.page_slot[bi, hi, pages[bi, hi, ki]] = ki
 
     def gather_into(self, slots: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor, staging: torch.Tensor | None = None) -> torch.Tensor:
         """Copy the given slots' K and V into ``out_k``/``out_v`` ``[B, H, k*S, D]`` (any dtype, any strides).

@@ -205,9 +205,10 @@ def capacity_pages(window: float, k: int, sink_pages: int = 0) -> int:
 def window_misses_per_step(trace: Trace, choices, warmup_steps: int = 1) -> np.ndarray:
     """Misses ``[streams, choices, counted steps]``: the trace replayed at ``ceil(window x k)`` pages per stream.
 
-    The replayed caches start empty, so the first steps miss every selected page at
-    any window, where the real cache is seeded from prefill; ``warmup_steps`` steps
-    are replayed but not counted.
+    A trace that records the prefill's seeding starts each replayed cache as the
+    session does (its most important pages, as many as the window holds). Without
+    it the replayed caches start empty and the first steps miss every selected page
+    at any window; ``warmup_steps`` steps are replayed but not counted.
     """
     if trace.scores is None:
         raise ValueError("the trace needs the selector's scores (LOOKAHEAD eviction ranks cached pages by them)")
@@ -222,7 +223,8 @@ def window_misses_per_step(trace: Trace, choices, warmup_steps: int = 1) -> np.n
     for j, window in enumerate(choices):
         capacity = capacity_pages(window, k)
         for n in range(trace.num_streams):
-            hits = stream_hits(trace.selected[n], trace.scores[n], capacity, CachePolicy.LOOKAHEAD)
+            seeded = None if trace.seeded is None else trace.seeded[n]
+            hits = stream_hits(trace.selected[n], trace.scores[n], capacity, CachePolicy.LOOKAHEAD, seeded)
             out[n, j] = counted[n] - np.asarray(hits[warmup_steps:])
     return out
 
@@ -249,38 +251,49 @@ def _solve(misses: np.ndarray, costs: np.ndarray, budget: float) -> list[int]:
 
 @dataclass(frozen=True)
 class Validation:
-    """How much per-stream curves are trusted, chosen on held-out calibration steps.
+    """How much per-stream curves are trusted, chosen on held-out calibration data.
 
-    The steps are split into two halves; windows solved on one half are scored on
-    the other (both ways) at each shrink level, and against the best uniform window.
-    ``held_out[i]``: pages missed per step, summed over the two held-out halves, at
+    The data comes in folds: one per calibration sequence, or (one sequence) the two
+    halves of its steps. Windows solved on all folds but one are scored on that one,
+    for every fold, at each shrink level and for the best uniform window.
+    ``held_out[i]``: pages missed per step, summed over the held-out folds, at
     ``SHRINK_LEVELS[i]``; ``uniform``: the same for one window everywhere.
     """
 
     shrink: float
     held_out: tuple[float, ...]
     uniform: float
+    folds: str
 
 
-def choose_shrink(per_step: np.ndarray, costs, budget: float) -> Validation | None:
-    """The shrink level that missed least on held-out steps, or 0 (one window everywhere) where none beat that.
-
-    ``per_step`` ``[streams, choices, steps]``. ``None`` when the trace is too short to
-    split (fewer than :data:`MIN_STEPS_TO_VALIDATE` counted steps): nothing to check with.
-    """
+def step_halves(per_step: np.ndarray) -> list[np.ndarray] | None:
+    """Two folds from one sequence's ``[streams, choices, steps]``: the first and second half of the steps."""
     steps = per_step.shape[2]
     if steps < MIN_STEPS_TO_VALIDATE:
         return None
+    return [per_step[:, :, : steps // 2].mean(axis=2), per_step[:, :, steps // 2 :].mean(axis=2)]
+
+
+def choose_shrink(folds: list[np.ndarray], costs, budget: float, what: str = "folds") -> Validation:
+    """The shrink level that missed least on held-out folds, or 0 (one window everywhere) where none beat that.
+
+    ``folds``: two or more ``[streams, choices]`` miss curves measured on different data.
+    """
+    if len(folds) < 2:
+        raise ValueError(f"held-out validation needs at least 2 folds, got {len(folds)}")
     c = np.asarray(costs)
-    halves = (per_step[:, :, : steps // 2].mean(axis=2), per_step[:, :, steps // 2 :].mean(axis=2))
-    j, _ = uniform_cost(halves[0], c, budget)  # the uniform choice does not depend on the data
-    uniform = sum(total_at(h, [j] * len(c)) for h in halves)
+    j, _ = uniform_cost(folds[0], c, budget)  # the uniform choice does not depend on the data
+    uniform = sum(total_at(f, [j] * len(c)) for f in folds)
     scores = []
     for weight in SHRINK_LEVELS:
-        scores.append(sum(total_at(halves[1 - i], _solve(shrunk(halves[i], weight), c, budget)) for i in (0, 1)))
+        score = 0.0
+        for i, held in enumerate(folds):
+            train = np.mean([f for n, f in enumerate(folds) if n != i], axis=0)
+            score += total_at(held, _solve(shrunk(train, weight), c, budget))
+        scores.append(score)
     best = int(np.argmin(scores))
     weight = SHRINK_LEVELS[best] if scores[best] < uniform else 0.0
-    return Validation(shrink=weight, held_out=tuple(float(x) for x in scores), uniform=float(uniform))
+    return Validation(shrink=weight, held_out=tuple(float(x) for x in scores), uniform=float(uniform), folds=what)
 
 
 # ---------------------------------------------------------------- the profile
@@ -439,35 +452,52 @@ def _shape(nested) -> list[int] | str:
 
 def profile_from_trace(trace: Trace, *, num_layers: int, num_kv_heads: int, page_bytes: int,
                        cache_bytes: int | None = None, choices=DEFAULT_CHOICES, sink_pages: int = 0,
-                       warmup_steps: int = 1, model: str, dtype: str, page_size: int, budget: float, text: str,
+                       warmup_steps: int | None = None, model: str, dtype: str, page_size: int, budget: float, text: str,
                        context: int) -> WindowProfile:
-    """Measure every window choice on ``trace`` (streams in (layer, KV head) order, one sequence) and solve.
+    """Measure every window choice on ``trace`` and solve.
+
+    Streams are in (sequence, layer, KV head) order: one or more calibration
+    sequences, whose curves are averaged; with two or more, each sequence is held
+    out in turn to decide how far per-head curves are trusted (:func:`choose_shrink`).
 
     ``cache_bytes``: the total device-cache budget; by default what a uniform window
-    of :data:`UNIFORM_WINDOW` takes. The other keywords describe the run for the
-    profile's record.
+    of :data:`UNIFORM_WINDOW` takes. ``warmup_steps``: steps replayed but not
+    counted; by default none when the trace records the prefill's seeding (the
+    replay then starts as the session does) and one when it does not. The other
+    keywords describe the run for the profile's record.
     """
-    if trace.num_streams != num_layers * num_kv_heads:
+    if warmup_steps is None:
+        warmup_steps = 0 if trace.seeded is not None else 1
+    streams = num_layers * num_kv_heads
+    if trace.num_streams % streams:
         raise ValueError(f"the trace has {trace.num_streams} streams; {num_layers} layers x {num_kv_heads} KV heads "
-                         "(one sequence) needs that many")
+                         "per sequence needs a multiple of that many")
+    sequences = trace.num_streams // streams
     choices = sorted({float(w) for w in choices})
     if choices[0] < 1:
         raise ValueError(f"windows must be >= 1 (the cache holds at least one step's selection), got {choices}")
+    # [sequences, streams, choices, steps] -> per-sequence curves; the profile's curves are their mean.
     per_step = window_misses_per_step(trace, choices, warmup_steps)
-    misses = per_step.mean(axis=2)
+    per_seq = per_step.reshape(sequences, streams, len(choices), -1)
+    misses = per_seq.mean(axis=(0, 3))
     k = trace.max_selected
-    costs = np.array([[capacity_pages(w, k, sink_pages) * page_bytes for w in choices]] * len(misses), dtype=np.int64)
+    costs = np.array([[capacity_pages(w, k, sink_pages) * page_bytes for w in choices]] * streams, dtype=np.int64)
     if cache_bytes is None:
-        cache_bytes = capacity_pages(UNIFORM_WINDOW, k, sink_pages) * page_bytes * len(misses)
-    check = choose_shrink(per_step, costs, cache_bytes)
-    if check is None:
-        log.warning("a %d-step trace is too short to check the windows on held-out steps; per-head curves used as "
-                    "measured", per_step.shape[2])
+        cache_bytes = capacity_pages(UNIFORM_WINDOW, k, sink_pages) * page_bytes * streams
+    if sequences >= 2:
+        folds, what = list(per_seq.mean(axis=3)), f"{sequences} calibration sequences"
+    else:
+        folds, what = step_halves(per_seq[0]), "the two halves of the calibration steps"
+    if folds is None:
+        log.warning("a %d-step trace of one sequence is too short to check the windows on held-out data; per-head "
+                    "curves used as measured", per_step.shape[2])
         weight = 1.0
     else:
+        check = choose_shrink(folds, costs, cache_bytes, what)
         weight = check.shrink
-        log.info("held-out calibration steps: per-head windows at shrink %s missed %s pages/step, one window %.1f: "
-                 "shrink %.2f kept", list(SHRINK_LEVELS), [round(x, 1) for x in check.held_out], check.uniform, weight)
+        log.info("held out in turn among %s: per-head windows at shrink %s missed %s pages/step, one window %.1f: "
+                 "shrink %.2f kept", what, list(SHRINK_LEVELS), [round(x, 1) for x in check.held_out], check.uniform,
+                 weight)
     if weight == 0:
         picked = [uniform_cost(misses, costs, cache_bytes)[0]] * len(misses)
     else:

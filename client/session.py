@@ -69,6 +69,10 @@ class Observer:
     def on_page(self, layer: int, page: int, keys: torch.Tensor, valid: torch.Tensor) -> None:
         pass
 
+    def on_seed(self, layer: int, ranked: torch.Tensor) -> None:
+        """Pages between sink and local window, most important first ``[B, H, n]``: the cache is seeded
+        with as many of them (after the sink pages) as each head's window holds."""
+
     def on_select(self, layer: int, step: int, query: torch.Tensor, chosen: torch.Tensor, selectable: torch.Tensor,
                   selector: "Selector") -> None:
         """``chosen`` ``[B, H, k]`` pages (-1 none) picked among ``selectable`` ``[B, P]``."""
@@ -190,6 +194,11 @@ class Session:
         ls.cache.set_head_capacity(per_head)
         if ls.cache.reuse:
             self._seed_cache(ls, keys, values, importance, first_local)
+        if self.observers and num_pages:
+            sink = min(cfg.sink_pages, first_local)
+            ranked = importance[:, :, sink:first_local].argsort(dim=2, descending=True, stable=True) + sink
+            for ob in self.observers:
+                ob.on_seed(layer, ranked)
         self.stats["prefill_ms"] += (time.perf_counter() - t0) * 1e3
 
     def _selector_options(self) -> dict:
@@ -234,8 +243,7 @@ class Session:
 
     def _seed_cache(self, ls: LayerState, keys, values, importance, first_local: int) -> None:
         sink = min(self.cfg.sink_pages, first_local)
-        cap = ls.cache.capacity if ls.cache.head_capacity is None else int(ls.cache.head_capacity.min())
-        n = min(cap, first_local)
+        n = min(ls.cache.capacity, first_local)
         if n == 0:
             return
         score = importance[:, :, :first_local].clone()
@@ -246,7 +254,11 @@ class Session:
         kp = keys[:, :, : first_local * s].reshape(b, h, first_local, s, d)
         vp = values[:, :, : first_local * s].reshape(b, h, first_local, s, d)
         idx = pages[..., None, None].expand(-1, -1, -1, s, d)
-        ls.cache.seed(pages, kp.gather(2, idx), vp.gather(2, idx))
+        k_seed, v_seed = kp.gather(2, idx), vp.gather(2, idx)
+        if ls.cache.head_capacity is not None:  # each head seeds as many pages as its own window holds
+            beyond = torch.arange(n, device=pages.device)[None, :] >= ls.cache.head_capacity[:, None]
+            pages = pages.masked_fill(beyond[None], -1)
+        ls.cache.seed(pages, k_seed, v_seed)
 
     # ------------------------------------------------------------ store I/O
 

@@ -248,6 +248,10 @@ class TraceObserver(Observer):
 
     def __init__(self) -> None:
         self.steps: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.seeded: dict[int, np.ndarray] = {}
+
+    def on_seed(self, layer, ranked):
+        self.seeded[layer] = ranked.cpu().numpy()
 
     def on_select(self, layer, step, query, chosen, selectable, selector):
         scores = selector.scores(query).float()
@@ -268,7 +272,15 @@ class TraceObserver(Observer):
             selected[:, li, :, t, : chosen.shape[2]] = chosen
             scores[:, li, :, t, : sc.shape[2]] = sc
         n = b * len(layers) * h
-        return Trace(selected.reshape(n, len(steps), k), scores.reshape(n, len(steps), p))
+        seeded = None
+        if all(layer in self.seeded for layer in layers):
+            width = max(self.seeded[layer].shape[2] for layer in layers)
+            seeded = np.full((b, len(layers), h, width), -1, dtype=np.int64)
+            for li, layer in enumerate(layers):
+                ranked = self.seeded[layer]
+                seeded[:, li, :, : ranked.shape[2]] = ranked
+            seeded = seeded.reshape(n, width)
+        return Trace(selected.reshape(n, len(steps), k), scores.reshape(n, len(steps), p), seeded)
 
 
 # ---------------------------------------------------------------- runs

@@ -31,7 +31,9 @@ from kvstored.config import format_size, parse_size
 PROG = "kvdrive-profile"
 DEFAULT_CONTEXT, QUICK_CONTEXT = 2048, 512
 DEFAULT_STEPS, QUICK_STEPS = 32, 8
-WARMUP_STEPS = 1
+DEFAULT_SEQUENCES = 2
+WARMUP_STEPS = 0  # the replay starts from the prefill seeding, as the session does: every step counts
+MIN_STEPS = 2
 MIN_SELECTABLE_PAGES = 16
 DRAM = "1G"
 
@@ -44,6 +46,7 @@ class InputError(ValueError):
 class ProfileRun:
     context: int
     steps: int
+    sequences: int
     budget: float
     page_size: int
     choices: tuple[float, ...]
@@ -58,9 +61,10 @@ class ProfileRun:
             raise InputError(f"--context must be at least {least} tokens (sink {attach_cfg.sink_tokens} + local "
                              f"window {attach_cfg.local_tokens} + {MIN_SELECTABLE_PAGES} selectable pages of "
                              f"{self.page_size}), got {self.context}")
-        if self.steps < WARMUP_STEPS + 1:
-            raise InputError(f"--steps must be at least {WARMUP_STEPS + 1} (the first step is not counted), "
-                             f"got {self.steps}")
+        if self.steps < MIN_STEPS:
+            raise InputError(f"--steps must be at least {MIN_STEPS}, got {self.steps}")
+        if self.sequences < 1:
+            raise InputError(f"--sequences must be at least 1, got {self.sequences}")
         if not self.choices or min(self.choices) < 1:
             raise InputError(f"--windows must be >= 1, got {list(self.choices)}")
         if self.cache_bytes is not None and self.cache_bytes <= 0:
@@ -93,9 +97,9 @@ def _tokens(run: ProfileRun, tok, max_positions: int):
             raise InputError(f"--text {run.text} is not UTF-8 text") from None
     ids = tok(text, return_tensors="pt").input_ids
     need = run.context + run.steps
-    if ids.shape[1] < need:
-        raise InputError(f"the text has {ids.shape[1]} tokens; --context {run.context} + --steps {run.steps} "
-                         f"needs {need}")
+    if ids.shape[1] < need * run.sequences:
+        raise InputError(f"the text has {ids.shape[1]} tokens; --sequences {run.sequences} x (--context {run.context} "
+                         f"+ --steps {run.steps}) needs {need * run.sequences}")
     if need > max_positions:
         raise InputError(f"--context {run.context} + --steps {run.steps} exceeds the model's {max_positions} positions")
     return ids
@@ -128,7 +132,7 @@ def profile_smollm2(run: ProfileRun) -> tuple[WindowProfile, dict]:
     _note("loading SmolLM2-135M")
     model, tok = load_smollm2()
     ids = _tokens(run, tok, model.config.max_position_embeddings)
-    info = {"load_s": time.perf_counter() - t0, "text_tokens": ids.shape[1]}
+    info = {"load_s": time.perf_counter() - t0, "text_tokens": ids.shape[1], "sequences": run.sequences}
     attach_cfg = run.attach_config()
     handle = attach(model, dram=DRAM, budget=run.budget, page_size=run.page_size)  # a private embedded kvstored
     try:
@@ -140,7 +144,7 @@ def profile_smollm2(run: ProfileRun) -> tuple[WindowProfile, dict]:
         handle.detach()
     t = time.perf_counter()
     _note(f"replaying the selection trace at {len(run.choices)} windows")
-    _check_cache_bytes(run, attach_cfg, trace.num_streams, page_bytes, trace.max_selected)
+    _check_cache_bytes(run, attach_cfg, shape.num_layers * shape.num_kv_heads, page_bytes, trace.max_selected)
     profile = profile_from_trace(
         trace, num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, page_bytes=page_bytes,
         cache_bytes=run.cache_bytes, choices=run.choices, sink_pages=attach_cfg.sink_pages, warmup_steps=WARMUP_STEPS,
@@ -152,24 +156,27 @@ def profile_smollm2(run: ProfileRun) -> tuple[WindowProfile, dict]:
 
 
 def record_trace(model, handle, ids, run: ProfileRun, info: dict):
-    """Prefill ``run.context`` tokens through ``handle``, decode ``run.steps`` more teacher-forced; the trace."""
+    """Prefill ``run.context`` tokens of each of ``run.sequences`` consecutive text windows (one batch) through
+    ``handle``, decode ``run.steps`` more teacher-forced; the trace (streams: sequence, layer, KV head)."""
     import torch  # noqa: PLC0415
 
-    from kvdrive.tools.bench_fidelity import TraceObserver, teacher_force  # noqa: PLC0415
+    from kvdrive.tools.bench_fidelity import TraceObserver  # noqa: PLC0415
 
-    ctx, fed = ids[:, : run.context], ids[:, run.context : run.context + run.steps]
+    need = run.context + run.steps
+    windows = ids[0, : need * run.sequences].reshape(run.sequences, need)
+    ctx, fed = windows[:, : run.context], windows[:, run.context :]
     tracer = TraceObserver()
-    cache = handle.new_cache(1)
+    cache = handle.new_cache(run.sequences)
     cache.session.observers.append(tracer)
     try:
         with torch.no_grad():
             t = time.perf_counter()
-            _note(f"prefill of {run.context} tokens")
+            _note(f"prefill of {run.sequences} x {run.context} tokens")
             model(input_ids=ctx, cache=cache, logits_to_keep=1)
             info["prefill_s"] = time.perf_counter() - t
             t = time.perf_counter()
             for i in range(run.steps):
-                teacher_force(model, cache, fed[:, i : i + 1])
+                model(input_ids=fed[:, i : i + 1], cache=cache, logits_to_keep=1)
                 _note(f"decode step {i + 1}/{run.steps} ({time.perf_counter() - t:.1f} s)")
             info["decode_s"] = time.perf_counter() - t
     finally:
@@ -194,8 +201,9 @@ def render(p: WindowProfile, info: dict) -> str:
     lines = [
         f"{PROG}: {p.model} {p.dtype} ({p.num_layers} layers x {p.num_kv_heads} KV heads); text {p.text} "
         f"({info['text_tokens']} tokens)",
-        f"context {p.context} tokens, then {p.steps + WARMUP_STEPS} teacher-forced decode steps (the first not "
-        f"counted: cold cache); budget {_budget(p.budget)} -> k = {p.k} pages per step; page {p.page_size} tokens = "
+        f"{info['sequences']} sequence(s) of {p.context} context tokens, then {p.steps + WARMUP_STEPS} teacher-forced "
+        f"decode steps, replayed from the "
+        f"prefill's cache seeding at each window; budget {_budget(p.budget)} -> k = {p.k} pages per step; page {p.page_size} tokens = "
         f"{format_size(p.page_bytes)} per KV head; {p.sink_pages} sink page(s) per stream",
         f"windows tried: {' '.join(map(_window, p.choices))}; LOOKAHEAD eviction; model load {info['load_s']:.0f} s, "
         f"prefill {info['prefill_s']:.0f} s, decode {info['decode_s']:.0f} s, replay and solve {info['solve_s']:.1f} s",
@@ -246,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"context tokens before decoding (default {DEFAULT_CONTEXT}, {QUICK_CONTEXT} with --quick)")
     p.add_argument("--steps", type=int, default=None,
                    help=f"teacher-forced decode steps (default {DEFAULT_STEPS}, {QUICK_STEPS} with --quick)")
+    p.add_argument("--sequences", type=int, default=DEFAULT_SEQUENCES, metavar="N",
+                   help=f"calibration sequences, consecutive windows of the text decoded as one batch; with 2 or more "
+                        f"each is held out in turn to check the per-head windows (default {DEFAULT_SEQUENCES})")
     p.add_argument("--cache-bytes", default=None, metavar="SIZE",
                    help=f"total device-cache budget, all layers and heads, e.g. 24M (K/M/G: powers of 1024; "
                         f"default: what window x{UNIFORM_WINDOW:g} everywhere takes)")
@@ -269,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         run = ProfileRun(
             context=args.context if args.context is not None else (QUICK_CONTEXT if args.quick else DEFAULT_CONTEXT),
             steps=args.steps if args.steps is not None else (QUICK_STEPS if args.quick else DEFAULT_STEPS),
-            budget=args.budget, page_size=args.page_size, choices=tuple(sorted(set(args.windows))),
+            sequences=args.sequences, budget=args.budget, page_size=args.page_size, choices=tuple(sorted(set(args.windows))),
             cache_bytes=cache_bytes, text=args.text, out=args.out)
         profile, info = profile_smollm2(run)
     except InputError as exc:

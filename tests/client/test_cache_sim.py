@@ -51,10 +51,13 @@ def test_belady_matches_exhaustive_search(seed):
     assert sum(stream_hits(selected, None, capacity, CachePolicy.BELADY)) == brute_force_hits(selected, capacity)
 
 
-def device_cache_hits(selected, scores, capacity, policy):
+def device_cache_hits(selected, scores, capacity, policy, seeded=None):
     """Hits per step and head of DeviceCache.place driven by ``selected`` ``[H, T, k]``."""
     h, steps, _ = selected.shape
     cache = DeviceCache(1, h, capacity, page_size=1, head_dim=1, dtype=torch.float32, device="cpu", policy=policy)
+    if seeded is not None:  # as the session seeds: each head's first ``capacity`` pages, -1 leaves a slot empty
+        pages = torch.from_numpy(seeded[None, :, :capacity])
+        cache.seed(pages, torch.zeros(*pages.shape, 1, 1), torch.zeros(*pages.shape, 1, 1))
     out = np.zeros((h, steps), dtype=np.int64)
     for t in range(steps):
         pages = torch.from_numpy(selected[None, :, t])
@@ -84,6 +87,26 @@ def test_lookahead_and_lru_match_device_cache(policy, seed):
     result = simulate(Trace(selected, scores), capacity, policy)
     assert result.hits == expected.sum()
     assert result.lookups == (selected >= 0).sum()
+
+
+@pytest.mark.parametrize("policy", [CachePolicy.LOOKAHEAD, CachePolicy.LRU])
+@pytest.mark.parametrize("seed", range(8))
+def test_a_seeded_replay_matches_a_seeded_device_cache(policy, seed):
+    rng = np.random.default_rng(100 + seed)
+    heads, steps, pool = 3, 30, 24
+    k = int(rng.integers(2, 6))
+    capacity = int(rng.integers(k, 3 * k + 1))
+    selected = np.stack([random_selected(rng, steps, pool, k) for _ in range(heads)])
+    scores = rng.integers(0, 4, size=(heads, steps, pool)).astype(np.float32)
+    seeded = np.stack([rng.permutation(pool) for _ in range(heads)])
+    seeded[0, 1] = -1  # a head seeded with one slot left empty
+    expected = device_cache_hits(selected, scores, capacity, EvictionPolicy(policy.value), seeded)
+    cold = device_cache_hits(selected, scores, capacity, EvictionPolicy(policy.value))
+    trace = Trace(selected, scores, seeded[:, :capacity])
+    for head in range(heads):
+        assert stream_hits(selected[head], scores[head], capacity, policy, trace.seeded[head]) == expected[head].tolist()
+    assert simulate(trace, capacity, policy).hits == expected.sum()
+    assert expected[:, 0].sum() >= cold[:, 0].sum()  # the first step finds the seeded pages
 
 
 def test_belady_bounds_the_online_policies_and_more_room_helps():

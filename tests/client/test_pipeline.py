@@ -33,7 +33,7 @@ def run_engine(store, steps=24, seed=0, B=4, **options):
     stats = dict(kv.stats)
     session = kv.session
     kv.close()
-    return torch.stack(outs), stats, session
+    return (torch.stack(outs) if outs else None), stats, session
 
 
 @pytest.mark.parametrize("micro_batch", [1, 2, 3])
@@ -113,6 +113,19 @@ def test_per_head_windows_cap_each_heads_slots(daemon):
             assert (used <= cache.head_capacity).all()
             assert cache.head_capacity[0] != cache.head_capacity[1]
     assert stats["misses"] > 0
+
+
+def test_prefill_seeds_every_head_up_to_its_own_window(daemon):
+    windows = ((1.0, 3.0), (2.0, 1.5))
+    with daemon.client() as store:
+        _, _, session = run_engine(store, steps=0, windows=windows, pipeline=False)
+    for layer in range(len(windows)):
+        cache = session.layers[layer].cache
+        seeded = (cache.slot_page >= 0).sum(dim=2)  # [rows, heads]
+        assert (seeded == cache.head_capacity[None, :]).all(), (layer, seeded, cache.head_capacity)
+        # Every seeded page maps back to its slot.
+        b, h, slot = torch.nonzero(cache.slot_page >= 0, as_tuple=True)
+        assert torch.equal(cache.page_slot[b, h, cache.slot_page[b, h, slot]], slot)
 
 
 def test_a_head_limit_below_the_selection_is_refused():

@@ -15,6 +15,7 @@ from kvdrive_client.profile import (
     choose_shrink,
     profile_from_trace,
     shrunk,
+    step_halves,
     solve_windows,
     solve_windows_exact,
     total_at,
@@ -172,8 +173,8 @@ def test_held_out_steps_keep_real_differences_between_heads():
     per_step[:3] = np.array([8.0, 2.0, 0.0])[:, None]
     per_step[3:] = np.array([1.0, 1.0, 1.0])[:, None]
     costs = np.array([[1, 2, 4]] * 6)
-    check = choose_shrink(per_step, costs, budget=15)  # uniform: choice 1 everywhere (12 bytes)
-    assert check is not None and check.shrink > 0
+    check = choose_shrink(step_halves(per_step), costs, budget=15)  # uniform: choice 1 everywhere (12 bytes)
+    assert check.shrink > 0
     assert min(check.held_out) < check.uniform
     choice = solve_windows(shrunk(per_step.mean(axis=2), check.shrink), costs, 15)
     assert choice[:3] == [2, 2, 2] and choice[3:] == [0, 0, 0]
@@ -188,10 +189,27 @@ def test_noise_between_heads_falls_back_to_one_window_everywhere():
     per_step[:, 1, : steps // 2] += 2.0 * flip[:, None]
     per_step[:, 1, steps // 2 :] -= 2.0 * flip[:, None]
     costs = np.array([[1, 2, 4]] * 6)
-    check = choose_shrink(per_step, costs, budget=6 * 2)
-    assert check is not None
+    check = choose_shrink(step_halves(per_step), costs, budget=6 * 2)
     assert check.shrink == 0.0 and min(check.held_out) >= check.uniform
-    assert choose_shrink(per_step[:, :, :3], costs, budget=12) is None  # too short to split
+    assert step_halves(per_step[:, :, :3]) is None  # too short to split
+    with pytest.raises(ValueError, match="at least 2 folds"):
+        choose_shrink([per_step.mean(axis=2)], costs, budget=12)
+
+
+def test_each_calibration_sequence_is_held_out_in_turn(caplog):
+    # Two sequences of random selections: the profile's curves are their mean, and the
+    # shrink is chosen by fitting on one and scoring on the other.
+    one, two = random_trace(5, streams=6), random_trace(6, streams=6)
+    meta = dict(num_layers=2, num_kv_heads=3, page_bytes=1024, sink_pages=0, model="tiny", dtype="float32",
+                page_size=16, budget=0.0625, text="random", context=512)
+    both = Trace(np.concatenate([one.selected, two.selected]), np.concatenate([one.scores, two.scores]))
+    with caplog.at_level(logging.INFO, logger="kvdrive_client.profile"):
+        p = profile_from_trace(both, cache_bytes=6 * capacity_pages(2.0, 3) * 1024, **meta)
+    assert any("2 calibration sequences" in r.message for r in caplog.records)
+    mean = (window_misses(one, p.choices) + window_misses(two, p.choices)) / 2
+    assert np.allclose(np.asarray(p.misses).reshape(6, -1), mean)
+    with pytest.raises(ValueError, match="multiple of that many"):
+        profile_from_trace(Trace(both.selected[:7], both.scores[:7]), **meta)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -202,10 +220,10 @@ def test_random_selections_get_one_window_everywhere(seed, caplog):
     budget = 6 * capacity_pages(2.0, 3, 1) * 1024
     with caplog.at_level(logging.INFO, logger="kvdrive_client.profile"):
         p = profile_from_trace(trace, cache_bytes=budget, **meta)
-    assert any("held-out calibration steps" in r.message for r in caplog.records)
+    assert any("two halves of the calibration steps" in r.message for r in caplog.records)
     per_step = window_misses_per_step(trace, p.choices)
     costs = np.array([[capacity_pages(w, 3, 1) * 1024 for w in p.choices]] * 6)
-    check = choose_shrink(per_step, costs, budget)
+    check = choose_shrink(step_halves(per_step), costs, budget)
     assert p.shrink == check.shrink == 0.0 and min(check.held_out) >= check.uniform
     assert {w for row in p.windows for w in row} == {2.0}  # the largest window that fits everywhere
 

@@ -26,12 +26,14 @@ def test_quick_run_writes_a_profile_that_loads(tmp_path):
     assert p.fetched_bytes_per_step() <= uniform_fetched
     assert "decode step 1/" in proc.stderr and f"decode step {tool.QUICK_STEPS}/" in proc.stderr
     assert "predicted fetched/step" in proc.stdout and "uniform x4" in proc.stdout
+    assert f"{tool.DEFAULT_SEQUENCES} sequence(s)" in proc.stdout and "shrink" in proc.stdout
 
 
 @pytest.mark.parametrize("argv, match", [
     (["--text", "/nonexistent/calibration.txt"], "--text /nonexistent/calibration.txt is not a file"),
     (["--context", "100"], "--context must be at least 336 tokens"),
     (["--steps", "1"], "--steps must be at least 2"),
+    (["--sequences", "0"], "--sequences must be at least 1"),
     (["--windows", "0.5", "2"], "--windows must be >= 1"),
     (["--cache-bytes", "lots"], "--cache-bytes: size 'lots' is not a number"),
     (["--budget", "0"], "budget must be a fraction"),
@@ -39,6 +41,13 @@ def test_quick_run_writes_a_profile_that_loads(tmp_path):
 def test_bad_options_are_refused_before_the_model_loads(tmp_path, capsys, argv, match):
     assert tool.main([*argv, "--out", str(tmp_path / "p.json")]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_a_text_too_short_for_the_sequences_is_refused(tmp_path, capsys):
+    text = tmp_path / "short.txt"
+    text.write_text("a few words of calibration text " * 40, encoding="utf-8")
+    assert tool.main(["--text", str(text), "--quick", "--sequences", "3", "--out", str(tmp_path / "p.json")]) == 2
+    assert "--sequences 3 x (--context" in capsys.readouterr().err
 
 
 def test_an_out_file_in_a_missing_directory_is_refused(tmp_path, capsys):
