@@ -605,7 +605,10 @@ class Session:
                 ready.put(exc)
 
         if self._front is None:
-            self._front = ThreadPoolExecutor(1, thread_name_prefix="kvdrive-front")
+            # One intra-op thread for the front's torch ops: the main thread's attention and
+            # the model's own layers already use the cores; two pools would oversubscribe them.
+            self._front = ThreadPoolExecutor(1, thread_name_prefix="kvdrive-front",
+                                             initializer=torch.set_num_threads, initargs=(1,))
         done = self._front.submit(front)
         outs: list[torch.Tensor | None] = [None] * len(groups)
         inflight: deque = deque()
