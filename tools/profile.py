@@ -230,8 +230,8 @@ def render(p: WindowProfile, info: dict) -> str:
         + (f"{1 - fetched / u_fetched:.1%} fewer bytes per step than uniform {_window(u_window)}"
            if u_fetched > 0 else "as few bytes per step as uniform (none)"),
         "per-head curves trusted at shrink "
-        + (f"{p.shrink:.2f} (chosen on held-out calibration steps)" if p.shrink > 0 else
-           "0: on held-out calibration steps no per-head choice beat one window everywhere, so one window is used"),
+        + (f"{p.shrink:.2f} (chosen on held-out calibration data)" if p.shrink > 0 else
+           "0: on held-out calibration data no per-head choice beat one window everywhere, so one window is used"),
     ]
     return "\n".join(lines)
 
