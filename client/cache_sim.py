@@ -163,7 +163,7 @@ def _belady(steps: list[list[int]], capacity: int, initial: list[int]) -> list[i
             uses.setdefault(p, []).append(t)
 
     def next_use(page: int, t: int) -> float:
-        at = uses[page]
+        at = uses.get(page, [])  # a seeded page may never be selected
         i = bisect.bisect_right(at, t)
         return at[i] if i < len(at) else math.inf
 

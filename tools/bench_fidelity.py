@@ -22,7 +22,8 @@ The cache part replays the hierarchical selector's trace at 6.25% (the pages cho
 per step, layer and KV head, and its scores of every page) through
 :mod:`kvdrive_client.cache_sim` with caches of window x k pages (k: pages selected
 per step), windows x1, x2, x4, under LOOKAHEAD, LRU and BELADY (optimal) eviction.
-Cache-sim caches start empty and hold selected pages only (sink pages are outside).
+Cache-sim caches start as a session's do, seeded with the prefill's most important
+pages (as many as fit), and hold selected pages only (sink pages are outside).
 
 The prefill is dense and identical for every run, so it runs once per context: the
 keys, values and queries that KVDrive's prefill hook receives are kept and replayed
@@ -446,7 +447,8 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
     if crows:
         k = {r.context: r.capacity // r.window for r in crows}
         lines += ["", f"cache: hierarchical selection trace at {TRACE_BUDGET:.2%}, replayed per (layer, KV head); "
-                  f"capacity = window x k, k = {', '.join(f'{v} pages at {c}' for c, v in k.items())}; empty at start"]
+                  f"capacity = window x k, k = {', '.join(f'{v} pages at {c}' for c, v in k.items())}; seeded from the prefill "
+                  f"at start"]
         body = [(str(r.context), f"x{r.window}", str(r.capacity), r.policy, str(r.hits), str(r.lookups),
                  f"{r.hit_rate:.4f}") for r in crows]
         lines += text_table(("context", "window", "capacity", "policy", "hits", "lookups", "hit_rate"), body, {2, 4, 5, 6})

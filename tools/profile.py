@@ -1,15 +1,16 @@
 """``kvdrive-profile``: a device-cache window per (layer, KV head) for a total cache budget.
 
-SmolLM2-135M (float32) reads ``--context`` tokens of calibration text (the Debian
-common licenses, or ``--text FILE``) through KVDrive (:func:`attach` with a private
-embedded kvstored), then decodes the next ``--steps`` tokens of the text
-teacher-forced. The pages the selector picks at every step, layer and KV head are
-recorded and replayed through the device cache (``LOOKAHEAD`` eviction, as decode
-evicts) at every window of ``--windows``; the first step is replayed but not
-counted, as the replayed caches start empty. Then one window per (layer, KV head)
-is chosen so that the pages fetched per step are fewest within ``--cache-bytes``
-(:func:`kvdrive_client.profile.solve_windows`), and written to ``--out`` as JSON
-(:class:`kvdrive_client.profile.WindowProfile`).
+SmolLM2-135M (float32) reads ``--sequences`` consecutive windows of calibration text
+(the Debian common licenses, or ``--text FILE``), ``--context`` tokens each, as one
+batch through KVDrive (:func:`attach` with a private embedded kvstored), then decodes
+the next ``--steps`` tokens of each teacher-forced. The pages the selector picks at
+every step, layer and KV head are recorded and replayed through the device cache
+(``LOOKAHEAD`` eviction, as decode evicts) at every window of ``--windows``, each
+replay starting from the prefill's seeding as a session does. Then one window per
+(layer, KV head) is chosen so that the pages fetched per step are fewest within
+``--cache-bytes`` (:func:`kvdrive_client.profile.solve_windows`), with each sequence
+held out in turn to decide how far per-head curves are trusted, and written to
+``--out`` as JSON (:class:`kvdrive_client.profile.WindowProfile`).
 
 It prints the chosen windows per layer and the predicted bytes fetched per step,
 for the profile and for the best single window at the same cache bytes.

@@ -125,6 +125,15 @@ def test_belady_bounds_the_online_policies_and_more_room_helps():
     assert simulate(trace, 40, CachePolicy.LRU).hits == simulate(trace, 40, CachePolicy.BELADY).hits
 
 
+def test_belady_from_a_seeding_evicts_pages_never_selected_first():
+    selected = np.array([[0, 1], [2, 3], [0, 1]])
+    # Seeded with 0, 1 and two pages no step selects: those go first, so 0 and 1 stay for step 2.
+    hits = stream_hits(selected, None, 4, CachePolicy.BELADY, seeded=np.array([0, 1, 8, 9]))
+    assert hits == [2, 0, 2]
+    lru = stream_hits(selected, None, 4, CachePolicy.LRU, seeded=np.array([0, 1, 8, 9]))
+    assert lru[0] == 2 and sum(lru) <= sum(hits)
+
+
 def test_bad_traces_are_refused():
     with pytest.raises(ValueError, match="selects 3 pages but the cache holds 2"):
         stream_hits(np.array([[0, 1, 2]]), None, 2, CachePolicy.LRU)
