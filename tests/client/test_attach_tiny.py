@@ -1,6 +1,5 @@
 """attach() on tiny random-weight models, against a real kvstored."""
 
-import numpy as np
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
