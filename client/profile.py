@@ -282,7 +282,7 @@ def choose_shrink(folds: list[np.ndarray], costs, budget: float, what: str = "fo
     if len(folds) < 2:
         raise ValueError(f"held-out validation needs at least 2 folds, got {len(folds)}")
     c = np.asarray(costs)
-    j, _ = uniform_cost(folds[0], c, budget)  # the uniform choice does not depend on the data
+    j, _ = uniform_cost(np.mean(folds, axis=0), c, budget)  # as profile_from_trace picks it: on all the data
     uniform = sum(total_at(f, [j] * len(c)) for f in folds)
     scores = []
     for weight in SHRINK_LEVELS:

@@ -534,8 +534,6 @@ class Session:
         t0 = time.perf_counter()
         ls, sh, s = self.layers[w.layer], self.shape, self.cfg.page_size
         bm = hi - lo
-        local = ls.local_k.shape[2]
-        paged = 0 if chosen is None else chosen.shape[2] * s
         pos = torch.arange(ls.local_start, w.t, device=self.device).expand(bm, sh.num_kv_heads, -1)
         if chosen is not None:
             page_pos = chosen[..., None] * s + torch.arange(s, device=self.device)
@@ -547,7 +545,8 @@ class Session:
             out = cpu_kernels.sparse_attention(w.query[lo:hi], cache.k, cache.v, placement.slots, ls.local_k[lo:hi],
                                                ls.local_v[lo:hi], valid, sh.scaling).to(w.query.dtype)
         else:
-            kk, vv = self._workspace(bm, paged + local)
+            paged = 0 if chosen is None else chosen.shape[2] * s
+            kk, vv = self._workspace(bm, paged + ls.local_k.shape[2])
             if chosen is not None:
                 self._gather_staging = cache.gather_into(placement.slots, kk[:, :, :paged], vv[:, :, :paged],
                                                          self._gather_staging)

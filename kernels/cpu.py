@@ -143,7 +143,7 @@ def _bfloat_to_float(typingctx, bits):
 
 
 def _widen(src, kind, dst):  # pragma: no cover - replaced by the overload below
-    raise NotImplementedError
+    raise NotImplementedError("_widen exists only inside numba-compiled kernels (see its overload)")
 
 
 @overload(_widen, inline="always")
@@ -163,6 +163,25 @@ def _widen_impl(src, kind, dst):
             for d in range(src.shape[0]):
                 dst[d] = _half_to_float(src[d])
     return from_half
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _block(j, b, h, slots, cache, local, kind, block):  # pragma: no cover - compiled
+    """Widen block ``j`` of (row b, head h) into ``block``: selected page j, or (j == k) the local window.
+
+    Returns (its first token's index among the attended tokens, its token count; 0 for an empty slot).
+    """
+    k_n, s_n, d_n = slots.shape[2], cache.shape[3], cache.shape[4]
+    if j < k_n:
+        slot = slots[b, h, j]
+        if slot < 0:
+            return j * s_n, 0
+        _widen(cache[b, h, slot].reshape(s_n * d_n), kind, block[: s_n * d_n])
+        return j * s_n, s_n
+    l_n = local.shape[2]
+    if l_n:
+        _widen(local[b, h].reshape(l_n * d_n), kind, block[: l_n * d_n])
+    return k_n * s_n, l_n
 
 
 # Fast-math without "no infinities": -inf marks masked logits.
@@ -189,17 +208,7 @@ def _sparse_attention(query, kc, vc, slots, lk, lv, valid, kind, scaling, out): 
                     logits[g, n] = -np.inf
             # Pass 1: the logits of every valid token, a page (or the local window) at a time.
             for j in range(k_n + 1):
-                if j < k_n:
-                    slot = slots[b, h, j]
-                    if slot < 0:
-                        continue
-                    first, count = j * s_n, s_n
-                    _widen(kc[b, h, slot].reshape(s_n * d_n), kind, block[: s_n * d_n])
-                else:
-                    first, count = k_n * s_n, l_n
-                    if l_n == 0:
-                        continue
-                    _widen(lk[b, h].reshape(l_n * d_n), kind, block[: l_n * d_n])
+                first, count = _block(j, b, h, slots, kc, lk, kind, block)
                 for t in range(count):
                     if not valid[b, h, first + t]:
                         continue
@@ -230,17 +239,7 @@ def _sparse_attention(query, kc, vc, slots, lk, lv, valid, kind, scaling, out): 
             # Pass 2: the probability-weighted sum of the values.
             acc[:, :] = 0.0
             for j in range(k_n + 1):
-                if j < k_n:
-                    slot = slots[b, h, j]
-                    if slot < 0:
-                        continue
-                    first, count = j * s_n, s_n
-                    _widen(vc[b, h, slot].reshape(s_n * d_n), kind, block[: s_n * d_n])
-                else:
-                    first, count = k_n * s_n, l_n
-                    if l_n == 0:
-                        continue
-                    _widen(lv[b, h].reshape(l_n * d_n), kind, block[: l_n * d_n])
+                first, count = _block(j, b, h, slots, vc, lv, kind, block)
                 for t in range(count):
                     if not valid[b, h, first + t]:
                         continue
