@@ -1,12 +1,14 @@
 """Page selectors: which pages of a layer's context each decode step attends to.
 
-One interface, :class:`Selector`, four implementations side by side:
+One interface, :class:`Selector`, five implementations side by side:
 
 - :class:`HierarchicalIndex` (KVDrive): page mean keys grouped under k-means
   centroids; a step scores the centroids, then only the pages under the best ones.
 - :class:`QuestIndex`: per-page min/max keys, an upper bound of q.k per page.
 - :class:`MeanKeyIndex`: one mean key per page, every page scored (ShadowKV-style
   landmarks).
+- :class:`LowRankIndex`: every key as a rank-16 int8 sketch fitted to the prefill
+  queries; a page scores its estimated share of the attention mass.
 - :class:`OracleSelector`: exact attention mass per page from all keys; for
   measurement only (it keeps every key).
 
@@ -31,6 +33,7 @@ class IndexKind(enum.Enum):
     HIERARCHICAL = "hierarchical"
     QUEST = "quest"
     MEAN_KEY = "meankey"
+    LOWRANK = "lowrank"
     ORACLE = "oracle"
 
 
@@ -44,8 +47,12 @@ class Selector(ABC):
         self.num_pages = 0
 
     @abstractmethod
-    def build(self, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:
-        """Index the complete pages of prefill keys ``[B, H, T, D]``; return cluster ids ``[B, H, P]`` or None."""
+    def build(self, keys: torch.Tensor, valid: torch.Tensor, query: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Index the complete pages of prefill keys ``[B, H, T, D]``; return cluster ids ``[B, H, P]`` or None.
+
+        ``query``: the prefill's queries ``[B, H, G, Q, D]`` (the last ``Q`` positions), for
+        selectors that fit themselves to the queries; others ignore it.
+        """
 
     @abstractmethod
     def add_page(self, keys: torch.Tensor, valid: torch.Tensor) -> None:
@@ -102,7 +109,7 @@ def _grow(t: torch.Tensor, n: int, dim: int = 2, fill: float = 0.0) -> torch.Ten
 class MeanKeyIndex(Selector):
     kind = IndexKind.MEAN_KEY
 
-    def build(self, keys, valid):
+    def build(self, keys, valid, query=None):
         self.means, _, _ = ref.page_summaries(keys, valid, self.page_size)
         self.num_pages = self.means.shape[2]
         return None
@@ -128,7 +135,7 @@ class MeanKeyIndex(Selector):
 class QuestIndex(Selector):
     kind = IndexKind.QUEST
 
-    def build(self, keys, valid):
+    def build(self, keys, valid, query=None):
         _, self.kmin, self.kmax = ref.page_summaries(keys, valid, self.page_size)
         self.num_pages = self.kmin.shape[2]
         return None
@@ -173,7 +180,7 @@ class HierarchicalIndex(Selector):
         n = self.num_pages
         return self.q8[:, :, :n].float() * self.scale[:, :, :n, None]
 
-    def build(self, keys, valid):
+    def build(self, keys, valid, query=None):
         means, _, _ = ref.page_summaries(keys, valid, self.page_size)
         b, h, p, d = means.shape
         self.num_pages = p
@@ -232,6 +239,125 @@ class HierarchicalIndex(Selector):
         return sum(t.numel() * t.element_size() for t in (self.q8[:, :, :n], self.scale[:, :, :n], self.assign[:, :, :n], self.centroids))
 
 
+class LowRankIndex(Selector):
+    """Every key kept as a rank-``rank`` int8 sketch fitted to the queries; pages ranked by estimated mass.
+
+    Fitting, per (row, KV head), at prefill: the prefill queries' second moment
+    ``C = E[q q^T]`` gives ``A = C^(1/2)``; the top ``rank`` eigenvectors ``U`` of
+    ``A^T K^T K A`` span the directions that carry most of ``q . k`` for queries like
+    those. A key is kept as ``z = U^T A k`` in int8 with one scale per channel, a query
+    maps to ``U^T A^-1 q``, and ``q . k ~ (U^T A^-1 q) . z``. A page's score is the log
+    of its estimated share of the softmax mass, summed over the query heads of its KV
+    head (:func:`reference.score_lowrank`): the quantity the oracle ranks by. Without
+    prefill queries ``A = I``: the keys' own principal directions. :meth:`build` also
+    clusters the pages' mean sketches (``pages_per_cluster`` pages per k-means cluster)
+    for the store's packing.
+
+    Device memory: ``rank`` bytes per token and KV head (16 against 256 for an fp16
+    K+V token at head dim 64), one validity byte per token, and the two ``D x rank``
+    projections per (row, KV head).
+    """
+
+    kind = IndexKind.LOWRANK
+
+    RIDGE = 1e-3  # query moments below this fraction of the largest are lifted to it (A stays invertible)
+    FIT_TOKENS = 4096  # keys used to fit the projection (evenly strided when the prompt is longer)
+
+    def __init__(self, page_size: int, scaling: float, rank: int = 16, pages_per_cluster: int = 8) -> None:
+        super().__init__(page_size)
+        if rank < 1:
+            raise ValueError(f"rank must be >= 1, got {rank}")
+        self.scaling = scaling
+        self.rank = rank
+        self.pages_per_cluster = pages_per_cluster
+
+    def _fit(self, keys: torch.Tensor, valid: torch.Tensor, query: torch.Tensor | None) -> None:
+        b, h, t, d = keys.shape
+        r = min(self.rank, d)
+        eye = torch.eye(d, dtype=torch.float32, device=keys.device).expand(b, h, d, d)
+        a = a_inv = eye
+        if query is not None and query.shape[3] > 0:
+            q = query.float()
+            qv = valid[:, t - q.shape[3] :].to(q.dtype)[:, None, None, :, None]  # the queries sit at the last positions
+            count = (qv.sum(dim=(2, 3)) * q.shape[2]).clamp_min(1.0)  # [B, 1, 1]
+            c = torch.einsum("bhgqd,bhgqe->bhde", q * qv, q) / count[..., None]
+            ev, vec = torch.linalg.eigh(c)
+            ev = ev.clamp_min(self.RIDGE * ev[..., -1:].clamp_min(1e-12))
+            a = vec @ torch.diag_embed(ev.sqrt()) @ vec.transpose(-1, -2)
+            a_inv = vec @ torch.diag_embed(ev.rsqrt()) @ vec.transpose(-1, -2)
+        stride = max(1, t // self.FIT_TOKENS)
+        k = (keys[:, :, ::stride].float() * valid[:, None, ::stride, None]) if t else keys.float()
+        gram = a.transpose(-1, -2) @ (k.transpose(-1, -2) @ k) @ a
+        _, vec = torch.linalg.eigh(gram + 1e-6 * eye)  # ascending: the last columns lead
+        top = vec[..., -r:].flip(-1)
+        self.kproj = (a @ top).contiguous()  # [B, H, D, R]
+        self.qproj = (a_inv @ top).contiguous()
+
+    def _encode(self, keys: torch.Tensor) -> torch.Tensor:
+        """Keys ``[B, H, T, D]`` -> channel-major codes ``[B, H, R, T]``."""
+        z = torch.matmul(keys.float(), self.kproj) / self.scale[:, :, None, :]
+        return z.round().clamp(-127, 127).to(torch.int8).transpose(-1, -2)
+
+    def build(self, keys, valid, query=None):
+        b, h, t, _ = keys.shape
+        s = self.page_size
+        p = t // s
+        self._fit(keys, valid, query)
+        z = torch.matmul(keys.float(), self.kproj)  # every prefill token sets the range, pages or not
+        z = z * valid[:, None, :, None]
+        # One scale per channel; decode keys beyond the prefill's range saturate at +-127.
+        self.scale = (z.abs().amax(dim=2) / 127.0).clamp_min(1e-6) if t else torch.ones_like(self.kproj[..., 0, :])
+        self.codes = self._encode(keys[:, :, : p * s]).contiguous()
+        self.valid = valid[:, : p * s].clone()
+        self.num_pages = p
+        if p == 0:
+            return None
+        # Cluster ids for the store's packing: k-means of the pages' mean sketches, so pages
+        # that score alike for the same queries sit together on the SSD.
+        r = z.shape[-1]
+        zp = z[:, :, : p * s].reshape(b, h, p, s, r)
+        count = valid[:, : p * s].reshape(b, 1, p, s, 1).sum(dim=3).clamp_min(1)
+        means = zp.sum(dim=3) / count
+        _, assign = ref.kmeans(means.reshape(b * h, p, r), max(1, math.ceil(p / self.pages_per_cluster)))
+        return assign.reshape(b, h, p).to(torch.int32)
+
+    def add_page(self, keys, valid):
+        n, s = self.num_pages, self.page_size
+        self.codes = _grow(self.codes, (n + 1) * s, dim=3)
+        self.valid = _grow(self.valid, (n + 1) * s, dim=1, fill=False)
+        self.codes[:, :, :, n * s : (n + 1) * s] = self._encode(keys)
+        self.valid[:, n * s : (n + 1) * s] = valid
+        self.num_pages += 1
+
+    def scores(self, query):
+        t = self.num_pages * self.page_size
+        if query.device.type == "cpu":
+            return cpu.lowrank_scores(query, self.qproj, self.scale, self.scaling, self.codes, self.valid,
+                                      self.num_pages, self.page_size)
+        return ref.score_lowrank(query, self.qproj, self.codes[..., :t], self.scale, self.valid[:, :t],
+                                 self.page_size, self.scaling)
+
+    def select_and_score(self, query, selectable, k, cached):
+        if query.device.type == "cpu":
+            return cpu.lowrank_select(query, self.qproj, self.scale, self.scaling, self.codes, self.valid,
+                                      selectable[:, : self.num_pages], k, self.page_size, cached)
+        s = self.scores(query)
+        pages, top = ref.topk_pages(s.masked_fill(~selectable[:, None, : self.num_pages], ref.NEG_INF), k)
+        if cached is None:
+            return pages, top, None
+        return pages, top, s.gather(2, cached.clamp_min(0)).masked_fill(cached < 0, ref.NEG_INF)
+
+    def select(self, query, selectable, k):
+        pages, top, _ = self.select_and_score(query, selectable, k, None)
+        return pages, top
+
+    @property
+    def index_bytes(self):
+        t = self.num_pages * self.page_size
+        return sum(x.numel() * x.element_size()
+                   for x in (self.codes[..., :t], self.valid[:, :t], self.scale, self.kproj, self.qproj))
+
+
 class OracleSelector(Selector):
     """Exact attention mass per page; keeps every key, for measurement only."""
 
@@ -241,7 +367,7 @@ class OracleSelector(Selector):
         super().__init__(page_size)
         self.scaling = scaling
 
-    def build(self, keys, valid):
+    def build(self, keys, valid, query=None):
         p = keys.shape[2] // self.page_size
         self.keys = keys[:, :, : p * self.page_size].clone()
         self.valid = valid[:, : p * self.page_size].clone()
@@ -272,6 +398,8 @@ def make_selector(kind: IndexKind, page_size: int, scaling: float, **options) ->
         return QuestIndex(page_size)
     if kind is IndexKind.MEAN_KEY:
         return MeanKeyIndex(page_size)
+    if kind is IndexKind.LOWRANK:
+        return LowRankIndex(page_size, scaling, **options)
     if kind is IndexKind.ORACLE:
         return OracleSelector(page_size, scaling)
     raise ValueError(f"unknown index kind {kind!r}")

@@ -283,3 +283,186 @@ def sparse_attention(query: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     _sparse_attention(q.numpy(), kc, vc, slots.contiguous().numpy(), lk, lv, valid.contiguous().numpy(), kind,
                       np.float32(scaling), out.numpy())
     return out
+
+
+# ---------------------------------------------------------------- low-rank page scores
+
+
+@intrinsic
+def _bits_to_float(typingctx, bits):
+    """The float32 whose bits are the int32 ``bits``."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+@numba.njit(nogil=True, cache=True, inline="always", fastmath=_ATTENTION_FASTMATH)
+def _exp_nonpos(x):  # pragma: no cover - compiled
+    """exp(x) for x <= 0 (relative error below 1e-4; 0 below -80, -inf included).
+
+    2^n from the exponent bits, 2^f by a degree-5 polynomial: no libm call, so a loop
+    of these vectorises (libm's expf does not).
+    """
+    t = max(x, np.float32(-80.0)) * np.float32(1.4426950408889634)
+    n = np.floor(t)
+    f = t - n
+    p = np.float32(1.0) + f * (np.float32(0.6931472) + f * (np.float32(0.2402265) + f * (
+        np.float32(0.05550411) + f * (np.float32(0.009618129) + f * np.float32(0.001333355)))))
+    v = _bits_to_float((np.int32(n) + np.int32(127)) << np.int32(23)) * p
+    return v if x > np.float32(-80.0) else np.float32(0.0)
+
+
+_TILE = 256  # tokens per tile of the logit pass: the tile's partial sums stay in L1 across channels
+# Logits here come from int8 codes and finite queries: never NaN (-inf marks padding), so
+# "no NaNs" is safe and lets the max reductions vectorise.
+_LOWRANK_FASTMATH = _ATTENTION_FASTMATH | {"nnan"}
+
+
+@numba.njit(nogil=True, cache=True, fastmath=_LOWRANK_FASTMATH, error_model="numpy")
+def _lowrank_page_mass(qz, codes, valid, b, h, p_n, s_n, logits, out):  # pragma: no cover - compiled
+    """Log estimated mass of pages [0, p_n) of (row b, head h) into ``out``; ``logits`` is scratch [G, >= p_n*S]."""
+    g_n, r_n = qz.shape[2], qz.shape[3]
+    t_n = p_n * s_n
+    # Estimated logits, a channel at a time: codes are channel-major, so every inner
+    # loop streams over tokens and vectorises.
+    for t0 in range(0, t_n, _TILE):
+        t1 = min(t_n, t0 + _TILE)
+        for g in range(g_n):
+            lg = logits[g, t0:t1]
+            w = qz[b, h, g, 0]
+            c = codes[b, h, 0, t0:t1]
+            for t in range(t1 - t0):
+                lg[t] = w * np.float32(c[t])
+            for r in range(1, r_n):
+                w = qz[b, h, g, r]
+                c = codes[b, h, r, t0:t1]
+                for t in range(t1 - t0):
+                    lg[t] += w * np.float32(c[t])
+            ok = valid[b, t0:t1]
+            for t in range(t1 - t0):
+                if not ok[t]:
+                    lg[t] = -np.inf
+    # Per query head, each page's share of the softmax mass; summed over the heads.
+    out[:p_n] = 0.0
+    for g in range(g_n):
+        lg = logits[g]
+        top = np.float32(-np.inf)
+        for t in range(t_n):
+            top = max(top, lg[t])
+        if top == -np.inf:
+            continue
+        for t in range(t_n):  # a flat loop, apart from the page sums: it vectorises
+            lg[t] = _exp_nonpos(lg[t] - top)
+        total = np.float32(0.0)
+        for p in range(p_n):
+            part = np.float32(0.0)
+            for t in range(p * s_n, (p + 1) * s_n):
+                part += lg[t]
+            lg[p] = part  # page sums overwrite the terms already summed
+            total += part
+        inv = np.float32(1.0) / total
+        for p in range(p_n):
+            out[p] += lg[p] * inv
+    for p in range(p_n):
+        out[p] = np.log(out[p]) if out[p] > 0 else -np.inf
+
+
+@numba.njit(nogil=True, cache=True)
+def _project(query, qproj, scale, scaling, qz):  # pragma: no cover - compiled
+    """qz = (query @ qproj) * scale * scaling, per (row, head)."""
+    b_n, h_n, g_n, d_n = query.shape
+    r_n = qproj.shape[3]
+    for b in range(b_n):
+        for h in range(h_n):
+            for g in range(g_n):
+                for r in range(r_n):
+                    acc = np.float32(0.0)
+                    for d in range(d_n):
+                        acc += query[b, h, g, d] * qproj[b, h, d, r]
+                    qz[b, h, g, r] = acc * scale[b, h, r] * scaling
+
+
+@numba.njit(nogil=True, cache=True)
+def _lowrank_scores(qz, codes, valid, p_n, s_n, out):  # pragma: no cover - compiled
+    logits = np.empty((qz.shape[2], p_n * s_n), np.float32)
+    for b in range(qz.shape[0]):
+        for h in range(qz.shape[1]):
+            _lowrank_page_mass(qz, codes, valid, b, h, p_n, s_n, logits, out[b, h])
+
+
+@numba.njit(nogil=True, cache=True)
+def _lowrank_select(qz, codes, valid, selectable, k, p_n, s_n, out_pages, out_scores, cached,
+                    cached_scores):  # pragma: no cover - compiled
+    logits = np.empty((qz.shape[2], p_n * s_n), np.float32)
+    score = np.empty(p_n, np.float32)
+    for b in range(qz.shape[0]):
+        for h in range(qz.shape[1]):
+            _lowrank_page_mass(qz, codes, valid, b, h, p_n, s_n, logits, score)
+            # Top k by insertion into a sorted list: most pages lose to the k-th at once.
+            # Equal scores keep the lower page first, as a stable sort would.
+            n = 0
+            for p in range(p_n):
+                if not selectable[b, p]:
+                    continue
+                v = score[p]
+                if n == k and not v > out_scores[b, h, k - 1]:
+                    continue
+                j = n if n < k else k - 1
+                while j > 0 and v > out_scores[b, h, j - 1]:
+                    out_scores[b, h, j] = out_scores[b, h, j - 1]
+                    out_pages[b, h, j] = out_pages[b, h, j - 1]
+                    j -= 1
+                out_scores[b, h, j] = v
+                out_pages[b, h, j] = p
+                if n < k:
+                    n += 1
+            for i in range(n, k):  # fewer selectable pages than k: unselectable ones, scored -inf
+                out_pages[b, h, i] = _nth_unused(out_pages, b, h, i, p_n)
+                out_scores[b, h, i] = -np.inf
+            for i in range(cached.shape[2]):
+                p = cached[b, h, i]
+                cached_scores[b, h, i] = -np.inf if p < 0 or p >= p_n else score[p]
+
+
+def _projected(query, qproj, scale, scaling) -> np.ndarray:
+    q = query.detach().float().contiguous().numpy()
+    qz = np.empty(q.shape[:3] + (qproj.shape[3],), np.float32)
+    _project(q, qproj.numpy(), scale.numpy(), np.float32(scaling), qz)
+    return qz
+
+
+def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor, scaling: float,
+                   codes: torch.Tensor, valid: torch.Tensor, num_pages: int, page_size: int) -> torch.Tensor:
+    """Fused :func:`kvdrive.kernels.reference.score_lowrank`.
+
+    Same arguments, except that ``codes`` ``[B, H, R, >= P*S]`` and ``valid`` ``[B, >= P*S]``
+    may have spare capacity past ``num_pages`` pages (no copy is made). Returns float32
+    ``[B, H, P]``, within 1e-4 of the reference (the exponential is a polynomial).
+    """
+    qz = _projected(query, qproj, scale, scaling)
+    out = torch.empty((qz.shape[0], qz.shape[1], num_pages), dtype=torch.float32)
+    _lowrank_scores(qz, codes.numpy(), valid.numpy(), num_pages, page_size, out.numpy())
+    return out
+
+
+def lowrank_select(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor, scaling: float,
+                   codes: torch.Tensor, valid: torch.Tensor, selectable: torch.Tensor, k: int, page_size: int,
+                   cached: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The ``k`` selectable pages of highest :func:`lowrank_scores`, in one pass per (row, head).
+
+    ``selectable`` ``[B, P]`` says how many pages there are. With ``cached`` (``[B, H, n]``
+    pages, -1 none) it also returns their scores, for lookahead eviction. Returns
+    (pages ``[B, H, k]``, their scores, cached pages' scores or None); with fewer than
+    ``k`` selectable pages the rest are unselectable ones scored -inf.
+    """
+    num_pages = selectable.shape[1]
+    k = min(k, num_pages)
+    qz = _projected(query, qproj, scale, scaling)
+    b, h = qz.shape[:2]
+    pages = np.empty((b, h, k), np.int64)
+    scores = np.empty((b, h, k), np.float32)
+    cached_np = np.full((b, h, 0), -1, np.int64) if cached is None else cached.contiguous().numpy()
+    cached_scores = np.empty(cached_np.shape, np.float32)
+    _lowrank_select(qz, codes.numpy(), valid.numpy(), selectable.contiguous().numpy(), k, num_pages, page_size,
+                    pages, scores, cached_np, cached_scores)
+    return torch.from_numpy(pages), torch.from_numpy(scores), None if cached is None else torch.from_numpy(cached_scores)

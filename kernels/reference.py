@@ -41,6 +41,25 @@ def score_quest(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> 
     return bound.amax(dim=2)
 
 
+def score_lowrank(query: torch.Tensor, qproj: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                  valid: torch.Tensor, page_size: int, scaling: float) -> torch.Tensor:
+    """Per page, the log of its estimated share of the attention mass, from rank-r key sketches.
+
+    query ``[B, H, G, D]``, qproj ``[B, H, D, R]``, codes ``[B, H, R, P*S]`` int8 (channel-major), scale
+    ``[B, H, R]`` (one per channel), valid ``[B, P*S]`` -> ``[B, H, P]``: for every query
+    head the estimated logits ``scaling * (q @ qproj) . (codes * scale)`` are normalised
+    over all indexed tokens, then summed (as probabilities) over the page's tokens and
+    the query heads. Pages without a valid token score -inf.
+    """
+    b, h, g, _ = query.shape
+    qz = torch.matmul(query.float(), qproj) * (scale[:, :, None, :] * scaling)  # [B, H, G, R]
+    logits = torch.matmul(qz, codes.float())  # [B, H, G, P*S]
+    logits = logits.masked_fill(~valid[:, None, None, :], NEG_INF)
+    logits = logits - torch.logsumexp(logits, dim=-1, keepdim=True).nan_to_num(neginf=0.0)
+    p = codes.shape[3] // page_size
+    return torch.logsumexp(logits.reshape(b, h, g, p, page_size), dim=(2, 4))
+
+
 def kmeans(points: torch.Tensor, num_clusters: int, iters: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched k-means by cosine-free L2 on ``[N, P, D]`` points.
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kvdrive_client.selectors import HierarchicalIndex, IndexKind, MeanKeyIndex, OracleSelector, QuestIndex, make_selector
+from kvdrive_client.selectors import (HierarchicalIndex, IndexKind, LowRankIndex, MeanKeyIndex, OracleSelector,
+                                     QuestIndex, make_selector)
 
 B, H, G, D, S, P = 2, 2, 3, 32, 16, 64
 
@@ -85,3 +86,62 @@ def test_oracle_scores_are_attention_mass():
     oracle.build(keys, torch.ones(B, P * S, dtype=torch.bool))
     mass = oracle.scores(query)
     torch.testing.assert_close(mass.sum(dim=-1), torch.full((B, H), float(G)))
+
+
+def test_lowrank_at_full_rank_scores_the_exact_attention_mass():
+    keys, query, _ = planted(5)
+    valid = torch.ones(B, P * S, dtype=torch.bool)
+    valid[1, : 2 * S + 3] = False
+    lowrank, oracle = LowRankIndex(S, D**-0.5, rank=D), OracleSelector(S, D**-0.5)
+    lowrank.build(keys, valid, query[:, :, :, None])
+    oracle.build(keys, valid)
+    # int8 codes: the log mass is off by the rounding of each logit only.
+    est, exact = lowrank.scores(query).exp(), oracle.scores(query)
+    torch.testing.assert_close(est, exact, atol=0.02, rtol=0.05)
+
+
+def test_lowrank_fits_the_directions_the_queries_use():
+    # Keys vary most in the first half of the dims; the queries read only the second half,
+    # where the relevant pages stand out. Fitted to the queries, rank 4 finds those pages;
+    # the keys' own principal directions (no queries) miss them.
+    g = torch.Generator().manual_seed(6)
+    keys = torch.randn(B, H, P * S, D, generator=g) * 0.2
+    keys[..., : D // 2] *= 20.0
+    query = torch.zeros(B, H, G, 8, D)
+    query[..., D // 2 :] = torch.randn(B, H, G, 8, D // 2, generator=g)
+    direction = query[..., D // 2 :].mean(dim=(2, 3))
+    hot = torch.randperm(P - 2, generator=g)[:4] + 1
+    for p in hot.tolist():
+        keys[:, :, p * S : (p + 1) * S, D // 2 :] += 1.5 * (direction / direction.norm(dim=-1, keepdim=True))[:, :, None]
+    valid = torch.ones(B, P * S, dtype=torch.bool)
+    selectable = torch.ones(B, P, dtype=torch.bool)
+    fitted, unfitted = LowRankIndex(S, D**-0.5, rank=4), LowRankIndex(S, D**-0.5, rank=4)
+    fitted.build(keys, valid, query)
+    unfitted.build(keys, valid)
+    step = query[:, :, :, -1]
+    found = lambda sel: sum(len(set(hot.tolist()) & set(r.tolist())) for r in sel.select(step, selectable, 4)[0].reshape(-1, 4))
+    assert found(fitted) == 4 * B * H
+    assert found(unfitted) < found(fitted)
+
+
+def test_lowrank_added_pages_are_encoded_like_built_ones():
+    keys, query, _ = planted(7)
+    valid = torch.ones(B, P * S, dtype=torch.bool)
+    full = LowRankIndex(S, D**-0.5)
+    full.build(keys, valid, query[:, :, :, None])
+    grown = LowRankIndex(S, D**-0.5)
+    grown.build(keys, valid, query[:, :, :, None])
+    grown.codes, grown.valid, grown.num_pages = grown.codes[..., : 10 * S].clone(), grown.valid[:, : 10 * S].clone(), 10
+    for p in range(10, P):
+        grown.add_page(keys[:, :, p * S : (p + 1) * S], valid[:, p * S : (p + 1) * S])
+    assert torch.equal(grown.codes[..., : P * S], full.codes)
+    torch.testing.assert_close(grown.scores(query), full.scores(query))
+
+
+def test_lowrank_index_is_a_small_fraction_of_the_kv():
+    keys, query, _ = planted(8)
+    sel = LowRankIndex(S, D**-0.5, rank=16)
+    sel.build(keys.half(), torch.ones(B, P * S, dtype=torch.bool), query[:, :, :, None].half())
+    kv_bytes = 2 * keys.half().numel() * 2
+    # rank bytes per token and head + one validity byte per token, against 2 x D fp16 values.
+    assert sel.index_bytes <= (16 + 1) / (2 * D * 2) * kv_bytes + 2 * B * H * D * 16 * 4 + B * H * 16 * 4
