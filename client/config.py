@@ -32,6 +32,11 @@ class AttachConfig:
         successive micro-batches (off: one stage after another for the whole batch).
     trace: write a Chrome trace JSON of every decode stage here when the session ends.
     obs_window: prompt tokens whose attention scores page importance at prefill.
+    index: how pages are chosen: ``lowrank`` (default) keeps every key as a ``rank``-dim
+        int8 sketch fitted to the prefill's queries and ranks pages by estimated
+        attention mass; ``hierarchical`` (int8 page means under k-means centroids,
+        ``pages_per_cluster``, ``candidate_factor``), ``meankey`` and ``quest`` are
+        the cheaper, less exact indexes; ``oracle`` keeps every key (measurement only).
     reuse: keep each prompt's complete pages in the store under a name derived from
         the model and the tokens; a later generate() on the same prompt loads them
         instead of running prefill over them (also after a daemon restart).
@@ -49,11 +54,12 @@ class AttachConfig:
     micro_batch: int | None = None
     pipeline: bool = True
     trace: str | None = None
-    index: IndexKind = IndexKind.HIERARCHICAL
+    index: IndexKind = IndexKind.LOWRANK
     eviction: EvictionPolicy = EvictionPolicy.LOOKAHEAD
     obs_window: int = 32
     pages_per_cluster: int = 8
     candidate_factor: float = 4.0
+    rank: int = 16
     namespace: str = "kvdrive"
     keep: bool = False
     reuse: bool = False
@@ -92,6 +98,8 @@ class AttachConfig:
             raise ValueError(f"micro_batch must be >= 1 or None (calibrate), got {self.micro_batch}")
         if self.cache_bytes is not None and self.cache_bytes <= 0:
             raise ValueError(f"cache_bytes must be > 0, got {self.cache_bytes}")
+        if not 1 <= self.rank <= 4096:
+            raise ValueError(f"rank must be in 1..4096, got {self.rank}")
         if self.obs_window < 1:
             raise ValueError(f"obs_window must be >= 1, got {self.obs_window}")
 

@@ -179,9 +179,10 @@ class Session:
         for ob in self.observers:
             ob.on_prefill(layer, keys[:, :, : num_pages * s], self.valid[:, : num_pages * s])
         ls.selector = make_selector(cfg.index, s, sh.scaling, **self._selector_options())
-        cluster = ls.selector.build(keys, self.valid) if num_pages else None
+        q = query.reshape(b, h, sh.group, query.shape[2], d)
+        cluster = ls.selector.build(keys, self.valid, q) if num_pages else None
         if num_pages == 0:
-            ls.selector.build(keys[:, :, :0], self.valid[:, :0])
+            ls.selector.build(keys[:, :, :0], self.valid[:, :0], q[:, :, :, :0])
         importance = self._importance(query, keys, t, num_pages)
         if num_pages:
             self._put_layer(layer, keys, values, num_pages, cluster, importance)
@@ -204,6 +205,8 @@ class Session:
     def _selector_options(self) -> dict:
         if self.cfg.index is IndexKind.HIERARCHICAL:
             return {"pages_per_cluster": self.cfg.pages_per_cluster, "candidate_factor": self.cfg.candidate_factor}
+        if self.cfg.index is IndexKind.LOWRANK:
+            return {"rank": self.cfg.rank, "pages_per_cluster": self.cfg.pages_per_cluster}
         return {}
 
     def _first_local_page(self, num_tokens: int, num_pages: int) -> int:
