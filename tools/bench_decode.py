@@ -10,9 +10,13 @@ Every configuration runs in one process, one after another, on the same inputs:
   is fetched every step.
 - ``shadowkv``: ShadowKV-style mean-key landmarks, a cache of one step's selection
   (x1: pages the previous step selected are reused).
-- ``kvdrive``: the hierarchical index and a x4 lookahead cache per (layer, KV head);
+- ``kvdrive``: attach()'s default index (lowrank: rank-16 int8 key sketches, pages
+  ranked by estimated attention mass) and a x4 lookahead cache per (layer, KV head);
   ``kvdrive-profile``: the same with per-head windows from a window profile at
   equal total cache bytes. Each with the pipeline on and off (``+pipe`` / ``-pipe``).
+  ``kvdrive-hierarchical+pipe`` (full runs only): ``kvdrive+pipe`` with the cheaper
+  hierarchical index (int8 page means under k-means centroids), for the cost of the
+  default index side by side.
 
 Store-backed rows run on a DRAM tier that holds everything (``dram``) and on one
 well below the KV size (``dram+ssd``).
@@ -42,6 +46,7 @@ import torch
 
 from kvdrive.tools.decode_workload import selection_overlap
 from kvdrive.tools.text_table import text_table
+from kvdrive_client.config import AttachConfig
 from kvdrive_client.selectors import IndexKind
 from kvdrive_client.session import Observer
 
@@ -57,6 +62,7 @@ TARGET_SSD_VS_DRAM = 0.85
 TARGET_PIPELINE_VS_LONGEST = 1.15
 TARGET_C_VS_B = 0.5
 TARGET_OVERLAP_GAP = 0.05
+TARGET_INDEX_SPEED = 0.9  # (a): the default index may cost at most 10% of the hierarchical one's tokens/s
 PROFILE_SEQUENCES = 2  # calibration sequences of a window profile, each held out in turn
 
 
@@ -75,7 +81,7 @@ class Config:
 
 
 def configurations(pipeline_variants: bool = True) -> list[Config]:
-    kv = dict(index=IndexKind.HIERARCHICAL, window=4.0, eviction="lookahead")
+    kv = dict(window=4.0, eviction="lookahead")  # the index is attach()'s default
     rows = [
         Config("dense", store=False),
         Config("whole-layer", options=dict(budget=1.0, index=IndexKind.MEAN_KEY, window=0, pipeline=False)),
@@ -86,6 +92,8 @@ def configurations(pipeline_variants: bool = True) -> list[Config]:
         rows.append(Config(f"{name}+pipe", options=dict(kv, pipeline=True), profile=profile))
         if pipeline_variants or not profile:  # kvdrive-pipe also measures the selection overlap
             rows.append(Config(f"{name}-pipe", options=dict(kv, pipeline=False), profile=profile))
+    if pipeline_variants:  # the default index against the cheaper clustered one, side by side
+        rows.append(Config("kvdrive-hierarchical+pipe", options=dict(kv, index=IndexKind.HIERARCHICAL, pipeline=True)))
     return rows
 
 
@@ -475,7 +483,7 @@ def run_workloads_bc(cfg: BenchConfig, configs: list[Config], rows: list[Row], i
     target = info.get("a_overlap")
     if target is not None:
         _note(f"workload b: calibrating query locality to workload a's overlap {target:.3f}")
-        cal = calibrate_alpha(target, base, budget=BUDGET, index_kind=IndexKind.HIERARCHICAL)
+        cal = calibrate_alpha(target, base, budget=BUDGET, index_kind=AttachConfig().index)
         base = replace(base, alpha=cal.alpha)
         info["b_alpha"] = cal.alpha
     info["b_description"] = DESCRIPTION
@@ -583,6 +591,17 @@ def target_lines(rows: list[Row], info: dict) -> list[str]:
             line = (f"(a) batch {batch}: kvdrive ({k.config}) {k.tokens_per_s:.2f} tok/s vs shadowkv {s.tokens_per_s:.2f}"
                     f" ({k.tokens_per_s / s.tokens_per_s:.2f}x)")
             out.append(f"target 6: {line}, target >= 1x: {_verdict(k.tokens_per_s >= s.tokens_per_s)}" if batch == 4 else f"info: {line}")
+    for r in [x for x in rows if x.config == "kvdrive-hierarchical+pipe"]:
+        k = _find(rows, r.workload, "kvdrive+pipe", r.tier, r.batch)
+        if k:
+            line = (f"({r.workload}) batch {r.batch} {r.tier}: kvdrive+pipe with the {AttachConfig().index.value} index "
+                    f"{k.tokens_per_s:.2f} tok/s vs the hierarchical index {r.tokens_per_s:.2f} "
+                    f"({k.tokens_per_s / r.tokens_per_s:.2f}x)")
+            if r.workload == "a":
+                ok = k.tokens_per_s >= TARGET_INDEX_SPEED * r.tokens_per_s
+                out.append(f"target index: {line}, target >= {TARGET_INDEX_SPEED:g}x: {_verdict(ok)}")
+            else:
+                out.append(f"info: {line}")
     a_ov, b_ov = info.get("a_overlap"), next((r.overlap for r in rows if r.workload == "b" and r.overlap is not None), None)
     if a_ov is not None and b_ov is not None:
         out.append(f"locality: previous-step selection overlap (b) {b_ov:.3f} vs (a) SmolLM2 {a_ov:.3f}: gap {abs(a_ov - b_ov):.3f}, "
@@ -643,6 +662,8 @@ def _chart(rows: list[Row], path: Path) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a short run: (a) at 1K tokens, (b) 2 layers x 8K tokens, few steps")
     p.add_argument("--workloads", type=lambda s: s.split(","), default=None, help="which of a,b,c to run (default all)")
+    p.add_argument("--configs", type=lambda s: s.split(","), default=None,
+                   help="run only these configurations, comma-separated (default all; names as in the table)")
     p.add_argument("--context-a", type=int, default=None, help="workload a's context in tokens (default 7168, 1024 quick)")
     p.add_argument("--steps-a", type=int, default=None, help="workload a's decode steps, warm-up included (default 24)")
     p.add_argument("--batches-a", type=lambda s: [int(x) for x in s.split(",")], default=None,
@@ -664,6 +685,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvdrive-bench decode: {exc}", file=sys.stderr)
         return 2
     configs = configurations(pipeline_variants=not cfg.quick)
+    if args.configs:
+        known = [c.name for c in configurations()]
+        unknown = [n for n in args.configs if n not in known]
+        if unknown:
+            print(f"kvdrive-bench decode: --configs: unknown {', '.join(unknown)}; choose from {', '.join(known)}",
+                  file=sys.stderr)
+            return 2
+        configs = [c for c in configurations() if c.name in args.configs]
     rows: list[Row] = []
     info: dict = {}
     t0 = time.perf_counter()

@@ -318,9 +318,9 @@ class OverlapProbe:
         valid = torch.ones(w.batch, w.context_tokens, dtype=torch.bool)
         self.selectors: list[Selector] = []
         for layer in range(num_layers):
-            _, keys, _ = w.prefill_kv(layer)
+            query, keys, _ = w.prefill_kv(layer)
             sel = make_selector(index_kind, w.page_size, w.scaling)
-            sel.build(keys, valid)
+            sel.build(keys, valid, query.reshape(w.batch, w.num_kv_heads, w.group, query.shape[2], w.head_dim))
             self.selectors.append(sel)
             del keys
 

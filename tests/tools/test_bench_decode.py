@@ -45,6 +45,7 @@ def test_quick_run_prints_every_configuration_and_writes_json(tmp_path, capsys):
     (["--text", "/nonexistent/text.txt"], "no such file"),
     (["--quick", "--steps-a", "2"], "warm-up"),
     (["--batches-a", "0"], "batch sizes"),
+    (["--configs", "kvdrive+pipe,nope"], "unknown nope"),
 ])
 def test_bad_options_are_refused_before_anything_runs(argv, message, capsys):
     assert main(["decode", *argv]) == 2
@@ -57,3 +58,8 @@ def test_knobs_and_defaults():
     names = [c.name for c in bench_decode.configurations()]
     assert names[:4] == list(bench_decode.BASELINES)
     assert {"kvdrive+pipe", "kvdrive-pipe", "kvdrive-profile+pipe", "kvdrive-profile-pipe"} <= set(names)
+    by = {c.name: c for c in bench_decode.configurations()}
+    # KVDrive rows run attach()'s default index; one row runs the hierarchical one beside it.
+    assert "index" not in by["kvdrive+pipe"].options
+    assert by["kvdrive-hierarchical+pipe"].options["index"].value == "hierarchical"
+    assert "kvdrive-hierarchical+pipe" not in {c.name for c in bench_decode.configurations(pipeline_variants=False)}

@@ -10,10 +10,12 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvdrive.tools import bench
-from kvdrive.tools.bench_fidelity import PrefillSnapshot, RecallObserver, TraceObserver, compare, teacher_force
+from kvdrive.tools.bench_fidelity import (InputError, PrefillSnapshot, RecallObserver, TraceObserver, compare,
+                                          teacher_force, window_offsets)
 from kvdrive_client import attach
 
-FIDELITY_KEYS = {"selector", "budget", "context", "recall", "dloss", "kl", "top1", "index_bytes", "select_ms"}
+FIDELITY_KEYS = {"selector", "budget", "context", "text_window", "offset", "recall", "dloss", "kl", "top1", "index_bytes",
+                 "kv_bytes", "select_ms"}
 CACHE_KEYS = {"selector", "budget", "context", "window", "capacity", "policy", "hits", "lookups", "hit_rate"}
 
 
@@ -88,18 +90,20 @@ def test_quick_run_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
     rows = doc["fidelity"]
-    assert [(r["selector"], r["budget"], r["context"]) for r in rows] == [
-        (s, 0.0625, 512) for s in ("oracle", "hierarchical", "meankey", "quest")]
+    assert [(r["selector"], r["budget"], r["context"], r["text_window"], r["offset"]) for r in rows] == [
+        (s, 0.0625, 512, 0, 0) for s in ("oracle", "lowrank", "hierarchical", "meankey", "quest")]
     for r in rows:
         assert set(r) == FIDELITY_KEYS
         for key in FIDELITY_KEYS - {"selector"}:
             assert math.isfinite(r[key]), (r["selector"], key)
         assert 0 < r["recall"] <= 1 + 1e-6 and 0 <= r["top1"] <= 1 and r["kl"] >= -1e-9
         assert r["index_bytes"] > 0 and r["select_ms"] > 0
+        assert r["kv_bytes"] == 2 * 30 * 3 * 64 * 4 * 512  # SmolLM2's K+V in float32 at the context
     by = {r["selector"]: r for r in rows}
     # The oracle picks by exact mass, so no selector recalls more at the same budget.
     assert all(by["oracle"]["recall"] >= r["recall"] - 1e-6 for r in rows)
     assert by["hierarchical"]["index_bytes"] < by["quest"]["index_bytes"]
+    assert by["lowrank"]["index_bytes"] < 0.1 * by["lowrank"]["kv_bytes"]
     cache = doc["cache"]
     assert [(r["window"], r["policy"]) for r in cache] == [
         (w, p) for w in (1, 2, 4) for p in ("lookahead", "lru", "belady")]
@@ -110,7 +114,9 @@ def test_quick_run_end_to_end(tmp_path):
         rates = {r["policy"]: r["hits"] for r in cache if r["window"] == w}
         assert rates["belady"] >= max(rates["lookahead"], rates["lru"])
     assert "selector" in proc.stdout and "hit_rate" in proc.stdout
-    assert proc.stdout.count("target: ") == 4 and ("PASS" in proc.stdout or "MISS" in proc.stdout)
+    # hierarchical vs meankey / quest (3), lookahead vs belady (1), lowrank vs dense / kv / hierarchical / oracle (4)
+    assert proc.stdout.count("target: ") == 8 and ("PASS" in proc.stdout or "MISS" in proc.stdout)
+    assert "lowrank recall >= 0.9 x oracle's" in proc.stdout
 
 
 def test_subcommand_is_registered_and_bad_options_are_refused(capsys):
@@ -121,3 +127,15 @@ def test_subcommand_is_registered_and_bad_options_are_refused(capsys):
     assert "--budget takes fractions" in capsys.readouterr().err
     assert bench.main(["fidelity", "--threads", "-1"]) == 2
     assert "--threads must be >= 0" in capsys.readouterr().err
+    assert bench.main(["fidelity", "--windows", "0"]) == 2
+    assert "--windows must be >= 1" in capsys.readouterr().err
+
+
+def test_text_windows_start_at_the_text_and_end_with_it_without_overlap():
+    assert window_offsets(1000, 300, 1) == [0]
+    assert window_offsets(1000, 300, 3) == [0, 350, 700]
+    assert window_offsets(900, 300, 3) == [0, 300, 600]
+    with pytest.raises(InputError, match="at most 2"):
+        window_offsets(899, 300, 3)
+    with pytest.raises(InputError, match="needs 300"):
+        window_offsets(299, 300, 1)
