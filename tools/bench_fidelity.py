@@ -598,12 +598,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = FidelityConfig(
             contexts=tuple(args.context or (QUICK_CONTEXTS if args.quick else DEFAULT_CONTEXTS)),
-            tokens=args.tokens or (QUICK_TOKENS if args.quick else DEFAULT_TOKENS),
+            tokens=args.tokens if args.tokens is not None else (QUICK_TOKENS if args.quick else DEFAULT_TOKENS),
             budgets=tuple(args.budget or (QUICK_BUDGETS if args.quick else DEFAULT_BUDGETS)),
             selectors=tuple(IndexKind(s) for s in args.selectors),
             text=args.text,
             threads=args.threads,
-            windows=args.windows or (QUICK_WINDOWS if args.quick else DEFAULT_WINDOWS),
+            windows=args.windows if args.windows is not None else (QUICK_WINDOWS if args.quick else DEFAULT_WINDOWS),
         )
     except ValueError as exc:
         print(f"kvdrive-bench fidelity: {exc}", file=sys.stderr)

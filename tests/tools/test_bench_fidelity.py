@@ -129,6 +129,8 @@ def test_subcommand_is_registered_and_bad_options_are_refused(capsys):
     assert "--threads must be >= 0" in capsys.readouterr().err
     assert bench.main(["fidelity", "--windows", "0"]) == 2
     assert "--windows must be >= 1" in capsys.readouterr().err
+    assert bench.main(["fidelity", "--tokens", "0"]) == 2
+    assert "--tokens must be >= 1" in capsys.readouterr().err
 
 
 def test_text_windows_start_at_the_text_and_end_with_it_without_overlap():
