@@ -64,8 +64,15 @@ class Selector(ABC):
 
     def select(self, query: torch.Tensor, selectable: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` best selectable pages per (batch, head): (pages ``[B, H, k]``, scores)."""
-        s = self.scores(query).masked_fill(~selectable[:, None, : self.num_pages], ref.NEG_INF)
-        return ref.topk_pages(s, k)
+        return self._top(self.scores(query), selectable, k)
+
+    def _top(self, scores: torch.Tensor, selectable: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return ref.topk_pages(scores.masked_fill(~selectable[:, None, : self.num_pages], ref.NEG_INF), k)
+
+    @staticmethod
+    def _gather(scores: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """``scores`` of ``pages`` ``[B, H, n]``, -inf where a page is -1."""
+        return scores.gather(2, pages.clamp_min(0)).masked_fill(pages < 0, ref.NEG_INF)
 
     def select_and_score(self, query: torch.Tensor, selectable: torch.Tensor, k: int,
                          cached: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -75,8 +82,7 @@ class Selector(ABC):
 
     def page_scores(self, query: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         """Scores of given pages ``[B, H, n]`` (-1 = none), for lookahead eviction."""
-        s = self.scores(query)
-        return s.gather(2, pages.clamp_min(0)).masked_fill(pages < 0, ref.NEG_INF)
+        return self._gather(self.scores(query), pages)
 
     def rows(self, lo: int, hi: int) -> "Selector":
         """A read-only view of batch rows ``[lo, hi)`` for selection (every index tensor is batch-first)."""
@@ -286,17 +292,16 @@ class LowRankIndex(Selector):
             a = vec @ torch.diag_embed(ev.sqrt()) @ vec.transpose(-1, -2)
             a_inv = vec @ torch.diag_embed(ev.rsqrt()) @ vec.transpose(-1, -2)
         stride = max(1, t // self.FIT_TOKENS)
-        k = (keys[:, :, ::stride].float() * valid[:, None, ::stride, None]) if t else keys.float()
+        k = keys[:, :, ::stride].float() * valid[:, None, ::stride, None]
         gram = a.transpose(-1, -2) @ (k.transpose(-1, -2) @ k) @ a
         _, vec = torch.linalg.eigh(gram + 1e-6 * eye)  # ascending: the last columns lead
         top = vec[..., -r:].flip(-1)
         self.kproj = (a @ top).contiguous()  # [B, H, D, R]
         self.qproj = (a_inv @ top).contiguous()
 
-    def _encode(self, keys: torch.Tensor) -> torch.Tensor:
-        """Keys ``[B, H, T, D]`` -> channel-major codes ``[B, H, R, T]``."""
-        z = torch.matmul(keys.float(), self.kproj) / self.scale[:, :, None, :]
-        return z.round().clamp(-127, 127).to(torch.int8).transpose(-1, -2)
+    def _quantize(self, z: torch.Tensor) -> torch.Tensor:
+        """Sketches ``[B, H, T, R]`` -> channel-major int8 codes ``[B, H, R, T]``."""
+        return (z / self.scale[:, :, None, :]).round().clamp(-127, 127).to(torch.int8).transpose(-1, -2)
 
     def build(self, keys, valid, query=None):
         b, h, t, _ = keys.shape
@@ -307,7 +312,7 @@ class LowRankIndex(Selector):
         z = z * valid[:, None, :, None]
         # One scale per channel; decode keys beyond the prefill's range saturate at +-127.
         self.scale = (z.abs().amax(dim=2) / 127.0).clamp_min(1e-6) if t else torch.ones_like(self.kproj[..., 0, :])
-        self.codes = self._encode(keys[:, :, : p * s]).contiguous()
+        self.codes = self._quantize(z[:, :, : p * s]).contiguous()  # padding tokens encode as 0 (never scored)
         self.valid = valid[:, : p * s].clone()
         self.num_pages = p
         if p == 0:
@@ -325,7 +330,7 @@ class LowRankIndex(Selector):
         n, s = self.num_pages, self.page_size
         self.codes = _grow(self.codes, (n + 1) * s, dim=3)
         self.valid = _grow(self.valid, (n + 1) * s, dim=1, fill=False)
-        self.codes[:, :, :, n * s : (n + 1) * s] = self._encode(keys)
+        self.codes[:, :, :, n * s : (n + 1) * s] = self._quantize(torch.matmul(keys.float(), self.kproj))
         self.valid[:, n * s : (n + 1) * s] = valid
         self.num_pages += 1
 
@@ -342,10 +347,8 @@ class LowRankIndex(Selector):
             return cpu.lowrank_select(query, self.qproj, self.scale, self.scaling, self.codes, self.valid,
                                       selectable[:, : self.num_pages], k, self.page_size, cached)
         s = self.scores(query)
-        pages, top = ref.topk_pages(s.masked_fill(~selectable[:, None, : self.num_pages], ref.NEG_INF), k)
-        if cached is None:
-            return pages, top, None
-        return pages, top, s.gather(2, cached.clamp_min(0)).masked_fill(cached < 0, ref.NEG_INF)
+        pages, top = self._top(s, selectable, k)
+        return pages, top, None if cached is None else self._gather(s, cached)
 
     def select(self, query, selectable, k):
         pages, top, _ = self.select_and_score(query, selectable, k, None)

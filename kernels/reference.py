@@ -41,6 +41,11 @@ def score_quest(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> 
     return bound.amax(dim=2)
 
 
+def project_lowrank_query(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``[B, H, G, D]`` queries -> ``[B, H, G, R]`` float32 weights of the int8 sketch channels."""
+    return torch.matmul(query.float(), qproj) * (scale[:, :, None, :] * scaling)
+
+
 def score_lowrank(query: torch.Tensor, qproj: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                   valid: torch.Tensor, page_size: int, scaling: float) -> torch.Tensor:
     """Per page, the log of its estimated share of the attention mass, from rank-r key sketches.
@@ -52,8 +57,7 @@ def score_lowrank(query: torch.Tensor, qproj: torch.Tensor, codes: torch.Tensor,
     the query heads. Pages without a valid token score -inf.
     """
     b, h, g, _ = query.shape
-    qz = torch.matmul(query.float(), qproj) * (scale[:, :, None, :] * scaling)  # [B, H, G, R]
-    logits = torch.matmul(qz, codes.float())  # [B, H, G, P*S]
+    logits = torch.matmul(project_lowrank_query(query, qproj, scale, scaling), codes.float())  # [B, H, G, P*S]
     logits = logits.masked_fill(~valid[:, None, None, :], NEG_INF)
     logits = logits - torch.logsumexp(logits, dim=-1, keepdim=True).nan_to_num(neginf=0.0)
     p = codes.shape[3] // page_size

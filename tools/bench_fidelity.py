@@ -30,13 +30,12 @@ per step, layer and KV head, and its scores of every page) through
 :mod:`kvdrive_client.cache_sim` with caches of window x k pages (k: pages selected
 per step), windows x1, x2, x4, under LOOKAHEAD, LRU and BELADY (optimal) eviction.
 Cache-sim caches start as a session's do, seeded with the prefill's most important
-pages (as many as fit), and hold selected pages only (sink pages are outside).
+pages (as many as fit), and hold selected pages only (sink pages are outside). The cache
+part runs on text window 0 only.
 
 The prefill is dense and identical for every run, so it runs once per context: the
 keys, values and queries that KVDrive's prefill hook receives are kept and replayed
 into each run's fresh session (and into a DynamicCache for the dense reference).
-
-The cache part runs on text window 0 only.
 
 ``--json FILE`` writes ``{"fidelity": [...], "cache": [...]}``: ``fidelity`` has one
 row per text window x context x budget x selector with exactly the keys selector,
@@ -459,13 +458,13 @@ def _best_target_lines(rows: list[FidelityRow], itemsize: int) -> list[str]:
         return []
     by = {(r.selector, r.budget, r.context, r.text_window): r for r in rows}
     context = _target_context(rows)
-    best, name = TARGET_BEST.value, TARGET_BEST.value
+    name = TARGET_BEST.value
     lines = []
     for w in sorted({r.text_window for r in rows}):
         held = "tuning window" if w == 0 else "held out"
         first = next(r for r in rows if r.text_window == w)
         at = f"context {context}, window {w} at token {first.offset}, {held}"
-        row = by.get((best, TARGET_DLOSS_BUDGET, context, w))
+        row = by.get((name, TARGET_DLOSS_BUDGET, context, w))
         if row is not None:
             ok = row.dloss <= TARGET_DLOSS and row.kl <= TARGET_KL
             lines.append(f"target: {name} dloss <= {TARGET_DLOSS:g} and kl <= {TARGET_KL:g} (budget "
@@ -481,7 +480,7 @@ def _best_target_lines(rows: list[FidelityRow], itemsize: int) -> list[str]:
                              f"{TARGET_DLOSS_BUDGET:.3%}, {at}): {row.select_ms:.2f} / {hier.select_ms:.2f} ms = "
                              f"{ratio:.2f}x: {_verdict(ratio <= TARGET_SELECT_VS_HIERARCHICAL)}")
         for budget in sorted({r.budget for r in rows}, reverse=True):
-            row, oracle = by.get((best, budget, context, w)), by.get((IndexKind.ORACLE.value, budget, context, w))
+            row, oracle = by.get((name, budget, context, w)), by.get((IndexKind.ORACLE.value, budget, context, w))
             if row is None or oracle is None:
                 continue
             goal = TARGET_RECALL_VS_ORACLE * oracle.recall

@@ -121,3 +121,12 @@ def test_numba_lowrank_select_pads_with_unselectable_pages():
     for row in pages.reshape(-1, 5):
         assert set(row[:3].tolist()) == {10, 11, 12} and len(set(row.tolist())) == 5
     assert torch.isinf(top[..., 3:]).all() and torch.isfinite(top[0, :, :3]).all()
+
+
+def test_numba_lowrank_select_of_no_pages_returns_empty_rows():
+    query, qproj, scale, codes, valid, S, P = _lowrank_case(10)
+    selectable = torch.ones(codes.shape[0], P, dtype=torch.bool)
+    pages, top, cached_scores = cpu.lowrank_select(query, qproj, scale, 0.2, codes, valid, selectable, 0, S,
+                                                   torch.tensor([[[3, -1]] * codes.shape[1]] * codes.shape[0]))
+    assert pages.shape == top.shape == (codes.shape[0], codes.shape[1], 0)
+    assert torch.isfinite(cached_scores[..., 0]).all() and torch.isinf(cached_scores[..., 1]).all()
