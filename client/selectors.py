@@ -7,8 +7,8 @@ One interface, :class:`Selector`, five implementations side by side:
 - :class:`QuestIndex`: per-page min/max keys, an upper bound of q.k per page.
 - :class:`MeanKeyIndex`: one mean key per page, every page scored (ShadowKV-style
   landmarks).
-- :class:`LowRankIndex`: every key as a rank-16 int8 sketch fitted to the prefill
-  queries; a page scores its estimated share of the attention mass.
+- :class:`LowRankIndex`: every key as a rank-16 sketch fitted to the prefill queries
+  (8 int8 channels, 8 int4); a page scores its estimated share of the attention mass.
 - :class:`OracleSelector`: exact attention mass per page from all keys; for
   measurement only (it keeps every key).
 
@@ -246,22 +246,25 @@ class HierarchicalIndex(Selector):
 
 
 class LowRankIndex(Selector):
-    """Every key kept as a rank-``rank`` int8 sketch fitted to the queries; pages ranked by estimated mass.
+    """Every key kept as a rank-``rank`` sketch fitted to the queries; pages ranked by estimated mass.
 
     Fitting, per (row, KV head), at prefill: the prefill queries' second moment
     ``C = E[q q^T]`` gives ``A = C^(1/2)``; the top ``rank`` eigenvectors ``U`` of
     ``A^T K^T K A`` span the directions that carry most of ``q . k`` for queries like
-    those. A key is kept as ``z = U^T A k`` in int8 with one scale per channel, a query
-    maps to ``U^T A^-1 q``, and ``q . k ~ (U^T A^-1 q) . z``. A page's score is the log
+    those. A key is kept as ``z = U^T A k`` with one scale per channel, a query maps to
+    ``U^T A^-1 q``, and ``q . k ~ (U^T A^-1 q) . z``. The leading ``int8_channels``
+    channels, which carry most of ``q . k``, are int8; the rest int4, two to a byte
+    (:func:`reference.pack_lowrank_codes`): a quarter less memory than all-int8 codes,
+    for about 0.003 of attention-mass recall on the license texts. A page's score is the log
     of its estimated share of the softmax mass, summed over the query heads of its KV
     head (:func:`reference.score_lowrank`): the quantity the oracle ranks by. Without
     prefill queries ``A = I``: the keys' own principal directions. :meth:`build` also
     clusters the pages' mean sketches (``pages_per_cluster`` pages per k-means cluster)
     for the store's packing.
 
-    Device memory: ``rank`` bytes per token and KV head (16 against 256 for an fp16
-    K+V token at head dim 64), one validity byte per token, and the two ``D x rank``
-    projections per (row, KV head).
+    Device memory: ``int8_channels + (rank - int8_channels) / 2`` bytes per token and
+    KV head (12 at rank 16, against 256 for an fp16 K+V token at head dim 64), one
+    validity byte per token, and the two ``D x rank`` projections per (row, KV head).
     """
 
     kind = IndexKind.LOWRANK
@@ -269,13 +272,17 @@ class LowRankIndex(Selector):
     RIDGE = 1e-3  # query moments below this fraction of the largest are lifted to it (A stays invertible)
     FIT_TOKENS = 4096  # keys used to fit the projection (evenly strided when the prompt is longer)
 
-    def __init__(self, page_size: int, scaling: float, rank: int = 16, pages_per_cluster: int = 8) -> None:
+    def __init__(self, page_size: int, scaling: float, rank: int = 16, pages_per_cluster: int = 8,
+                 int8_channels: int = 8) -> None:
         super().__init__(page_size)
         if rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
+        if int8_channels < 0:
+            raise ValueError(f"int8_channels must be >= 0, got {int8_channels}")
         self.scaling = scaling
         self.rank = rank
         self.pages_per_cluster = pages_per_cluster
+        self.int8_channels = int8_channels
 
     def _fit(self, keys: torch.Tensor, valid: torch.Tensor, query: torch.Tensor | None) -> None:
         b, h, t, d = keys.shape
@@ -298,10 +305,17 @@ class LowRankIndex(Selector):
         top = vec[..., -r:].flip(-1)
         self.kproj = (a @ top).contiguous()  # [B, H, D, R]
         self.qproj = (a_inv @ top).contiguous()
+        self.wide = min(self.int8_channels, r)
+
+    def _levels(self, r: int) -> torch.Tensor:
+        """The largest code of each channel: 127 for int8 ones, 7 for int4."""
+        levels = torch.full((r,), 7.0)
+        levels[: self.wide] = 127.0
+        return levels
 
     def _quantize(self, z: torch.Tensor) -> torch.Tensor:
-        """Sketches ``[B, H, T, R]`` -> channel-major int8 codes ``[B, H, R, T]``."""
-        return (z / self.scale[:, :, None, :]).round().clamp(-127, 127).to(torch.int8).transpose(-1, -2)
+        """Sketches ``[B, H, T, R]`` -> channel-major code rows ``[B, H, rows, T]`` (int8, int4 pairs packed)."""
+        return ref.pack_lowrank_codes((z / self.scale[:, :, None, :]).round().transpose(-1, -2), self.wide)
 
     def build(self, keys, valid, query=None):
         b, h, t, _ = keys.shape
@@ -310,8 +324,9 @@ class LowRankIndex(Selector):
         self._fit(keys, valid, query)
         z = torch.matmul(keys.float(), self.kproj)  # every prefill token sets the range, pages or not
         z = z * valid[:, None, :, None]
-        # One scale per channel; decode keys beyond the prefill's range saturate at +-127.
-        self.scale = (z.abs().amax(dim=2) / 127.0).clamp_min(1e-6) if t else torch.ones_like(self.kproj[..., 0, :])
+        # One scale per channel; decode keys beyond the prefill's range saturate at the largest code.
+        levels = self._levels(z.shape[-1]).to(z.device)
+        self.scale = (z.abs().amax(dim=2) / levels).clamp_min(1e-6) if t else torch.ones_like(self.kproj[..., 0, :])
         self.codes = self._quantize(z[:, :, : p * s]).contiguous()  # padding tokens encode as 0 (never scored)
         self.valid = valid[:, : p * s].clone()
         self.num_pages = p
@@ -338,14 +353,14 @@ class LowRankIndex(Selector):
         t = self.num_pages * self.page_size
         if query.device.type == "cpu":
             return cpu.lowrank_scores(query, self.qproj, self.scale, self.scaling, self.codes, self.valid,
-                                      self.num_pages, self.page_size)
-        return ref.score_lowrank(query, self.qproj, self.codes[..., :t], self.scale, self.valid[:, :t],
-                                 self.page_size, self.scaling)
+                                      self.num_pages, self.page_size, self.wide)
+        codes = ref.unpack_lowrank_codes(self.codes[..., :t], self.qproj.shape[3], self.wide)
+        return ref.score_lowrank(query, self.qproj, codes, self.scale, self.valid[:, :t], self.page_size, self.scaling)
 
     def select_and_score(self, query, selectable, k, cached):
         if query.device.type == "cpu":
             return cpu.lowrank_select(query, self.qproj, self.scale, self.scaling, self.codes, self.valid,
-                                      selectable[:, : self.num_pages], k, self.page_size, cached)
+                                      selectable[:, : self.num_pages], k, self.page_size, cached, self.wide)
         s = self.scores(query)
         pages, top = self._top(s, selectable, k)
         return pages, top, None if cached is None else self._gather(s, cached)

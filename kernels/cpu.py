@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numba
 from numba.core import types
 from llvmlite import ir
@@ -297,68 +299,114 @@ def _bits_to_float(typingctx, bits):
 
 
 @numba.njit(nogil=True, cache=True, inline="always", fastmath=_ATTENTION_FASTMATH)
-def _exp_nonpos(x):  # pragma: no cover - compiled
-    """exp(x) for x <= 0 (relative error below 1e-4; 0 below -80, -inf included).
+def _exp2_nonpos(x):  # pragma: no cover - compiled
+    """2**x for x <= 0 (relative error below 1e-4; 0 below -126, -inf included).
 
     2^n from the exponent bits, 2^f by a degree-5 polynomial: no libm call, so a loop
-    of these vectorises (libm's expf does not).
+    of these vectorises (libm's exp2f does not). Below -126 the exponent bits are
+    those of 0.0: zero without a branch or a select.
     """
-    t = max(x, np.float32(-80.0)) * np.float32(1.4426950408889634)
+    t = max(x, np.float32(-127.0))
     n = np.floor(t)
     f = t - n
     p = np.float32(1.0) + f * (np.float32(0.6931472) + f * (np.float32(0.2402265) + f * (
         np.float32(0.05550411) + f * (np.float32(0.009618129) + f * np.float32(0.001333355)))))
-    v = _bits_to_float((np.int32(n) + np.int32(127)) << np.int32(23)) * p
-    return v if x > np.float32(-80.0) else np.float32(0.0)
+    return _bits_to_float((np.int32(n) + np.int32(127)) << np.int32(23)) * p
 
 
-_TILE = 256  # tokens per tile of the logit pass: the tile's partial sums stay in L1 across channels
+_TILE = 256  # tokens per tile of the logit pass: the tile's float codes (R x 1 KiB) stay in L1 across query heads
+_LOG2E = np.float32(1.4426950408889634)
 # Logits here come from int8 codes and finite queries: never NaN (-inf marks padding), so
 # "no NaNs" is safe and lets the max reductions vectorise.
 _LOWRANK_FASTMATH = _ATTENTION_FASTMATH | {"nnan"}
 
 
+@numba.njit(nogil=True, cache=True, fastmath=_LOWRANK_FASTMATH)
+def _lowrank_weights(query, qproj, scale, scaling, b, h, w):  # pragma: no cover - compiled
+    """w[g, r] = (query[b, h, g] @ qproj[b, h])[r] * scale[b, h, r] * scaling * log2(e): base-2 logit weights."""
+    g_n, d_n = query.shape[2], query.shape[3]
+    r_n = qproj.shape[3]
+    for g in range(g_n):
+        for r in range(r_n):
+            w[g, r] = 0.0
+        for d in range(d_n):
+            qd = query[b, h, g, d]
+            for r in range(r_n):
+                w[g, r] += qd * qproj[b, h, d, r]
+        for r in range(r_n):
+            w[g, r] *= scale[b, h, r] * scaling * _LOG2E
+
+
 @numba.njit(nogil=True, cache=True, fastmath=_LOWRANK_FASTMATH, error_model="numpy")
-def _lowrank_page_mass(qz, codes, valid, b, h, p_n, s_n, logits, out):  # pragma: no cover - compiled
-    """Log estimated mass of pages [0, p_n) of (row b, head h) into ``out``; ``logits`` is scratch [G, >= p_n*S]."""
-    g_n, r_n = qz.shape[2], qz.shape[3]
+def _lowrank_page_mass(w, codes, wide, valid, b, h, p_n, s_n, logits, cf, top, out):  # pragma: no cover - compiled
+    """Log estimated mass of pages [0, p_n) of (row b, head h) into ``out``.
+
+    ``w`` ``[G, R]``: base-2 logit weights (:func:`_lowrank_weights`). ``codes``: rows as
+    :func:`reference.pack_lowrank_codes` lays them out, the first ``wide`` int8. Scratch:
+    ``logits`` ``[G, >= p_n*S]``, ``cf`` ``[R + 1, _TILE]``, ``top`` ``[G]``.
+    """
+    g_n, r_n = w.shape
     t_n = p_n * s_n
-    # Estimated logits, a channel at a time: codes are channel-major, so every inner
-    # loop streams over tokens and vectorises.
+    c = codes[b, h]
+    ok = valid[b]
+    top[:] = -np.inf
+    # Estimated logits a tile at a time. Codes are channel-major, so every inner loop
+    # streams over tokens and vectorises; a tile's codes are widened to float once and
+    # read by every query head, eight channels per pass.
     for t0 in range(0, t_n, _TILE):
         t1 = min(t_n, t0 + _TILE)
+        n = t1 - t0
+        for r in range(wide):
+            src = c[r, t0:t1]
+            dst = cf[r]
+            for t in range(n):
+                dst[t] = np.float32(src[t])
+        for r in range(wide, r_n, 2):  # two int4 channels per row: low nibble, then high
+            src = c[wide + (r - wide) // 2, t0:t1]
+            lo = cf[r]
+            hi = cf[r + 1]  # a spare row when the last channel has no pair
+            for t in range(n):
+                x = np.int32(src[t])
+                lo[t] = np.float32(((x & np.int32(15)) ^ np.int32(8)) - np.int32(8))
+                hi[t] = np.float32(x >> np.int32(4))
+        okt = ok[t0:t1]
         for g in range(g_n):
             lg = logits[g, t0:t1]
-            w = qz[b, h, g, 0]
-            c = codes[b, h, 0, t0:t1]
-            for t in range(t1 - t0):
-                lg[t] = w * np.float32(c[t])
-            for r in range(1, r_n):
-                w = qz[b, h, g, r]
-                c = codes[b, h, r, t0:t1]
-                for t in range(t1 - t0):
-                    lg[t] += w * np.float32(c[t])
-            ok = valid[b, t0:t1]
-            for t in range(t1 - t0):
-                if not ok[t]:
-                    lg[t] = -np.inf
+            lg[:] = 0.0
+            r0 = 0
+            while r0 + 8 <= r_n:
+                w0, w1, w2, w3 = w[g, r0], w[g, r0 + 1], w[g, r0 + 2], w[g, r0 + 3]
+                w4, w5, w6, w7 = w[g, r0 + 4], w[g, r0 + 5], w[g, r0 + 6], w[g, r0 + 7]
+                c0, c1, c2, c3 = cf[r0], cf[r0 + 1], cf[r0 + 2], cf[r0 + 3]
+                c4, c5, c6, c7 = cf[r0 + 4], cf[r0 + 5], cf[r0 + 6], cf[r0 + 7]
+                for t in range(n):
+                    lg[t] += (w0 * c0[t] + w1 * c1[t] + w2 * c2[t] + w3 * c3[t]
+                              + w4 * c4[t] + w5 * c5[t] + w6 * c6[t] + w7 * c7[t])
+                r0 += 8
+            for r in range(r0, r_n):
+                wr = w[g, r]
+                cr = cf[r]
+                for t in range(n):
+                    lg[t] += wr * cr[t]
+            m = top[g]
+            for t in range(n):  # padding to -inf and the running max, in one vectorised pass
+                v = lg[t] if okt[t] else np.float32(-np.inf)
+                lg[t] = v
+                m = max(m, v)
+            top[g] = m
     # Per query head, each page's share of the softmax mass; summed over the heads.
     out[:p_n] = 0.0
     for g in range(g_n):
-        lg = logits[g]
-        top = np.float32(-np.inf)
-        for t in range(t_n):
-            top = max(top, lg[t])
-        if top == -np.inf:
+        m = top[g]
+        if m == -np.inf:
             continue
-        for t in range(t_n):  # a flat loop, apart from the page sums: it vectorises
-            lg[t] = _exp_nonpos(lg[t] - top)
+        lg = logits[g]
         total = np.float32(0.0)
         for p in range(p_n):
             part = np.float32(0.0)
             for t in range(p * s_n, (p + 1) * s_n):
-                part += lg[t]
-            lg[p] = part  # page sums overwrite the terms already summed
+                part += _exp2_nonpos(lg[t] - m)
+            lg[p] = part  # page sums overwrite logits already read
             total += part
         inv = np.float32(1.0) / total
         for p in range(p_n):
@@ -368,36 +416,29 @@ def _lowrank_page_mass(qz, codes, valid, b, h, p_n, s_n, logits, out):  # pragma
 
 
 @numba.njit(nogil=True, cache=True)
-def _project(query, qproj, scale, scaling, qz):  # pragma: no cover - compiled
-    """qz = (query @ qproj) * scale * scaling, per (row, head)."""
-    b_n, h_n, g_n, d_n = query.shape
-    r_n = qproj.shape[3]
-    for b in range(b_n):
-        for h in range(h_n):
-            for g in range(g_n):
-                for r in range(r_n):
-                    acc = np.float32(0.0)
-                    for d in range(d_n):
-                        acc += query[b, h, g, d] * qproj[b, h, d, r]
-                    qz[b, h, g, r] = acc * scale[b, h, r] * scaling
+def _lowrank_scratch(g_n, r_n, t_n):  # pragma: no cover - compiled
+    return (np.empty((g_n, r_n), np.float32), np.empty((g_n, max(t_n, 1)), np.float32),
+            np.empty((r_n + 1, _TILE), np.float32), np.empty(g_n, np.float32))
 
 
 @numba.njit(nogil=True, cache=True)
-def _lowrank_scores(qz, codes, valid, p_n, s_n, out):  # pragma: no cover - compiled
-    logits = np.empty((qz.shape[2], p_n * s_n), np.float32)
-    for b in range(qz.shape[0]):
-        for h in range(qz.shape[1]):
-            _lowrank_page_mass(qz, codes, valid, b, h, p_n, s_n, logits, out[b, h])
+def _lowrank_scores(query, qproj, scale, scaling, codes, wide, valid, p_n, s_n, out):  # pragma: no cover - compiled
+    w, logits, cf, top = _lowrank_scratch(query.shape[2], qproj.shape[3], p_n * s_n)
+    for b in range(query.shape[0]):
+        for h in range(query.shape[1]):
+            _lowrank_weights(query, qproj, scale, scaling, b, h, w)
+            _lowrank_page_mass(w, codes, wide, valid, b, h, p_n, s_n, logits, cf, top, out[b, h])
 
 
 @numba.njit(nogil=True, cache=True)
-def _lowrank_select(qz, codes, valid, selectable, k, p_n, s_n, out_pages, out_scores, cached,
-                    cached_scores):  # pragma: no cover - compiled
-    logits = np.empty((qz.shape[2], p_n * s_n), np.float32)
+def _lowrank_select(query, qproj, scale, scaling, codes, wide, valid, selectable, k, p_n, s_n, out_pages, out_scores,
+                    cached, cached_scores, logits):  # pragma: no cover - compiled
+    w, _, cf, top = _lowrank_scratch(query.shape[2], qproj.shape[3], 1)
     score = np.empty(p_n, np.float32)
-    for b in range(qz.shape[0]):
-        for h in range(qz.shape[1]):
-            _lowrank_page_mass(qz, codes, valid, b, h, p_n, s_n, logits, score)
+    for b in range(query.shape[0]):
+        for h in range(query.shape[1]):
+            _lowrank_weights(query, qproj, scale, scaling, b, h, w)
+            _lowrank_page_mass(w, codes, wide, valid, b, h, p_n, s_n, logits, cf, top, score)
             # Top k by insertion into a sorted list: most pages lose to the k-th at once.
             # Equal scores keep the lower page first, as a stable sort would.
             n = 0
@@ -424,32 +465,50 @@ def _lowrank_select(qz, codes, valid, selectable, k, p_n, s_n, out_pages, out_sc
                 cached_scores[b, h, i] = -np.inf if p < 0 or p >= p_n else score[p]
 
 
-def _projected(query, qproj, scale, scaling) -> np.ndarray:
-    """:func:`reference.project_lowrank_query` in one compiled call (a few us; torch's three ops take ~30 us)."""
-    q = query.detach().float().contiguous().numpy()
-    qz = np.empty(q.shape[:3] + (qproj.shape[3],), np.float32)
-    _project(q, qproj.numpy(), scale.numpy(), np.float32(scaling), qz)
-    return qz
+_NO_CACHED = np.full((0, 0, 0), -1, np.int64)
+_scratch = threading.local()
+
+
+def _logit_scratch(g: int, t: int) -> np.ndarray:
+    """A per-thread ``[g, >= t]`` float32 buffer, kept between calls (allocating it afresh each call costs page faults)."""
+    buf = getattr(_scratch, "logits", None)
+    if buf is None or buf.shape[0] != g or buf.shape[1] < t:
+        buf = np.empty((g, max(t, 1024, 0 if buf is None else int(buf.shape[1] * 1.25))), np.float32)
+        _scratch.logits = buf
+    return buf
+
+
+def _f32(t: torch.Tensor) -> np.ndarray:
+    """A float32 numpy view of ``t`` (a copy only when its dtype differs)."""
+    return t.detach().to(torch.float32).numpy()
+
+
+def _wide(qproj: torch.Tensor, int8_channels: int | None) -> int:
+    rank = qproj.shape[3]
+    return rank if int8_channels is None else min(int8_channels, rank)
 
 
 def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor, scaling: float,
-                   codes: torch.Tensor, valid: torch.Tensor, num_pages: int, page_size: int) -> torch.Tensor:
-    """Fused :func:`kvdrive.kernels.reference.score_lowrank`.
+                   codes: torch.Tensor, valid: torch.Tensor, num_pages: int, page_size: int,
+                   int8_channels: int | None = None) -> torch.Tensor:
+    """Fused :func:`kvdrive.kernels.reference.score_lowrank`, the query projection included.
 
-    Same arguments, except that ``codes`` ``[B, H, R, >= P*S]`` and ``valid`` ``[B, >= P*S]``
-    may have spare capacity past ``num_pages`` pages (no copy is made). Returns float32
-    ``[B, H, P]``, within 1e-4 of the reference (the exponential is a polynomial).
+    Same arguments, except that ``codes`` are packed as :func:`reference.pack_lowrank_codes`
+    lays them out (``int8_channels`` int8 rows, None: all), and that they and ``valid``
+    ``[B, >= P*S]`` may have spare capacity past ``num_pages`` pages (no copy is made).
+    Returns float32 ``[B, H, P]``, within 1e-4 of the reference (the exponential is a polynomial).
     """
-    qz = _projected(query, qproj, scale, scaling)
-    out = torch.empty((qz.shape[0], qz.shape[1], num_pages), dtype=torch.float32)
-    _lowrank_scores(qz, codes.numpy(), valid.numpy(), num_pages, page_size, out.numpy())
-    return out
+    out = np.empty((query.shape[0], query.shape[1], num_pages), np.float32)
+    _lowrank_scores(_f32(query), qproj.numpy(), scale.numpy(), np.float32(scaling), codes.numpy(),
+                    _wide(qproj, int8_channels), valid.numpy(), num_pages, page_size, out)
+    return torch.from_numpy(out)
 
 
 def lowrank_select(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor, scaling: float,
                    codes: torch.Tensor, valid: torch.Tensor, selectable: torch.Tensor, k: int, page_size: int,
-                   cached: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The ``k`` selectable pages of highest :func:`lowrank_scores`, in one pass per (row, head).
+                   cached: torch.Tensor | None = None,
+                   int8_channels: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The ``k`` selectable pages of highest :func:`lowrank_scores`, in one compiled call.
 
     ``selectable`` ``[B, P]`` says how many pages there are. With ``cached`` (``[B, H, n]``
     pages, -1 none) it also returns their scores, for lookahead eviction. Returns
@@ -458,12 +517,12 @@ def lowrank_select(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
     """
     num_pages = selectable.shape[1]
     k = min(k, num_pages)
-    qz = _projected(query, qproj, scale, scaling)
-    b, h = qz.shape[:2]
+    b, h = query.shape[:2]
     pages = np.empty((b, h, k), np.int64)
     scores = np.empty((b, h, k), np.float32)
-    cached_np = np.full((b, h, 0), -1, np.int64) if cached is None else cached.contiguous().numpy()
+    cached_np = _NO_CACHED if cached is None else cached.numpy()
     cached_scores = np.empty(cached_np.shape, np.float32)
-    _lowrank_select(qz, codes.numpy(), valid.numpy(), selectable.contiguous().numpy(), k, num_pages, page_size,
-                    pages, scores, cached_np, cached_scores)
+    _lowrank_select(_f32(query), qproj.numpy(), scale.numpy(), np.float32(scaling), codes.numpy(),
+                    _wide(qproj, int8_channels), valid.numpy(), selectable.numpy(), k, num_pages, page_size, pages,
+                    scores, cached_np, cached_scores, _logit_scratch(query.shape[2], num_pages * page_size))
     return torch.from_numpy(pages), torch.from_numpy(scores), None if cached is None else torch.from_numpy(cached_scores)

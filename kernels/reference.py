@@ -46,6 +46,38 @@ def project_lowrank_query(query: torch.Tensor, qproj: torch.Tensor, scale: torch
     return torch.matmul(query.float(), qproj) * (scale[:, :, None, :] * scaling)
 
 
+def lowrank_code_rows(rank: int, int8_channels: int) -> int:
+    """Rows of a rank-``rank`` code array: one per int8 channel, one per pair of int4 channels."""
+    wide = min(int8_channels, rank)
+    return wide + (rank - wide + 1) // 2
+
+
+def pack_lowrank_codes(q: torch.Tensor, int8_channels: int) -> torch.Tensor:
+    """Rounded sketch values ``[..., R, T]`` -> code rows ``[..., lowrank_code_rows(R, int8_channels), T]`` int8.
+
+    Channels below ``int8_channels`` keep one int8 row each (values in [-127, 127]); the
+    rest are int4 (values in [-7, 7]), two per row: channel ``int8_channels + 2j`` in the
+    low nibble of row ``int8_channels + j``, the next channel in its high nibble.
+    """
+    wide = min(int8_channels, q.shape[-2])
+    head = q[..., :wide, :].clamp(-127, 127).to(torch.int8)
+    tail = q[..., wide:, :].clamp(-7, 7).to(torch.int16)
+    if tail.shape[-2] % 2:
+        tail = torch.cat([tail, torch.zeros_like(tail[..., :1, :])], dim=-2)
+    packed = (tail[..., 0::2, :] & 0xF) | ((tail[..., 1::2, :] & 0xF) << 4)
+    return torch.cat([head, packed.to(torch.uint8).view(torch.int8)], dim=-2)
+
+
+def unpack_lowrank_codes(codes: torch.Tensor, rank: int, int8_channels: int) -> torch.Tensor:
+    """Inverse of :func:`pack_lowrank_codes`: ``[..., rows, T]`` -> ``[..., rank, T]`` int8 values."""
+    wide = min(int8_channels, rank)
+    packed = codes[..., wide:, :].to(torch.int16)
+    low = ((packed & 0xF) ^ 8) - 8
+    high = packed >> 4  # arithmetic: the sign of the byte is the high nibble's
+    tail = torch.stack([low, high], dim=-2).flatten(-3, -2)[..., : rank - wide, :]
+    return torch.cat([codes[..., :wide, :], tail.to(torch.int8)], dim=-2)
+
+
 def score_lowrank(query: torch.Tensor, qproj: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                   valid: torch.Tensor, page_size: int, scaling: float) -> torch.Tensor:
     """Per page, the log of its estimated share of the attention mass, from rank-r key sketches.

@@ -67,24 +67,34 @@ def test_half_widening_is_exact_for_every_finite_value_class(dtype):
     assert torch.equal(out.reshape(D), values.float())
 
 
+# (rank, int8 channels): whole eight-channel passes and passes plus single channels; int4
+# channels in odd and even numbers (an odd one leaves a spare nibble), none, or all.
+_LOWRANK_SHAPES = [(8, 5), (13, 8), (8, 8), (13, 0)]
+
+
 def _lowrank_case(seed, spare=3):
+    """Packed codes and int8 channel count for the kernels, and the unpacked codes for the reference."""
     g = torch.Generator().manual_seed(seed)
-    # Ranks 8 and 13: whole eight-channel passes, and passes plus single channels.
-    B, H, G, D, R, S, P = 2, 3, 3, 32, 8 if seed % 2 == 0 else 13, 16, 40
+    R, wide = _LOWRANK_SHAPES[seed % len(_LOWRANK_SHAPES)]
+    B, H, G, D, S, P = 2, 3, 3, 32, 16, 40
     query = torch.randn(B, H, G, D, generator=g)
     qproj = torch.randn(B, H, D, R, generator=g) * 0.3
     scale = torch.rand(B, H, R, generator=g) * 0.05 + 1e-3
-    codes = torch.randint(-127, 128, (B, H, R, (P + spare) * S), generator=g, dtype=torch.int8)
+    values = torch.randint(-127, 128, (B, H, R, (P + spare) * S), generator=g, dtype=torch.int8)
+    values[:, :, wide:] = torch.randint(-7, 8, values[:, :, wide:].shape, generator=g, dtype=torch.int8)
+    codes = ref.pack_lowrank_codes(values, wide)
+    assert codes.shape[2] == ref.lowrank_code_rows(R, wide)
+    assert torch.equal(ref.unpack_lowrank_codes(codes, R, wide), values)
     valid = torch.rand(B, (P + spare) * S, generator=g) > 0.1
     valid[1, : 3 * S] = False  # left padding: three pages with no valid token
-    return query, qproj, scale, codes, valid, S, P
+    return query, qproj, scale, codes, wide, values, valid, S, P
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_numba_lowrank_scores_match_reference(seed):
-    query, qproj, scale, codes, valid, S, P = _lowrank_case(seed)
-    expect = ref.score_lowrank(query, qproj, codes[..., : P * S], scale, valid[:, : P * S], S, 0.2)
-    got = cpu.lowrank_scores(query, qproj, scale, 0.2, codes, valid, P, S)  # spare capacity past P pages
+    query, qproj, scale, codes, wide, values, valid, S, P = _lowrank_case(seed)
+    expect = ref.score_lowrank(query, qproj, values[..., : P * S], scale, valid[:, : P * S], S, 0.2)
+    got = cpu.lowrank_scores(query, qproj, scale, 0.2, codes, valid, P, S, wide)  # spare capacity past P pages
     assert torch.equal(torch.isfinite(got), torch.isfinite(expect))
     assert torch.isinf(got[1, :, :3]).all()
     fin = torch.isfinite(expect)
@@ -96,13 +106,14 @@ def test_numba_lowrank_scores_match_reference(seed):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_numba_lowrank_select_matches_reference(seed):
-    query, qproj, scale, codes, valid, S, P = _lowrank_case(seed)
+    query, qproj, scale, codes, wide, values, valid, S, P = _lowrank_case(seed)
     g = torch.Generator().manual_seed(100 + seed)
     selectable = torch.rand(codes.shape[0], P, generator=g) > 0.3
     cached = torch.randint(-1, P, (codes.shape[0], codes.shape[1], 9), generator=g)
-    scores = ref.score_lowrank(query, qproj, codes[..., : P * S], scale, valid[:, : P * S], S, 0.2)
+    scores = ref.score_lowrank(query, qproj, values[..., : P * S], scale, valid[:, : P * S], S, 0.2)
     expect_pages, expect_top = ref.topk_pages(scores.masked_fill(~selectable[:, None], float("-inf")), 7)
-    pages, top, cached_scores = cpu.lowrank_select(query, qproj, scale, 0.2, codes, valid, selectable, 7, S, cached)
+    pages, top, cached_scores = cpu.lowrank_select(query, qproj, scale, 0.2, codes, valid, selectable, 7, S, cached,
+                                                   wide)
     torch.testing.assert_close(top, expect_top, rtol=1e-4, atol=1e-4)
     # Pages may differ only where scores tie within the kernel's error; each chosen one scores what it claims.
     torch.testing.assert_close(scores.gather(2, pages), top, rtol=1e-4, atol=1e-4)
@@ -114,19 +125,19 @@ def test_numba_lowrank_select_matches_reference(seed):
 
 
 def test_numba_lowrank_select_pads_with_unselectable_pages():
-    query, qproj, scale, codes, valid, S, P = _lowrank_case(9)
+    query, qproj, scale, codes, wide, _, valid, S, P = _lowrank_case(9)
     selectable = torch.zeros(codes.shape[0], P, dtype=torch.bool)
     selectable[:, 10:13] = True
-    pages, top, _ = cpu.lowrank_select(query, qproj, scale, 0.2, codes, valid, selectable, 5, S)
+    pages, top, _ = cpu.lowrank_select(query, qproj, scale, 0.2, codes, valid, selectable, 5, S, None, wide)
     for row in pages.reshape(-1, 5):
         assert set(row[:3].tolist()) == {10, 11, 12} and len(set(row.tolist())) == 5
     assert torch.isinf(top[..., 3:]).all() and torch.isfinite(top[0, :, :3]).all()
 
 
 def test_numba_lowrank_select_of_no_pages_returns_empty_rows():
-    query, qproj, scale, codes, valid, S, P = _lowrank_case(10)
+    query, qproj, scale, codes, wide, _, valid, S, P = _lowrank_case(10)
     selectable = torch.ones(codes.shape[0], P, dtype=torch.bool)
     pages, top, cached_scores = cpu.lowrank_select(query, qproj, scale, 0.2, codes, valid, selectable, 0, S,
-                                                   torch.tensor([[[3, -1]] * codes.shape[1]] * codes.shape[0]))
+                                                   torch.tensor([[[3, -1]] * codes.shape[1]] * codes.shape[0]), wide)
     assert pages.shape == top.shape == (codes.shape[0], codes.shape[1], 0)
     assert torch.isfinite(cached_scores[..., 0]).all() and torch.isinf(cached_scores[..., 1]).all()

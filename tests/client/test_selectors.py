@@ -92,12 +92,26 @@ def test_lowrank_at_full_rank_scores_the_exact_attention_mass():
     keys, query, _ = planted(5)
     valid = torch.ones(B, P * S, dtype=torch.bool)
     valid[1, : 2 * S + 3] = False
-    lowrank, oracle = LowRankIndex(S, D**-0.5, rank=D), OracleSelector(S, D**-0.5)
+    lowrank, oracle = LowRankIndex(S, D**-0.5, rank=D, int8_channels=D), OracleSelector(S, D**-0.5)
     lowrank.build(keys, valid, query[:, :, :, None])
     oracle.build(keys, valid)
     # int8 codes: the log mass is off by the rounding of each logit only.
     est, exact = lowrank.scores(query).exp(), oracle.scores(query)
     torch.testing.assert_close(est, exact, atol=0.02, rtol=0.05)
+
+
+def test_lowrank_int4_tail_keeps_the_ranking_of_all_int8_codes():
+    # The trailing channels carry little of q.k: int4 codes there barely move a page's mass.
+    keys, query, _ = planted(5)
+    valid = torch.ones(B, P * S, dtype=torch.bool)
+    mixed, wide = LowRankIndex(S, D**-0.5, rank=16), LowRankIndex(S, D**-0.5, rank=16, int8_channels=16)
+    for sel in (mixed, wide):
+        sel.build(keys, valid, query[:, :, :, None])
+    assert mixed.codes.shape[2] == 8 + 4 and wide.codes.shape[2] == 16
+    torch.testing.assert_close(mixed.scores(query).exp(), wide.scores(query).exp(), atol=0.02, rtol=0.1)
+    selectable = torch.ones(B, P, dtype=torch.bool)
+    agree = (mixed.select(query, selectable, 4)[0].sort(dim=-1).values == wide.select(query, selectable, 4)[0].sort(dim=-1).values)
+    assert agree.float().mean() >= 0.9
 
 
 def test_lowrank_fits_the_directions_the_queries_use():
@@ -143,5 +157,6 @@ def test_lowrank_index_is_a_small_fraction_of_the_kv():
     sel = LowRankIndex(S, D**-0.5, rank=16)
     sel.build(keys.half(), torch.ones(B, P * S, dtype=torch.bool), query[:, :, :, None].half())
     kv_bytes = 2 * keys.half().numel() * 2
-    # rank bytes per token and head + one validity byte per token, against 2 x D fp16 values.
-    assert sel.index_bytes <= (16 + 1) / (2 * D * 2) * kv_bytes + 2 * B * H * D * 16 * 4 + B * H * 16 * 4
+    # 8 int8 + 8 int4 channels = 12 bytes per token and head + one validity byte per token,
+    # against 2 x D fp16 values; the projections and scales on top.
+    assert sel.index_bytes <= (12 + 1) / (2 * D * 2) * kv_bytes + 2 * B * H * D * 16 * 4 + B * H * 16 * 4
