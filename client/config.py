@@ -33,8 +33,8 @@ class AttachConfig:
     trace: write a Chrome trace JSON of every decode stage here when the session ends.
     obs_window: prompt tokens whose attention scores page importance at prefill.
     index: how pages are chosen: ``lowrank`` (default) keeps every key as a ``rank``-dim
-        int8 sketch fitted to the prefill's queries and ranks pages by estimated
-        attention mass; ``hierarchical`` (int8 page means under k-means centroids,
+        sketch (8 int8 channels, the rest int4) fitted to the prefill's queries and
+        ranks pages by estimated attention mass; ``hierarchical`` (int8 page means under k-means centroids,
         ``pages_per_cluster``, ``candidate_factor``), ``meankey`` and ``quest`` are
         the cheaper, less exact indexes; ``oracle`` keeps every key (measurement only).
     reuse: keep each prompt's complete pages in the store under a name derived from

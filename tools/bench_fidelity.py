@@ -5,7 +5,7 @@ SmolLM2-135M (float32) reads a context of real text (the Debian common licenses,
 once densely and once through KVDrive for every selector and budget:
 
 - oracle (exact attention mass per page), lowrank (KVDrive's default: every key as a
-  rank-16 int8 sketch fitted to the prefill's queries, pages ranked by estimated
+  rank-16 sketch (8 int8 + 8 int4 channels) fitted to the prefill's queries, pages ranked by estimated
   mass), hierarchical (clustered int8 page means), meankey (one mean key per page,
   every page scored; ShadowKV-style), quest (per-page key min/max bounds);
 - budgets 6.25% and 3.125% of the selectable pages (``--quick``: 6.25% only);
@@ -534,7 +534,7 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
         f"text {text} ({info['text_tokens']} tokens); text windows: {windows}",
         f"context {', '.join(map(str, cfg.contexts))} tokens, then {cfg.tokens} teacher-forced decode tokens; page "
         f"{PAGE_SIZE} tokens, sink {attach_cfg.sink_tokens} and local window {attach_cfg.local_tokens} tokens always "
-        f"attended; lowrank: rank {attach_cfg.rank} int8 key sketches; hierarchical: {attach_cfg.pages_per_cluster} "
+        f"attended; lowrank: rank {attach_cfg.rank} key sketches (8 int8 channels, the rest int4); hierarchical: {attach_cfg.pages_per_cluster} "
         f"pages per cluster, {attach_cfg.candidate_factor:g} x k candidates",
         "select_ms: the session's selection time per decode step from the second step on, all layers (with the "
         f"scoring of cached pages for lookahead eviction); {os.cpu_count()} CPUs, torch threads: "
