@@ -25,8 +25,9 @@ whose argmax agrees with dense. ``index_bytes``: every layer's index at the cont
 length; ``select_ms``: the session's selection time per decode step (all layers),
 from the second step on (the first one compiles kernels on a fresh install).
 
-The cache part replays the hierarchical selector's trace at 6.25% (the pages chosen
-per step, layer and KV head, and its scores of every page) through
+The cache part replays the trace of attach()'s default index, lowrank (hierarchical
+when lowrank is not among ``--selectors``), at 6.25% (the pages chosen per step, layer
+and KV head, and its scores of every page) through
 :mod:`kvdrive_client.cache_sim` with caches of window x k pages (k: pages selected
 per step), windows x1, x2, x4, under LOOKAHEAD, LRU and BELADY (optimal) eviction.
 Cache-sim caches start as a session's do, seeded with the prefill's most important
@@ -119,8 +120,11 @@ class FidelityConfig:
             raise ValueError(f"--text {self.text} is not a file")
 
     @property
-    def traced(self) -> bool:
-        return IndexKind.HIERARCHICAL in self.selectors and TRACE_BUDGET in self.budgets
+    def traced_kind(self) -> IndexKind | None:
+        """The selector whose trace the cache part replays: the default index if it runs, else hierarchical."""
+        if TRACE_BUDGET not in self.budgets:
+            return None
+        return next((k for k in (IndexKind.LOWRANK, IndexKind.HIERARCHICAL) if k in self.selectors), None)
 
 
 @dataclass(frozen=True)
@@ -345,13 +349,13 @@ def run_selector(model, store, snapshot: PrefillSnapshot, fed: torch.Tensor, kin
     return logits, info
 
 
-def cache_rows(trace: Trace, context: int) -> list[CacheRow]:
+def cache_rows(trace: Trace, kind: IndexKind, context: int) -> list[CacheRow]:
     k = trace.max_selected
     rows = []
     for window in WINDOWS:
         for policy in POLICIES:
             r = simulate(trace, window * k, policy)
-            rows.append(CacheRow(IndexKind.HIERARCHICAL.value, TRACE_BUDGET, context, window, r.capacity,
+            rows.append(CacheRow(kind.value, TRACE_BUDGET, context, window, r.capacity,
                                  policy.value, r.hits, r.lookups, r.hit_rate))
     return rows
 
@@ -400,13 +404,13 @@ def run_fidelity(cfg: FidelityConfig) -> tuple[list[FidelityRow], list[CacheRow]
                     for budget in cfg.budgets:
                         for kind in cfg.selectors:
                             t = time.perf_counter()
-                            trace = cfg.traced and w == 0 and kind is IndexKind.HIERARCHICAL and budget == TRACE_BUDGET
+                            trace = w == 0 and kind is cfg.traced_kind and budget == TRACE_BUDGET
                             logits, r = run_selector(model, store, snapshot, fed, kind, budget, trace)
                             dloss, kl, top1 = compare(logits, dense, targets)
                             rows.append(FidelityRow(kind.value, budget, context, w, offset, r["recall"], dloss, kl,
                                                     top1, r["index_bytes"], per_token * context, r["select_ms"]))
                             if r["trace"] is not None:
-                                crows += cache_rows(r["trace"], context)
+                                crows += cache_rows(r["trace"], kind, context)
                             done += 1
                             _note(f"[{done}/{runs}] {where}: {kind.value} at {budget:.3%}: "
                                   f"{time.perf_counter() - t:.0f} s")
@@ -557,14 +561,14 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
                          "index_bytes", "index/kv", "select_ms"), body, set(range(2, 12)))
     if crows:
         k = {r.context: r.capacity // r.window for r in crows}
-        lines += ["", f"cache (text window 0): hierarchical selection trace at {TRACE_BUDGET:.2%}, replayed per "
+        lines += ["", f"cache (text window 0): {crows[0].selector} selection trace at {TRACE_BUDGET:.2%}, replayed per "
                   f"(layer, KV head); capacity = window x k, k = {', '.join(f'{v} pages at {c}' for c, v in k.items())}; "
                   "seeded from the prefill at start"]
         body = [(str(r.context), f"x{r.window}", str(r.capacity), r.policy, str(r.hits), str(r.lookups),
                  f"{r.hit_rate:.4f}") for r in crows]
         lines += text_table(("context", "window", "capacity", "policy", "hits", "lookups", "hit_rate"), body, {2, 4, 5, 6})
-    elif not cfg.traced:
-        lines += ["", "cache: skipped (needs the hierarchical selector at a 6.25% budget)"]
+    elif cfg.traced_kind is None:
+        lines += ["", "cache: skipped (needs the lowrank or hierarchical selector at a 6.25% budget)"]
     lines += ["", *target_lines(rows, crows, info["itemsize"])]
     return "\n".join(lines)
 

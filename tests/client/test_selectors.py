@@ -100,6 +100,13 @@ def test_lowrank_at_full_rank_scores_the_exact_attention_mass():
     torch.testing.assert_close(est, exact, atol=0.02, rtol=0.05)
 
 
+def test_lowrank_refuses_a_bad_rank_or_int8_channel_count():
+    with pytest.raises(ValueError, match="rank"):
+        LowRankIndex(S, D**-0.5, rank=0)
+    with pytest.raises(ValueError, match="int8_channels"):
+        LowRankIndex(S, D**-0.5, int8_channels=-1)
+
+
 def test_lowrank_int4_tail_keeps_the_ranking_of_all_int8_codes():
     # The trailing channels carry little of q.k: int4 codes there barely move a page's mass.
     keys, query, _ = planted(5)

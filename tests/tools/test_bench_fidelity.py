@@ -108,7 +108,7 @@ def test_quick_run_end_to_end(tmp_path):
     assert [(r["window"], r["policy"]) for r in cache] == [
         (w, p) for w in (1, 2, 4) for p in ("lookahead", "lru", "belady")]
     for r in cache:
-        assert set(r) == CACHE_KEYS and r["selector"] == "hierarchical" and r["budget"] == 0.0625
+        assert set(r) == CACHE_KEYS and r["selector"] == "lowrank" and r["budget"] == 0.0625  # attach()'s default
         assert 0 <= r["hits"] <= r["lookups"] and r["hit_rate"] == pytest.approx(r["hits"] / r["lookups"])
     for w in (1, 2, 4):
         rates = {r["policy"]: r["hits"] for r in cache if r["window"] == w}
