@@ -34,9 +34,10 @@ class AttachConfig:
     obs_window: prompt tokens whose attention scores page importance at prefill.
     index: how pages are chosen: ``lowrank`` (default) keeps every key as a ``rank``-dim
         sketch (8 int8 channels, the rest int4) fitted to the prefill's queries and
-        ranks pages by estimated attention mass; ``hierarchical`` (int8 page means under k-means centroids,
-        ``pages_per_cluster``, ``candidate_factor``), ``meankey`` and ``quest`` are
-        the cheaper, less exact indexes; ``oracle`` keeps every key (measurement only).
+        ranks pages by estimated attention mass; ``hierarchical`` (int8 page means
+        under k-means centroids, ``pages_per_cluster``, ``candidate_factor``),
+        ``meankey`` and ``quest`` are the cheaper, less exact indexes; ``oracle``
+        keeps every key (measurement only).
     reuse: keep each prompt's complete pages in the store under a name derived from
         the model and the tokens; a later generate() on the same prompt loads them
         instead of running prefill over them (also after a daemon restart).

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import numba
 from numba.core import types
 from llvmlite import ir
@@ -432,8 +430,8 @@ def _lowrank_scores(query, qproj, scale, scaling, codes, wide, valid, p_n, s_n, 
 
 @numba.njit(nogil=True, cache=True)
 def _lowrank_select(query, qproj, scale, scaling, codes, wide, valid, selectable, k, p_n, s_n, out_pages, out_scores,
-                    cached, cached_scores, logits):  # pragma: no cover - compiled
-    w, _, cf, top = _lowrank_scratch(query.shape[2], qproj.shape[3], 1)
+                    cached, cached_scores):  # pragma: no cover - compiled
+    w, logits, cf, top = _lowrank_scratch(query.shape[2], qproj.shape[3], p_n * s_n)
     score = np.empty(p_n, np.float32)
     for b in range(query.shape[0]):
         for h in range(query.shape[1]):
@@ -466,16 +464,6 @@ def _lowrank_select(query, qproj, scale, scaling, codes, wide, valid, selectable
 
 
 _NO_CACHED = np.full((0, 0, 0), -1, np.int64)
-_scratch = threading.local()
-
-
-def _logit_scratch(g: int, t: int) -> np.ndarray:
-    """A per-thread ``[g, >= t]`` float32 buffer, kept between calls (allocating it afresh each call costs page faults)."""
-    buf = getattr(_scratch, "logits", None)
-    if buf is None or buf.shape[0] != g or buf.shape[1] < t:
-        buf = np.empty((g, max(t, 1024, 0 if buf is None else int(buf.shape[1] * 1.25))), np.float32)
-        _scratch.logits = buf
-    return buf
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:
@@ -524,5 +512,5 @@ def lowrank_select(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
     cached_scores = np.empty(cached_np.shape, np.float32)
     _lowrank_select(_f32(query), qproj.numpy(), scale.numpy(), np.float32(scaling), codes.numpy(),
                     _wide(qproj, int8_channels), valid.numpy(), selectable.numpy(), k, num_pages, page_size, pages,
-                    scores, cached_np, cached_scores, _logit_scratch(query.shape[2], num_pages * page_size))
+                    scores, cached_np, cached_scores)
     return torch.from_numpy(pages), torch.from_numpy(scores), None if cached is None else torch.from_numpy(cached_scores)
