@@ -124,6 +124,35 @@ def test_numba_lowrank_select_matches_reference(seed):
     torch.testing.assert_close(cached_scores[fin], expect_cached[fin], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [2, 1])
+def test_numba_lowrank_split_across_threads_matches_one_call(monkeypatch, rows):
+    """Rows (or, for one row, heads) scored on several threads give exactly the one-thread result."""
+    query, qproj, scale, codes, wide, _, valid, S, P = _lowrank_case(1)
+    query, qproj, scale, codes, valid = (x[:rows].contiguous() for x in (query, qproj, scale, codes, valid))
+    g = torch.Generator().manual_seed(7)
+    selectable = torch.rand(rows, P, generator=g) > 0.3
+    cached = torch.randint(-1, P, (rows, codes.shape[1], 5), generator=g)
+
+    def both():
+        return (cpu.lowrank_scores(query, qproj, scale, 0.2, codes, valid, P, S, wide),
+                *cpu.lowrank_select(query, qproj, scale, 0.2, codes, valid, selectable, 6, S, cached, wide))
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = both()
+        torch.set_num_threads(3)
+        monkeypatch.setattr(cpu, "_PART_MIN_WORK", 1)  # split however small the call
+        parts = []
+        monkeypatch.setattr(cpu, "_run_part", lambda fn, *sl: parts.append(sl) or fn(*sl))
+        split = both()
+    finally:
+        torch.set_num_threads(threads)
+    assert len(parts) == 2 * min(3, rows if rows > 1 else codes.shape[1])  # two calls, each in that many parts
+    for a, b in zip(one, split):
+        assert torch.equal(a, b)
+
+
 def test_numba_lowrank_select_pads_with_unselectable_pages():
     query, qproj, scale, codes, wide, _, valid, S, P = _lowrank_case(9)
     selectable = torch.zeros(codes.shape[0], P, dtype=torch.bool)
