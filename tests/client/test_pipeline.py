@@ -10,7 +10,8 @@ import torch
 from kvdrive_client import attach
 from kvdrive_client.device_cache import DeviceCache, EvictionPolicy
 from kvdrive_client.engine import SparseKV
-from kvdrive_client.selectors import HierarchicalIndex, MeanKeyIndex, QuestIndex, Selector
+from kvdrive_client.selectors import HierarchicalIndex, LowRankIndex, MeanKeyIndex, QuestIndex, Selector
+from kvdrive.kernels import cpu
 from kvdrive.kernels import reference as ref
 
 
@@ -60,10 +61,12 @@ def test_the_timeline_shows_stages_of_every_micro_batch_overlapping(daemon, tmp_
     # Tiny tensors make every stage take microseconds, and on a busy 2-core host the
     # front thread may then finish all its work before the main thread computes once.
     # Stages as long as a real model's make the overlap a property of the schedule.
-    for cls in {Selector, HierarchicalIndex, MeanKeyIndex, QuestIndex}:
+    for cls in {Selector, HierarchicalIndex, LowRankIndex, MeanKeyIndex, QuestIndex}:
         if "select_and_score" in vars(cls):
             monkeypatch.setattr(cls, "select_and_score", _slowed(vars(cls)["select_and_score"]))
+    # Attention: the gathered path, and on the CPU the kernel that reads the cache slots.
     monkeypatch.setattr(ref, "decode_attention", _slowed(ref.decode_attention))
+    monkeypatch.setattr(cpu, "sparse_attention", _slowed(cpu.sparse_attention))
     path = tmp_path / "trace.json"
     with daemon.client() as store:
         run_engine(store, steps=6, pipeline=True, micro_batch=1, trace=str(path))
