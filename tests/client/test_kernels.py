@@ -53,6 +53,32 @@ def test_sparse_attention_from_cache_slots_matches_gathered_reference(dtype, loc
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [3, 1])
+def test_sparse_attention_split_across_threads_matches_one_call(monkeypatch, rows):
+    """Rows (or, for one row, heads) attended on several threads give exactly the one-thread result."""
+    g = torch.Generator().manual_seed(rows)
+    B, H, G, D, C, S, K, L = rows, 2, 4, 32, 24, 8, 10, 5
+    kc, vc = (torch.randn(B, H, C, S, D, generator=g).half() for _ in range(2))
+    lk, lv = (torch.randn(B, H, L, D, generator=g).half() for _ in range(2))
+    slots = torch.stack([torch.stack([torch.randperm(C, generator=g)[:K] for _ in range(H)]) for _ in range(B)])
+    slots[0, 0, 3] = -1
+    query = torch.randn(B, H, G, D, generator=g)
+    valid = torch.rand(B, H, K * S + L, generator=g) > 0.2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.sparse_attention(query, kc, vc, slots, lk, lv, valid, 0.17)
+        torch.set_num_threads(2)
+        parts = []
+        monkeypatch.setattr(cpu, "_run_part", lambda fn, *sl: parts.append(sl) or fn(*sl))
+        monkeypatch.setattr(cpu, "_ATTENTION_PART_MIN_WORK", 1)
+        split = cpu.sparse_attention(query, kc, vc, slots, lk, lv, valid, 0.17)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(parts) == 2
+    assert torch.equal(one, split)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_widening_is_exact_for_every_finite_value_class(dtype):
     # One valid token gets probability one, so the output is its value row widened to float32.
