@@ -484,7 +484,7 @@ _NO_CACHED = np.full((0, 0, 0), -1, np.int64)
 # (token, query head) pairs scored, about 0.1 ms of kernel time here, against tens of
 # microseconds to hand a part to another thread.
 _PART_MIN_WORK = 1 << 15
-_pool: ThreadPoolExecutor | None = None
+_pool = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="kvdrive-kernel")  # threads start on first use
 
 
 def _in_parts(b_n: int, h_n: int, work_per_head: int, fn, min_work: int | None = None) -> None:
@@ -494,28 +494,18 @@ def _in_parts(b_n: int, h_n: int, work_per_head: int, fn, min_work: int | None =
     whole heads), so every part's arrays stay C-contiguous. A thread held to one
     intra-op thread (the pipeline's front stage) runs the whole call itself.
     """
-    global _pool
     by_rows = b_n > 1
     units = b_n if by_rows else h_n
     n = max(1, min(torch.get_num_threads(), units, (b_n * h_n * work_per_head) // (min_work or _PART_MIN_WORK)))
     cuts = [units * i // n for i in range(n + 1)]
     parts = [(slice(cuts[i], cuts[i + 1]), slice(None)) if by_rows else (slice(None), slice(cuts[i], cuts[i + 1]))
              for i in range(n)]
-    if n == 1:
-        _run_part(fn, *parts[0])
-        return
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="kvdrive-kernel")
-    futures = [_pool.submit(_run_part, fn, *p) for p in parts[1:]]
+    futures = [_pool.submit(fn, *p) for p in parts[1:]]
     try:
-        _run_part(fn, *parts[0])
+        fn(*parts[0])
     finally:
         for f in futures:
             f.result()
-
-
-def _run_part(fn, rows: slice, heads: slice) -> None:
-    fn(rows, heads)
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:
@@ -573,11 +563,9 @@ def lowrank_select(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
     q, qp, sc, cd, ok, sel = _f32(query), qproj.numpy(), scale.numpy(), codes.numpy(), valid.numpy(), selectable.numpy()
     wide, scaling = _wide(qproj, int8_channels), np.float32(scaling)
 
-    def part(bs, hs):
-        mine = cached is not None
+    def part(bs, hs):  # without cached pages, the empty arrays slice to empty arrays
         _lowrank_select(q[bs, hs], qp[bs, hs], sc[bs, hs], scaling, cd[bs, hs], wide, ok[bs], sel[bs], k, num_pages,
-                        page_size, pages[bs, hs], scores[bs, hs], cached_np[bs, hs] if mine else cached_np,
-                        cached_scores[bs, hs] if mine else cached_scores)
+                        page_size, pages[bs, hs], scores[bs, hs], cached_np[bs, hs], cached_scores[bs, hs])
 
     _in_parts(b, h, num_pages * page_size * q.shape[2], part)
     return torch.from_numpy(pages), torch.from_numpy(scores), None if cached is None else torch.from_numpy(cached_scores)

@@ -70,12 +70,13 @@ def test_sparse_attention_split_across_threads_matches_one_call(monkeypatch, row
         one = cpu.sparse_attention(query, kc, vc, slots, lk, lv, valid, 0.17)
         torch.set_num_threads(2)
         parts = []
-        monkeypatch.setattr(cpu, "_run_part", lambda fn, *sl: parts.append(sl) or fn(*sl))
+        kernel = cpu._sparse_attention
+        monkeypatch.setattr(cpu, "_sparse_attention", lambda *a: parts.append(a[0].shape[:2]) or kernel(*a))
         monkeypatch.setattr(cpu, "_ATTENTION_PART_MIN_WORK", 1)
         split = cpu.sparse_attention(query, kc, vc, slots, lk, lv, valid, 0.17)
     finally:
         torch.set_num_threads(threads)
-    assert len(parts) == 2
+    assert len(parts) == 2 and all(p != query.shape[:2] for p in parts)
     assert torch.equal(one, split)
 
 
@@ -170,11 +171,15 @@ def test_numba_lowrank_split_across_threads_matches_one_call(monkeypatch, rows):
         torch.set_num_threads(3)
         monkeypatch.setattr(cpu, "_PART_MIN_WORK", 1)  # split however small the call
         parts = []
-        monkeypatch.setattr(cpu, "_run_part", lambda fn, *sl: parts.append(sl) or fn(*sl))
+        for name in ("_lowrank_scores", "_lowrank_select"):
+            kernel = getattr(cpu, name)
+            monkeypatch.setattr(cpu, name, lambda *a, kernel=kernel: parts.append(a[0].shape[:2]) or kernel(*a))
         split = both()
     finally:
         torch.set_num_threads(threads)
-    assert len(parts) == 2 * min(3, rows if rows > 1 else codes.shape[1])  # two calls, each in that many parts
+    # Two calls, each in as many parts as threads (at most one per row, or per head of a single row).
+    n = min(3, rows if rows > 1 else codes.shape[1])
+    assert len(parts) == 2 * n and all(p != query.shape[:2] for p in parts)
     for a, b in zip(one, split):
         assert torch.equal(a, b)
 
