@@ -3,7 +3,7 @@
 One interface, :class:`IOEngine`, two implementations side by side:
 
 - :class:`PosixEngine`: ``preadv`` on a thread pool, O_DIRECT where the file
-  system allows it, each thread reading into its own aligned bounce buffer.
+  system allows it, every read of a get landing in one aligned buffer of the caller's.
 - :class:`KvikioEngine`: kvikio's parallel ``pread`` (GPUDirect Storage, or its
   POSIX compatibility mode), chosen only where a CUDA driver is present, because
   every kvikio read fails without ``libcuda.so.1``.
@@ -20,31 +20,31 @@ import os
 import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import numpy as np
 
 log = logging.getLogger(__name__)
-
-Consumer = Callable[[int, np.ndarray], None]
 
 
 class IOEngine(ABC):
     name: str
 
     @abstractmethod
-    def read_runs(self, fd: int, starts: np.ndarray, ends: np.ndarray, consume: Consumer) -> None:
-        """Read every ``[starts[i], ends[i])`` and call ``consume(i, bytes)`` on it.
+    def read_into(self, fd: int, starts: np.ndarray, ends: np.ndarray, dst: np.ndarray, dst_offs: np.ndarray) -> None:
+        """Read every ``[starts[i], ends[i])`` into ``dst[dst_offs[i]:]``, the reads in flight at once.
 
-        ``bytes`` is only valid during the call. Raises the first I/O error (OSError)
-        after all reads ended; consumers may raise too.
+        ``dst`` is a uint8 array whose every ``dst_offs[i]`` is aligned for O_DIRECT
+        (:class:`AlignedScratch` gives such arrays). Raises the first I/O error (OSError)
+        after all reads ended.
         """
 
     def close(self) -> None:
         pass
 
 
-class _Bounce(threading.local):
+class AlignedScratch(threading.local):
+    """A page-aligned uint8 buffer per thread, grown on demand (at least 4 MiB)."""
+
     buf: np.ndarray | None = None
 
     def get(self, size: int) -> np.ndarray:
@@ -60,37 +60,42 @@ class PosixEngine(IOEngine):
     def __init__(self, threads: int) -> None:
         self.threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstored-io")
-        self._bounce = _Bounce()
 
-    def _read_slice(self, fd: int, starts: np.ndarray, ends: np.ndarray, idx: range, consume: Consumer) -> None:
+    def _read(self, fd: int, start: int, view: np.ndarray) -> int:
+        return os.preadv(fd, [view], start)
+
+    def _read_slice(self, fd: int, starts: np.ndarray, ends: np.ndarray, dst: np.ndarray, dst_offs: np.ndarray,
+                    idx: range) -> None:
+        # Only the read itself per I/O: checking what was read is one call per get, after.
         for i in idx:
-            start, size = int(starts[i]), int(ends[i] - starts[i])
-            view = self._bounce.get(size)[:size]
-            got = os.preadv(fd, [view], start)
+            start, size, at = int(starts[i]), int(ends[i] - starts[i]), int(dst_offs[i])
+            got = self._read(fd, start, dst[at : at + size])
             if got != size:
                 raise OSError(f"short read at offset {start}: {got} of {size} bytes")
-            consume(i, view)
 
-    def read_runs(self, fd: int, starts: np.ndarray, ends: np.ndarray, consume: Consumer) -> None:
+    def read_into(self, fd: int, starts: np.ndarray, ends: np.ndarray, dst: np.ndarray, dst_offs: np.ndarray) -> None:
         n = len(starts)
-        if n == 0:
-            return
-        if n == 1:
-            self._read_slice(fd, starts, ends, range(1), consume)
+        if n <= 1:
+            self._read_slice(fd, starts, ends, dst, dst_offs, range(n))
             return
         k = min(self.threads, n)
-        futures = [self._pool.submit(self._read_slice, fd, starts, ends, range(t, n, k), consume) for t in range(k)]
-        errors = [f.exception() for f in futures]
-        for err in errors:
-            if err is not None:
-                raise err
+        futures = [self._pool.submit(self._read_slice, fd, starts, ends, dst, dst_offs, range(t, n, k))
+                   for t in range(1, k)]
+        errors = []
+        try:
+            self._read_slice(fd, starts, ends, dst, dst_offs, range(0, n, k))  # the caller's thread takes a share
+        except OSError as exc:
+            errors.append(exc)
+        errors += [e for e in (f.exception() for f in futures) if e is not None]
+        if errors:
+            raise errors[0]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
 
 class KvikioEngine(PosixEngine):
-    """kvikio reads into the same host bounce buffers (GPU destinations use CUDA IPC)."""
+    """kvikio reads into the same host buffers (GPU destinations use CUDA IPC)."""
 
     name = "kvikio"
 
@@ -102,14 +107,8 @@ class KvikioEngine(PosixEngine):
         self._file = kvikio.CuFile(path, "r")
         self.compat = bool(kvikio.defaults.is_compat_mode_preferred()) if hasattr(kvikio.defaults, "is_compat_mode_preferred") else None
 
-    def _read_slice(self, fd: int, starts: np.ndarray, ends: np.ndarray, idx: range, consume: Consumer) -> None:
-        for i in idx:
-            start, size = int(starts[i]), int(ends[i] - starts[i])
-            view = self._bounce.get(size)[:size]
-            got = self._file.pread(view, size, start).get()
-            if got != size:
-                raise OSError(f"short kvikio read at offset {start}: {got} of {size} bytes")
-            consume(i, view)
+    def _read(self, fd: int, start: int, view: np.ndarray) -> int:
+        return self._file.pread(view, len(view), start).get()
 
     def close(self) -> None:
         super().close()

@@ -198,6 +198,44 @@ def test_flipped_byte_is_a_checksum_error_naming_the_block(daemon_factory):
     assert d.alive() and "checksum mismatch" in d.log()
 
 
+def test_a_get_larger_than_one_read_chunk_is_checked_in_every_chunk(daemon_factory):
+    """A get's SSD reads land in a scratch buffer a chunk at a time; every chunk is checked and delivered."""
+    from kvstored.store import READ_CHUNK_BYTES
+
+    geom = Geometry(num_layers=1, num_kv_heads=1, head_dim=128, dtype="float16", page_size=64)  # 32 KiB blocks
+    bb = geom.block_bytes
+    pages = (READ_CHUNK_BYTES + READ_CHUNK_BYTES // 2) // bb
+    d = daemon_factory(dram="0", extra=["--max-io", "1M"]).start()
+    client = d.client()
+    seq = client.create("t", "chunks", geom)
+    data = page_data(11, 0, pages, geom)
+    client.put(seq, [0], range(pages), data)
+    blocks = page_blocks(range(pages), geom)
+    np.testing.assert_array_equal(client.get(seq, blocks), data[0, 0])
+
+    catalog = Catalog(d.ssd / META_DIR, 1 << 30, durable=False, readonly=True)
+    try:
+        (ext,) = list(catalog.iter_extents())
+    finally:
+        catalog.close()
+    slot = pages - 3  # past the first chunk: reads are issued in file order
+    assert slot * bb > READ_CHUNK_BYTES
+    page = int(ext.pages[slot])
+    with open(d.ssd / DATA_FILE, "r+b") as f:
+        pos = ext.offset + slot * bb + 7
+        f.seek(pos)
+        byte = f.read(1)
+        f.seek(pos)
+        f.write(bytes([byte[0] ^ 0x01]))
+        f.flush()
+        os.fsync(f.fileno())
+    with pytest.raises(ChecksumError, match=rf"1 block\(s\), first \(layer 0, head 0, page {page}\)"):
+        client.get(seq, blocks)
+    others = blocks[blocks[:, 2] != page]
+    np.testing.assert_array_equal(client.get(seq, others), data[0, 0][others[:, 2]])
+    assert client.stats()["counters"]["ssd_reads"] >= 2 * (pages * bb >> 20)
+
+
 # ---------------------------------------------------------------- full tiers
 
 
