@@ -485,7 +485,11 @@ def run_workloads_bc(cfg: BenchConfig, configs: list[Config], rows: list[Row], i
         _note(f"workload b: calibrating query locality to workload a's overlap {target:.3f}")
         cal = calibrate_alpha(target, base, budget=BUDGET, index_kind=AttachConfig().index)
         base = replace(base, alpha=cal.alpha)
-        info["b_alpha"] = cal.alpha
+    else:
+        _note(f"workload b: query locality alpha {base.alpha:g}, the workload's default: workload a did not run, so "
+              "there is no real model's selection overlap to calibrate it to")
+    info["b_alpha"] = base.alpha
+    info["b_alpha_calibrated"] = target is not None
     info["b_description"] = DESCRIPTION
     kv_bytes = 2 * base.num_layers * base.batch * base.num_kv_heads * base.context_tokens * base.head_dim * 2
     info["b_kv_bytes"] = kv_bytes
@@ -629,7 +633,8 @@ def render(rows: list[Row], info: dict) -> str:
     if "b_description" in info:
         lines.append(f"(b)/(c): {info['b_description']}")
         lines.append(f"(b): {info['b_layers']} layers of Llama-3-8B's attention shape, {info['b_kv_bytes'] / 2**30:.2f} GiB of KV"
-                     + (f", query locality alpha {info['b_alpha']:.4f}" if "b_alpha" in info else ""))
+                     + f", query locality alpha {info['b_alpha']:.4f}"
+                     + ("" if info["b_alpha_calibrated"] else " (not calibrated: workload a did not run)"))
     lines.append("times are per decode step over all layers; select, hit/miss, fetch and compute are each stage's own time"
                  " (fetch: the daemon's time on the gets plus landing the pages in the cache); attn: wall time inside the"
                  " attention layers; step: wall time of the whole step (the model's other layers too in (a));"
