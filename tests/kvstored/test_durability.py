@@ -161,6 +161,17 @@ def test_kill9_during_puts_loses_no_acknowledged_block(daemon_factory, sync, num
 # ---------------------------------------------------------------- damaged data
 
 
+def flip_bits(path: Path, pos: int, mask: int) -> None:
+    """Damage the byte at ``pos`` of ``path`` on disk (xor ``mask``)."""
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)
+        f.seek(pos)
+        f.write(bytes([byte[0] ^ mask]))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def test_flipped_byte_is_a_checksum_error_naming_the_block(daemon_factory):
     d = daemon_factory(dram="0").start()
     client = d.client()
@@ -176,14 +187,7 @@ def test_flipped_byte_is_a_checksum_error_naming_the_block(daemon_factory):
         catalog.close()
     slot = 3
     page = int(ext.pages[slot])
-    with open(d.ssd / DATA_FILE, "r+b") as f:
-        pos = ext.offset + slot * BB + 100
-        f.seek(pos)
-        byte = f.read(1)
-        f.seek(pos)
-        f.write(bytes([byte[0] ^ 0x40]))
-        f.flush()
-        os.fsync(f.fileno())
+    flip_bits(d.ssd / DATA_FILE, ext.offset + slot * BB + 100, 0x40)
 
     with pytest.raises(ChecksumError, match=rf"\[checksum\].*\(layer 2, head 1, page {page}\)"):
         client.get(seq, [(0, 0, 0), (2, 1, page), (3, 0, 7)])
@@ -221,14 +225,7 @@ def test_a_get_larger_than_one_read_chunk_is_checked_in_every_chunk(daemon_facto
     slot = pages - 3  # past the first chunk: reads are issued in file order
     assert slot * bb > READ_CHUNK_BYTES
     page = int(ext.pages[slot])
-    with open(d.ssd / DATA_FILE, "r+b") as f:
-        pos = ext.offset + slot * bb + 7
-        f.seek(pos)
-        byte = f.read(1)
-        f.seek(pos)
-        f.write(bytes([byte[0] ^ 0x01]))
-        f.flush()
-        os.fsync(f.fileno())
+    flip_bits(d.ssd / DATA_FILE, ext.offset + slot * bb + 7, 0x01)
     with pytest.raises(ChecksumError, match=rf"1 block\(s\), first \(layer 0, head 0, page {page}\)"):
         client.get(seq, blocks)
     others = blocks[blocks[:, 2] != page]
