@@ -367,6 +367,29 @@ def test_important_blocks_keep_their_dram_slots(daemon_factory):
     assert client.stats()["dram_used_bytes"] <= 1 << 20
 
 
+def test_equally_important_blocks_leave_dram_least_recently_used_first(daemon_factory):
+    d = daemon_factory(dram="1M").start()  # 256 blocks of 4 KiB
+    client = d.client()
+    seqs = {name: client.create("t", name, GEOM) for name in ("old", "read", "vip", "mixed", "new")}
+    buf = client.register(1 << 20)
+    ones = lambda pages: np.ones((4, 2, pages))  # noqa: E731
+    # 64 blocks each; the tier is full after the fourth put.
+    client.put(seqs["old"], range(4), range(8), page_data(1, 0, 8), importance=ones(8))
+    client.put(seqs["read"], range(4), range(8), page_data(2, 0, 8), importance=ones(8))
+    client.put(seqs["vip"], range(4), range(8), page_data(3, 0, 8), importance=3 * ones(8))
+    imp = ones(8)
+    imp[:, :, 4:] = 0.5  # half of them matter less than everything else
+    client.put(seqs["mixed"], range(4), range(8), page_data(4, 0, 8), importance=imp)
+    client.get_into(seqs["read"], page_blocks(range(8)), buf)  # "read" is now used more recently than "old"
+    # 96 new blocks: the 32 less important go first, then the 64 least recently used.
+    client.put(seqs["new"], range(4), range(12), page_data(5, 0, 12), importance=ones(12))
+    resident = {s["seq"]: s["dram_blocks"] for s in client.list("t")}
+    assert resident == {"old": 0, "read": 64, "vip": 64, "mixed": 32, "new": 96}
+    assert client.stats()["counters"]["dram_evicted"] == 96
+    reply = client.get_into(seqs["mixed"], page_blocks(range(4)), buf)  # the important half stayed
+    assert reply["dram"] == reply["n"] == 32
+
+
 # ---------------------------------------------------------------- shutdown
 
 
