@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--listen", default="", metavar="ADDR",
         help=f"ipc://PATH or tcp://127.0.0.1:PORT (default ipc://{default_runtime_dir()}/kvstored.sock)",
     )
-    p.add_argument("--io-threads", type=int, default=8, help="threads issuing SSD reads")
+    p.add_argument("--io-threads", type=int, default=8, help="threads issuing SSD reads (posix and kvikio engines)")
     p.add_argument("--get-workers", type=int, default=4, help="sparse gets served at once")
     p.add_argument("--max-gap", default="64K", metavar="SIZE", help="read through holes up to this size when coalescing")
     p.add_argument("--max-io", default="4M", metavar="SIZE", help="largest single read")
@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="durable: a put is acknowledged after fdatasync and an fsynced LMDB commit; "
         "write-behind: acknowledged before, flushed within a second (a power loss may lose acknowledged puts)",
     )
-    p.add_argument("--engine", choices=("auto", "posix", "kvikio"), default="auto", help="SSD read engine")
+    p.add_argument("--engine", choices=("auto", "aio", "posix", "kvikio"), default="auto",
+                   help="SSD read engine: auto takes kvikio where a CUDA driver is present, else Linux AIO on an "
+                        "O_DIRECT file, else preadv on --io-threads threads")
     p.add_argument("--no-direct", action="store_true", help="buffered I/O instead of O_DIRECT (reads may hit the page cache)")
     p.add_argument("--parent-pid", type=int, default=0, metavar="PID",
                    help="shut down when process PID is no longer this daemon's parent (embedded daemons use it)")

@@ -81,8 +81,8 @@ class DaemonConfig:
             raise ValueError(f"--max-io must be >= 4K, got {self.max_io_bytes}")
         if self.sync not in SyncPolicy.ALL:
             raise ValueError(f"--sync must be one of {', '.join(SyncPolicy.ALL)}, got {self.sync!r}")
-        if self.engine not in ("auto", "posix", "kvikio"):
-            raise ValueError(f"--engine must be auto, posix or kvikio, got {self.engine!r}")
+        if self.engine not in ("auto", "aio", "posix", "kvikio"):
+            raise ValueError(f"--engine must be auto, aio, posix or kvikio, got {self.engine!r}")
         if self.address and not (self.address.startswith("ipc://") or self.address.startswith("tcp://127.")):
             raise ValueError(
                 f"--listen {self.address!r}: use ipc://PATH or tcp://127.0.0.1:PORT (the daemon serves this host only)"

@@ -1,7 +1,10 @@
 """I/O engines: how the SSD tier's reads reach the disk.
 
-One interface, :class:`IOEngine`, two implementations side by side:
+One interface, :class:`IOEngine`, three implementations side by side:
 
+- :class:`AioEngine`: Linux native AIO (``io_submit`` / ``io_getevents``) on the
+  O_DIRECT data file: every read of a chunk goes to the disk in one system call and
+  the calling thread waits for them in another, with no thread hand-offs.
 - :class:`PosixEngine`: ``preadv`` on a thread pool, O_DIRECT where the file
   system allows it, every read of a get landing in one aligned buffer of the caller's.
 - :class:`KvikioEngine`: kvikio's parallel ``pread`` (GPUDirect Storage, or its
@@ -14,9 +17,12 @@ One interface, :class:`IOEngine`, two implementations side by side:
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import os
+import platform
+import sys
 import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
@@ -115,6 +121,173 @@ class KvikioEngine(PosixEngine):
         self._file.close()
 
 
+# ---------------------------------------------------------------- Linux native AIO
+
+# System call numbers of the AIO calls, per architecture (the kernel's unistd tables).
+_AIO_SYSCALLS = {
+    "x86_64": {"io_setup": 206, "io_destroy": 207, "io_getevents": 208, "io_submit": 209},
+    "aarch64": {"io_setup": 0, "io_destroy": 1, "io_submit": 2, "io_getevents": 4},
+}
+# struct iocb and struct io_event of <linux/aio_abi.h>, as laid out on a little-endian 64-bit host.
+_IOCB = np.dtype([("data", "<u8"), ("key", "<u4"), ("rw_flags", "<i4"), ("opcode", "<u2"), ("reqprio", "<i2"),
+                  ("fildes", "<u4"), ("buf", "<u8"), ("nbytes", "<u8"), ("offset", "<i8"), ("reserved2", "<u8"),
+                  ("flags", "<u4"), ("resfd", "<u4")])
+_IO_EVENT = np.dtype([("data", "<u8"), ("obj", "<u8"), ("res", "<i8"), ("res2", "<i8")])
+_IOCB_CMD_PREAD = 0
+assert _IOCB.itemsize == 64 and _IO_EVENT.itemsize == 32
+
+
+def _libc_syscall():
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.syscall
+    fn.restype = ctypes.c_long
+    return fn
+
+
+class _AioContext:
+    """One thread's AIO context with its request and event arrays (``depth`` reads in flight at most)."""
+
+    def __init__(self, calls: dict, syscall, depth: int) -> None:
+        self._calls, self._syscall, self.depth = calls, syscall, depth
+        ctx = ctypes.c_ulong(0)
+        if self._syscall(ctypes.c_long(calls["io_setup"]), ctypes.c_long(depth), ctypes.byref(ctx)) < 0:
+            raise _errno_error("io_setup")
+        self.ctx = ctx.value
+        self.iocbs = np.zeros(depth, _IOCB)
+        # io_submit takes an array of pointers to the requests.
+        self.ptrs = np.uint64(self.iocbs.ctypes.data) + np.arange(depth, dtype=np.uint64) * np.uint64(_IOCB.itemsize)
+        self.events = np.zeros(depth, _IO_EVENT)
+
+    def _call(self, name: str, *args) -> int:
+        return self._syscall(ctypes.c_long(self._calls[name]), ctypes.c_ulong(self.ctx), *args)
+
+    def submit(self, first: int, n: int) -> int:
+        """Submit requests ``[first, first + n)``; how many the kernel took (-errno on failure)."""
+        r = self._call("io_submit", ctypes.c_long(n), ctypes.c_void_p(self.ptrs.ctypes.data + first * 8))
+        return r if r >= 0 else -ctypes.get_errno()
+
+    def reap(self, at: int, min_n: int, max_n: int) -> int:
+        """Wait for ``min_n`` to ``max_n`` completions into ``events[at:]``; how many (-errno on failure)."""
+        addr = self.events.ctypes.data + at * _IO_EVENT.itemsize
+        r = self._call("io_getevents", ctypes.c_long(min_n), ctypes.c_long(max_n), ctypes.c_void_p(addr), None)
+        return r if r >= 0 else -ctypes.get_errno()
+
+    def destroy(self) -> None:
+        if self.ctx:
+            self._call("io_destroy")
+            self.ctx = 0
+
+
+def _errno_error(call: str, err: int | None = None) -> OSError:
+    err = ctypes.get_errno() if err is None else err
+    return OSError(err, f"{call}: {os.strerror(err)}")
+
+
+def probe_aio() -> tuple[bool, str]:
+    """Whether Linux native AIO works here (it can be missing, or blocked by a sandbox)."""
+    calls = _AIO_SYSCALLS.get(platform.machine())
+    if not sys.platform.startswith("linux") or calls is None or sys.byteorder != "little":
+        return False, f"Linux AIO is not supported on {sys.platform}/{platform.machine()}"
+    try:
+        _AioContext(calls, _libc_syscall(), 1).destroy()
+    except OSError as exc:
+        return False, f"Linux AIO unavailable ({exc})"
+    return True, "Linux AIO available"
+
+
+class AioEngine(IOEngine):
+    """Every read of a call submitted at once with ``io_submit``; the caller reaps them.
+
+    Asynchronous only on an O_DIRECT file (buffered AIO reads run inside ``io_submit``),
+    so :func:`choose_engine` takes it only there. Each calling thread has its own
+    context, so concurrent gets never reap each other's completions. A call with more
+    than ``depth`` reads submits them in waves of ``depth``.
+    """
+
+    name = "linux-aio"
+
+    def __init__(self, depth: int = 256) -> None:
+        self._calls = _AIO_SYSCALLS[platform.machine()]
+        self._syscall = _libc_syscall()
+        self.depth = depth
+        self._local = threading.local()
+        self._contexts: list[_AioContext] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _context(self) -> _AioContext:
+        ctx = getattr(self._local, "ctx", None)
+        if ctx is None:
+            with self._lock:
+                if self._closed:
+                    raise OSError(errno.EBADF, "the I/O engine is closed")
+                ctx = self._local.ctx = _AioContext(self._calls, self._syscall, self.depth)
+                self._contexts.append(ctx)
+        return ctx
+
+    def read_into(self, fd: int, starts: np.ndarray, ends: np.ndarray, dst: np.ndarray, dst_offs: np.ndarray) -> None:
+        n = len(starts)
+        if not n:
+            return
+        ctx = self._context()
+        base = np.uint64(dst.ctypes.data)
+        for w0 in range(0, n, ctx.depth):
+            self._wave(ctx, fd, starts[w0 : w0 + ctx.depth], ends[w0 : w0 + ctx.depth], base, dst_offs[w0 : w0 + ctx.depth])
+
+    def _wave(self, ctx: _AioContext, fd: int, starts, ends, base, dst_offs) -> None:
+        m = len(starts)
+        sizes = np.asarray(ends, dtype=np.int64) - starts
+        cb = ctx.iocbs[:m]
+        cb["data"] = np.arange(m, dtype=np.uint64)
+        cb["opcode"] = _IOCB_CMD_PREAD
+        cb["fildes"] = fd
+        cb["buf"] = base + np.asarray(dst_offs, dtype=np.uint64)
+        cb["nbytes"] = sizes
+        cb["offset"] = starts
+        submitted = reaped = 0
+        error: OSError | None = None
+        # Every submitted read is reaped before returning, error or not: the kernel
+        # writes into the caller's buffer until it completes.
+        while True:
+            if submitted < m and error is None:
+                r = ctx.submit(submitted, m - submitted)
+                if r > 0:
+                    submitted += r
+                    continue
+                if r not in (0, -errno.EAGAIN, -errno.EINTR):
+                    error = _errno_error("io_submit", -r)
+                elif r != -errno.EINTR and reaped == submitted:  # refused with nothing in flight to wait for
+                    error = _errno_error("io_submit", errno.EAGAIN)
+            if reaped == submitted:
+                if submitted == m or error is not None:
+                    break
+                continue  # interrupted before anything was in flight: submit again
+            r = ctx.reap(reaped, 1, submitted - reaped)
+            if r > 0:
+                reaped += r
+            elif r != -errno.EINTR:
+                raise _errno_error("io_getevents", -r)  # only on arguments this code never passes
+        if error is not None:
+            raise error
+        ev = ctx.events[:m]
+        res = ev["res"]
+        want = sizes[ev["data"].astype(np.int64)]
+        bad = np.flatnonzero(res != want)
+        if len(bad):
+            i = int(ev["data"][bad[0]])
+            got = int(res[bad[0]])
+            if got < 0:
+                raise OSError(-got, f"read at offset {int(starts[i])}: {os.strerror(-got)}")
+            raise OSError(f"short read at offset {int(starts[i])}: {got} of {int(sizes[i])} bytes")
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for ctx in self._contexts:
+                ctx.destroy()
+            self._contexts.clear()
+
+
 def probe_kvikio() -> tuple[bool, str]:
     try:
         ctypes.CDLL("libcuda.so.1")
@@ -127,7 +300,15 @@ def probe_kvikio() -> tuple[bool, str]:
     return True, "CUDA driver and kvikio present"
 
 
-def choose_engine(kind: str, threads: int, data_path: str) -> IOEngine:
+ENGINES = ("auto", "aio", "posix", "kvikio")
+
+
+def choose_engine(kind: str, threads: int, data_path: str, direct: bool = True) -> IOEngine:
+    """The engine ``kind`` names; ``auto``: kvikio where a CUDA driver is present, else
+    Linux AIO on an O_DIRECT file, else ``preadv`` on ``threads`` threads. Logs the choice."""
+    if kind not in ENGINES:
+        raise ValueError(f"unknown I/O engine {kind!r} (one of {', '.join(ENGINES)})")
+    why_not = []
     if kind in ("auto", "kvikio"):
         ok, why = probe_kvikio()
         if ok:
@@ -136,7 +317,16 @@ def choose_engine(kind: str, threads: int, data_path: str) -> IOEngine:
             return engine
         if kind == "kvikio":
             raise RuntimeError(f"--engine kvikio asked for, but {why}")
-        log.info("I/O engine: POSIX preadv on %d threads (kvikio not used: %s)", threads, why)
-    else:
-        log.info("I/O engine: POSIX preadv on %d threads (--engine posix)", threads)
+        why_not.append(f"kvikio not used: {why}")
+    if kind in ("auto", "aio"):
+        ok, why = probe_aio()
+        if ok and not direct:
+            ok, why = False, "the data file is not open with O_DIRECT, and buffered AIO reads run one at a time"
+        if ok:
+            log.info("I/O engine: Linux AIO, every read of a get submitted at once (%s)", "; ".join(why_not + [why]))
+            return AioEngine()
+        if kind == "aio":
+            raise RuntimeError(f"--engine aio asked for, but {why}")
+        why_not.append(f"Linux AIO not used: {why}")
+    log.info("I/O engine: POSIX preadv on %d threads (%s)", threads, "; ".join(why_not) or "--engine posix")
     return PosixEngine(threads)
