@@ -19,7 +19,8 @@ Every configuration runs in one process, one after another, on the same inputs:
   default index side by side.
 
 Store-backed rows run on a DRAM tier that holds everything (``dram``) and on one
-well below the KV size (``dram+ssd``).
+well below the KV size (``dram+ssd``). In (b) a configuration's two tiers run back to
+back, each on a fresh daemon.
 
 Workloads: (a) SmolLM2-135M on real text, teacher-forced so every configuration
 decodes the same tokens and its loss / KL against dense can be printed; (b) an
@@ -38,6 +39,7 @@ import math
 import sys
 import time
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -499,19 +501,24 @@ def run_workloads_bc(cfg: BenchConfig, configs: list[Config], rows: list[Row], i
     ssd_max = f"{(2 * kv_bytes + (1 << 30)) >> 20}M"
     windows = None
     if "b" in cfg.workloads:
-        for tier, dram in tiers.items():
-            with connect(None, dram=f"{dram >> 20}M", ssd_max=ssd_max) as store:
-                if windows is None and any(c.profile for c in configs):
-                    _note("workload b: profiling windows on a held-out seed")
-                    windows, info["b_profile_bytes"], info["b_profile_shrink"] = _attention_profile(base, store, steps)
-                for c in configs:
-                    if not c.store and tier != "dram":
-                        continue
+        # A configuration's tiers run back to back, each on a fresh daemon, so the DRAM+SSD
+        # row it is compared with ran minutes, not the whole table, after its DRAM row:
+        # this host's speed drifts by several percent over tens of minutes.
+        b_rows = []
+        for c in configs:
+            for tier, dram in tiers.items():
+                if not c.store and tier != "dram":
+                    continue
+                with connect(None, dram=f"{dram >> 20}M", ssd_max=ssd_max) if c.store else nullcontext() as store:
+                    if windows is None and c.profile:
+                        _note("workload b: profiling windows on a held-out seed")
+                        windows, info["b_profile_bytes"], info["b_profile_shrink"] = _attention_profile(base, store, steps)
                     _note(f"workload b: {tier}: {c.name} ({base.num_layers} layers x {base.context_tokens} tokens x batch {base.batch})")
                     seconds, stats, bb, used, overlap = _run_attention(base, c, store, steps, windows, cfg)
-                    row = _row("b", c, tier, base.batch, steps, seconds, stats, bb, used)
-                    row.overlap = overlap
-                    rows.append(row)
+                row = _row("b", c, tier, base.batch, steps, seconds, stats, bb, used)
+                row.overlap = overlap
+                b_rows.append(row)
+        rows += sorted(b_rows, key=lambda r: list(tiers).index(r.tier) if r.tier in tiers else 0)  # the table: tier by tier
     if "c" in cfg.workloads:
         dram = kv_bytes // 3
         info["c_dram_bytes"] = dram
