@@ -54,31 +54,26 @@ def _check(dst, data, starts, ends, offs):
         np.testing.assert_array_equal(dst[o : o + e - s], data[s:e])
 
 
-@needs_aio
-def test_aio_and_posix_read_every_range_into_place(data_file):
-    fd, data = data_file
-    starts, ends, offs = _ranges(np.random.default_rng(1), 40, len(data))
-    for engine in (AioEngine(), PosixEngine(4)):
-        dst = AlignedScratch().get(int(offs[-1] + ends[-1] - starts[-1]))
-        dst[:] = 0
-        try:
-            engine.read_into(fd, starts, ends, dst, offs)
-        finally:
-            engine.close()
-        _check(dst, data, starts, ends, offs)
-
-
-@needs_aio
-def test_aio_submits_more_reads_than_its_depth_in_waves(data_file):
-    fd, data = data_file
-    starts, ends, offs = _ranges(np.random.default_rng(2), 23, len(data))
-    engine = AioEngine(depth=4)
+def _read_and_check(engine, fd, data, seed, n):
+    starts, ends, offs = _ranges(np.random.default_rng(seed), n, len(data))
     dst = AlignedScratch().get(int(offs[-1] + ends[-1] - starts[-1]))
+    dst[:] = 0
     try:
         engine.read_into(fd, starts, ends, dst, offs)
     finally:
         engine.close()
     _check(dst, data, starts, ends, offs)
+
+
+@needs_aio
+@pytest.mark.parametrize("make", [AioEngine, lambda: PosixEngine(4)], ids=["aio", "posix"])
+def test_each_engine_reads_every_range_into_place(data_file, make):
+    _read_and_check(make(), *data_file, seed=1, n=40)
+
+
+@needs_aio
+def test_aio_submits_more_reads_than_its_depth_in_waves(data_file):
+    _read_and_check(AioEngine(depth=4), *data_file, seed=2, n=23)
 
 
 @needs_aio
