@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from kvstored.config import DaemonConfig, SyncPolicy, default_runtime_dir, parse_size
+from kvstored.config import ENGINES, DaemonConfig, SyncPolicy, default_runtime_dir, parse_size
 
 log = logging.getLogger("kvstored")
 
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="durable: a put is acknowledged after fdatasync and an fsynced LMDB commit; "
         "write-behind: acknowledged before, flushed within a second (a power loss may lose acknowledged puts)",
     )
-    p.add_argument("--engine", choices=("auto", "aio", "posix", "kvikio"), default="auto",
+    p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="SSD read engine: auto takes kvikio where a CUDA driver is present, else Linux AIO on an "
                         "O_DIRECT file, else preadv on --io-threads threads")
     p.add_argument("--no-direct", action="store_true", help="buffered I/O instead of O_DIRECT (reads may hit the page cache)")

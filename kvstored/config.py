@@ -45,6 +45,10 @@ class SyncPolicy:
     ALL = (DURABLE, WRITE_BEHIND)
 
 
+# SSD read engines (kvstored.io_engine): auto picks one and logs why.
+ENGINES = ("auto", "aio", "posix", "kvikio")
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     ssd_dir: Path
@@ -81,8 +85,8 @@ class DaemonConfig:
             raise ValueError(f"--max-io must be >= 4K, got {self.max_io_bytes}")
         if self.sync not in SyncPolicy.ALL:
             raise ValueError(f"--sync must be one of {', '.join(SyncPolicy.ALL)}, got {self.sync!r}")
-        if self.engine not in ("auto", "aio", "posix", "kvikio"):
-            raise ValueError(f"--engine must be auto, aio, posix or kvikio, got {self.engine!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.address and not (self.address.startswith("ipc://") or self.address.startswith("tcp://127.")):
             raise ValueError(
                 f"--listen {self.address!r}: use ipc://PATH or tcp://127.0.0.1:PORT (the daemon serves this host only)"

@@ -29,6 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from kvstored.config import ENGINES
+
 log = logging.getLogger(__name__)
 
 
@@ -298,9 +300,6 @@ def probe_kvikio() -> tuple[bool, str]:
     except ImportError as exc:
         return False, f"kvikio not importable ({exc}); install the 'gpu' extra"
     return True, "CUDA driver and kvikio present"
-
-
-ENGINES = ("auto", "aio", "posix", "kvikio")
 
 
 def choose_engine(kind: str, threads: int, data_path: str, direct: bool = True) -> IOEngine:

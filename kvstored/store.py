@@ -497,7 +497,7 @@ class Store:
 
         The reads of a chunk (up to :data:`READ_CHUNK_BYTES`, or one read if larger) land
         in this thread's aligned scratch buffer; then one call checks and scatters every
-        block of the chunk, so an I/O costs a ``preadv`` and no Python work of its own.
+        block of the chunk, so an I/O costs the engine's read and no Python work of its own.
         """
         bb = entry.geometry.block_bytes
         plan = plan_reads(ssd_off, bb, self.cfg.max_gap_bytes, self.cfg.max_io_bytes, ALIGN)
