@@ -311,6 +311,21 @@ def _bits_to_float(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
+@intrinsic
+def _fmax(typingctx, a, b):
+    """The larger of two float32s, as LLVM's ``maxnum``.
+
+    numba's ``max`` checks for NaN around its compare, which keeps a max-reduction loop
+    scalar (about 1 ns per element here); a loop of ``maxnum`` vectorises (``vmaxps``).
+    Either argument NaN gives the other; callers never pass NaN.
+    """
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.maxnum", [f32], ir.FunctionType(f32, [f32, f32]))
+        return builder.call(fn, args)
+    return types.float32(types.float32, types.float32), codegen
+
+
 @numba.njit(nogil=True, cache=True, inline="always", fastmath=_ATTENTION_FASTMATH)
 def _exp2_nonpos(x):  # pragma: no cover - compiled
     """2**x for x <= 0 (relative error below 1e-4; 0 below -126, -inf included).
@@ -319,7 +334,7 @@ def _exp2_nonpos(x):  # pragma: no cover - compiled
     of these vectorises (libm's exp2f does not). Below -126 the exponent bits are
     those of 0.0: zero without a branch or a select.
     """
-    t = max(x, np.float32(-127.0))
+    t = _fmax(x, np.float32(-127.0))
     n = np.floor(t)
     f = t - n
     p = np.float32(1.0) + f * (np.float32(0.6931472) + f * (np.float32(0.2402265) + f * (
@@ -405,27 +420,37 @@ def _lowrank_page_mass(w, codes, wide, valid, b, h, p_n, s_n, logits, cf, top, o
             for t in range(n):  # padding to -inf and the running max, in one vectorised pass
                 v = lg[t] if okt[t] else np.float32(-np.inf)
                 lg[t] = v
-                m = max(m, v)
+                m = _fmax(m, v)
             top[g] = m
-    # Per query head, each page's share of the softmax mass; summed over the heads.
-    out[:p_n] = 0.0
+    # Each token's softmax weight per query head, summed over the heads into the first
+    # row, then summed per page: one short (page-long) reduction per page, not one per
+    # page and head. Validity is per token, so either every head has a finite max or none.
+    if t_n == 0 or top[0] == -np.inf:
+        out[:p_n] = -np.inf
+        return
     for g in range(g_n):
         m = top[g]
-        if m == -np.inf:
-            continue
         lg = logits[g]
         total = np.float32(0.0)
-        for p in range(p_n):
-            part = np.float32(0.0)
-            for t in range(p * s_n, (p + 1) * s_n):
-                part += _exp2_nonpos(lg[t] - m)
-            lg[p] = part  # page sums overwrite logits already read
-            total += part
-        inv = np.float32(1.0) / total
-        for p in range(p_n):
-            out[p] += lg[p] * inv
+        for t in range(t_n):
+            e = _exp2_nonpos(lg[t] - m)
+            lg[t] = e
+            total += e
+        top[g] = np.float32(1.0) / total  # top now holds each head's normaliser
+    mix = logits[0]
+    inv0 = top[0]
+    for t in range(t_n):
+        mix[t] *= inv0
+    for g in range(1, g_n):
+        lg = logits[g]
+        inv = top[g]
+        for t in range(t_n):
+            mix[t] += lg[t] * inv
     for p in range(p_n):
-        out[p] = np.log(out[p]) if out[p] > 0 else -np.inf
+        part = np.float32(0.0)
+        for t in range(p * s_n, (p + 1) * s_n):
+            part += mix[t]
+        out[p] = np.log(part) if part > 0 else -np.inf
 
 
 @numba.njit(nogil=True, cache=True)
