@@ -367,7 +367,7 @@ def _lowrank_weights(query, qproj, scale, scaling, b, h, w):  # pragma: no cover
 
 @numba.njit(nogil=True, cache=True, fastmath=_LOWRANK_FASTMATH, error_model="numpy")
 def _lowrank_page_mass(w, codes, wide, valid, b, h, p_n, s_n, logits, cf, top, out):  # pragma: no cover - compiled
-    """Log estimated mass of pages [0, p_n) of (row b, head h) into ``out``.
+    """Estimated mass of pages [0, p_n) of (row b, head h) into ``out`` (callers take the log).
 
     ``w`` ``[G, R]``: base-2 logit weights (:func:`_lowrank_weights`). ``codes``: rows as
     :func:`reference.pack_lowrank_codes` lays them out, the first ``wide`` int8. Scratch:
@@ -426,7 +426,7 @@ def _lowrank_page_mass(w, codes, wide, valid, b, h, p_n, s_n, logits, cf, top, o
     # row, then summed per page: one short (page-long) reduction per page, not one per
     # page and head. Validity is per token, so either every head has a finite max or none.
     if t_n == 0 or top[0] == -np.inf:
-        out[:p_n] = -np.inf
+        out[:p_n] = 0.0
         return
     for g in range(g_n):
         m = top[g]
@@ -450,7 +450,13 @@ def _lowrank_page_mass(w, codes, wide, valid, b, h, p_n, s_n, logits, cf, top, o
         part = np.float32(0.0)
         for t in range(p * s_n, (p + 1) * s_n):
             part += mix[t]
-        out[p] = np.log(part) if part > 0 else -np.inf
+        out[p] = part
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _log_mass(m):  # pragma: no cover - compiled
+    """A page's score: the log of its estimated mass, -inf for none."""
+    return np.log(m) if m > 0 else np.float32(-np.inf)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -466,6 +472,8 @@ def _lowrank_scores(query, qproj, scale, scaling, codes, wide, valid, p_n, s_n, 
         for h in range(query.shape[1]):
             _lowrank_weights(query, qproj, scale, scaling, b, h, w)
             _lowrank_page_mass(w, codes, wide, valid, b, h, p_n, s_n, logits, cf, top, out[b, h])
+            for p in range(p_n):
+                out[b, h, p] = _log_mass(out[b, h, p])
 
 
 @numba.njit(nogil=True, cache=True)
@@ -477,7 +485,8 @@ def _lowrank_select(query, qproj, scale, scaling, codes, wide, valid, selectable
         for h in range(query.shape[1]):
             _lowrank_weights(query, qproj, scale, scaling, b, h, w)
             _lowrank_page_mass(w, codes, wide, valid, b, h, p_n, s_n, logits, cf, top, score)
-            # Top k by insertion into a sorted list: most pages lose to the k-th at once.
+            # Top k by mass (the log only for the pages returned), by insertion into a sorted
+            # list: most pages lose to the k-th at once.
             # Equal scores keep the lower page first, as a stable sort would.
             n = 0
             for p in range(p_n):
@@ -495,12 +504,14 @@ def _lowrank_select(query, qproj, scale, scaling, codes, wide, valid, selectable
                 out_pages[b, h, j] = p
                 if n < k:
                     n += 1
+            for i in range(n):
+                out_scores[b, h, i] = _log_mass(out_scores[b, h, i])
             for i in range(n, k):  # fewer selectable pages than k: unselectable ones, scored -inf
                 out_pages[b, h, i] = _nth_unused(out_pages, b, h, i, p_n)
                 out_scores[b, h, i] = -np.inf
             for i in range(cached.shape[2]):
                 p = cached[b, h, i]
-                cached_scores[b, h, i] = -np.inf if p < 0 or p >= p_n else score[p]
+                cached_scores[b, h, i] = -np.inf if p < 0 or p >= p_n else _log_mass(score[p])
 
 
 _NO_CACHED = np.full((0, 0, 0), -1, np.int64)
