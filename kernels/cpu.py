@@ -145,6 +145,21 @@ def _bfloat_to_float(typingctx, bits):
     return types.float32(types.uint16), codegen
 
 
+@intrinsic
+def _fmax(typingctx, a, b):
+    """The larger of two float32s, as LLVM's ``maxnum``.
+
+    numba's ``max`` checks for NaN around its compare, which keeps a max-reduction loop
+    scalar (about 1 ns per element here); a loop of ``maxnum`` vectorises (``vmaxps``).
+    Either argument NaN gives the other; callers never pass NaN.
+    """
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.maxnum", [f32], ir.FunctionType(f32, [f32, f32]))
+        return builder.call(fn, args)
+    return types.float32(types.float32, types.float32), codegen
+
+
 def _widen(src, kind, dst):  # pragma: no cover - replaced by the overload below
     raise NotImplementedError("_widen exists only inside numba-compiled kernels (see its overload)")
 
@@ -227,10 +242,9 @@ def _sparse_attention(query, kc, vc, slots, lk, lv, valid, kind, scaling, out): 
                         logits[g, first + t] = dot
             # Softmax per query head, in place; a head with nothing valid attends nothing (zeros).
             for g in range(g_n):
-                top = -np.inf
+                top = np.float32(-np.inf)
                 for n in range(n_tok):
-                    if logits[g, n] > top:
-                        top = logits[g, n]
+                    top = _fmax(top, logits[g, n])
                 if top == -np.inf:
                     for n in range(n_tok):
                         logits[g, n] = 0.0
@@ -309,21 +323,6 @@ def _bits_to_float(typingctx, bits):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
     return types.float32(types.int32), codegen
-
-
-@intrinsic
-def _fmax(typingctx, a, b):
-    """The larger of two float32s, as LLVM's ``maxnum``.
-
-    numba's ``max`` checks for NaN around its compare, which keeps a max-reduction loop
-    scalar (about 1 ns per element here); a loop of ``maxnum`` vectorises (``vmaxps``).
-    Either argument NaN gives the other; callers never pass NaN.
-    """
-    def codegen(context, builder, signature, args):
-        f32 = ir.FloatType()
-        fn = builder.module.declare_intrinsic("llvm.maxnum", [f32], ir.FunctionType(f32, [f32, f32]))
-        return builder.call(fn, args)
-    return types.float32(types.float32, types.float32), codegen
 
 
 @numba.njit(nogil=True, cache=True, inline="always", fastmath=_ATTENTION_FASTMATH)
