@@ -480,29 +480,44 @@ def _lowrank_select(query, qproj, scale, scaling, codes, wide, valid, selectable
                     cached, cached_scores):  # pragma: no cover - compiled
     w, logits, cf, top = _lowrank_scratch(query.shape[2], qproj.shape[3], p_n * s_n)
     score = np.empty(p_n, np.float32)
+    cand = np.empty(p_n, np.float32)
     for b in range(query.shape[0]):
         for h in range(query.shape[1]):
             _lowrank_weights(query, qproj, scale, scaling, b, h, w)
             _lowrank_page_mass(w, codes, wide, valid, b, h, p_n, s_n, logits, cf, top, score)
-            # Top k by mass (the log only for the pages returned), by insertion into a sorted
-            # list: most pages lose to the k-th at once.
-            # Equal scores keep the lower page first, as a stable sort would.
-            n = 0
+            # Top k by mass (the log only for the pages returned). The k-th largest by
+            # partition, then the pages above it and as many equal to it as fit, in page
+            # order, then a stable sort of those k: equal scores keep the lower page first.
+            # (An insertion into a sorted list costs up to k moves a page where scores rise
+            # with position, as they often do.)
+            m = 0
             for p in range(p_n):
-                if not selectable[b, p]:
-                    continue
-                v = score[p]
-                if n == k and (k == 0 or not v > out_scores[b, h, k - 1]):
-                    continue
-                j = n if n < k else k - 1
-                while j > 0 and v > out_scores[b, h, j - 1]:
-                    out_scores[b, h, j] = out_scores[b, h, j - 1]
-                    out_pages[b, h, j] = out_pages[b, h, j - 1]
-                    j -= 1
-                out_scores[b, h, j] = v
-                out_pages[b, h, j] = p
-                if n < k:
-                    n += 1
+                if selectable[b, p]:
+                    cand[m] = score[p]
+                    m += 1
+            n = 0
+            if m > 0 and k > 0:
+                kth = np.partition(cand[:m], max(m - k, 0))[max(m - k, 0)]
+                for p in range(p_n):
+                    if selectable[b, p] and score[p] > kth:
+                        out_pages[b, h, n] = p
+                        n += 1
+                for p in range(p_n):
+                    if n == k or n == m:
+                        break
+                    if selectable[b, p] and score[p] == kth:
+                        out_pages[b, h, n] = p
+                        n += 1
+                for i in range(n):  # insertion sort of the k, stable
+                    p = out_pages[b, h, i]
+                    v = score[p]
+                    j = i
+                    while j > 0 and v > out_scores[b, h, j - 1]:
+                        out_scores[b, h, j] = out_scores[b, h, j - 1]
+                        out_pages[b, h, j] = out_pages[b, h, j - 1]
+                        j -= 1
+                    out_scores[b, h, j] = v
+                    out_pages[b, h, j] = p
             for i in range(n):
                 out_scores[b, h, i] = _log_mass(out_scores[b, h, i])
             for i in range(n, k):  # fewer selectable pages than k: unselectable ones, scored -inf
