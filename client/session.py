@@ -23,6 +23,7 @@ import time
 import uuid
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -422,7 +423,7 @@ class Session:
         Inference only: no gradient flows through KVDrive's decode (its stages run on
         two threads, and the cache is updated in place).
         """
-        with torch.no_grad():
+        with torch.no_grad(), cpu_kernels.one_torch_thread() if self.device.type == "cpu" else nullcontext():
             return self._decode_attention(layer, query, mask)
 
     def _decode_attention(self, layer: int, query: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numba
 from numba.core import types
@@ -291,7 +293,7 @@ def sparse_attention(query: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     ``valid`` ``[B, H, k*S + L]`` for the tokens in that order (selected pages, then
     the local window). K/V may be float32, float16 or bfloat16 (read in float32).
     Returns float32 ``[B, H, G, D]``; equals ``reference.decode_attention`` over
-    the gathered tokens. A large call runs in parts on up to ``torch.get_num_threads()``
+    the gathered tokens. A large call runs in parts on up to :func:`kernel_threads`
     threads (:func:`_in_parts`).
     """
     kc, kind = _as_numpy(cache_k.contiguous())
@@ -537,8 +539,40 @@ _PART_MIN_WORK = 1 << 15
 _pool = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="kvdrive-kernel")  # threads start on first use
 
 
+_lent = threading.local()
+
+
+def kernel_threads() -> int:
+    """Threads a kernel call here may split across: the calling thread's torch intra-op
+    threads, or the count it had before :func:`one_torch_thread`."""
+    return getattr(_lent, "threads", None) or torch.get_num_threads()
+
+
+@contextmanager
+def one_torch_thread():
+    """Run the calling thread's torch ops on one intra-op thread; the kernels here keep its threads.
+
+    A decode step's bookkeeping is many small torch ops. Split across two intra-op
+    threads on a 2-core host where the daemon or the pipeline's front thread holds
+    the other core, each such op waits for its second thread to be scheduled (single
+    ops of 0.2 ms took up to 14 ms). The compiled kernels split their own work
+    (:func:`_in_parts`) and are not affected. torch's thread count is per thread.
+    """
+    threads = torch.get_num_threads()
+    if threads == 1 or getattr(_lent, "threads", None):
+        yield
+        return
+    _lent.threads = threads
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        _lent.threads = None
+
+
 def _in_parts(b_n: int, h_n: int, work_per_head: int, fn, min_work: int | None = None) -> None:
-    """Run ``fn(rows, heads)`` on slices covering ``[b_n, h_n]``, on up to ``torch.get_num_threads()`` threads.
+    """Run ``fn(rows, heads)`` on slices covering ``[b_n, h_n]``, on up to :func:`kernel_threads` threads.
 
     The calling thread runs the first part. Slices are whole rows (for a single row,
     whole heads), so every part's arrays stay C-contiguous. A thread held to one
@@ -546,7 +580,7 @@ def _in_parts(b_n: int, h_n: int, work_per_head: int, fn, min_work: int | None =
     """
     by_rows = b_n > 1
     units = b_n if by_rows else h_n
-    n = max(1, min(torch.get_num_threads(), units, (b_n * h_n * work_per_head) // (min_work or _PART_MIN_WORK)))
+    n = max(1, min(kernel_threads(), units, (b_n * h_n * work_per_head) // (min_work or _PART_MIN_WORK)))
     cuts = [units * i // n for i in range(n + 1)]
     parts = [(slice(cuts[i], cuts[i + 1]), slice(None)) if by_rows else (slice(None), slice(cuts[i], cuts[i + 1]))
              for i in range(n)]
@@ -577,7 +611,7 @@ def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
     lays them out (``int8_channels`` int8 rows, None: all), and that they and ``valid``
     ``[B, >= P*S]`` may have spare capacity past ``num_pages`` pages (no copy is made).
     Returns float32 ``[B, H, P]``, within 1e-4 of the reference (the exponential is a polynomial).
-    A large call runs in parts on up to ``torch.get_num_threads()`` threads (:func:`_in_parts`).
+    A large call runs in parts on up to :func:`kernel_threads` threads (:func:`_in_parts`).
     """
     out = np.empty((query.shape[0], query.shape[1], num_pages), np.float32)
     q, qp, sc, cd, ok = _f32(query), qproj.numpy(), scale.numpy(), codes.numpy(), valid.numpy()

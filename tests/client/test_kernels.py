@@ -201,3 +201,22 @@ def test_numba_lowrank_select_of_no_pages_returns_empty_rows():
                                                    torch.tensor([[[3, -1]] * codes.shape[1]] * codes.shape[0]), wide)
     assert pages.shape == top.shape == (codes.shape[0], codes.shape[1], 0)
     assert torch.isfinite(cached_scores[..., 0]).all() and torch.isinf(cached_scores[..., 1]).all()
+
+
+def test_one_torch_thread_keeps_the_kernels_threads():
+    """Inside, torch ops run on one thread while the kernels still split across the caller's threads; after, both are restored."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        with cpu.one_torch_thread():
+            assert torch.get_num_threads() == 1
+            assert cpu.kernel_threads() == 3
+            with cpu.one_torch_thread():  # nested: no change
+                assert torch.get_num_threads() == 1 and cpu.kernel_threads() == 3
+            assert cpu.kernel_threads() == 3
+        assert torch.get_num_threads() == 3 and cpu.kernel_threads() == 3
+        torch.set_num_threads(1)
+        with cpu.one_torch_thread():
+            assert torch.get_num_threads() == 1 and cpu.kernel_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
