@@ -119,6 +119,7 @@ class Session:
         self._front: ThreadPoolExecutor | None = None
         self.window = cfg.window if cfg.window is not None else CALIBRATION_START_WINDOW
         self.micro_batch = cfg.micro_batch or batch
+        self.calibration: str | None = None  # what warm-up calibration chose, once it has (also logged)
         self._tuning = _Tuning(self, cfg, batch)
         self._step_start = 0.0
         self._work: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -747,8 +748,9 @@ class _Tuning:
             else:
                 self.timed = {c: min(v) for c, v in self.timed.items()}
                 s.micro_batch = min(self.timed, key=self.timed.get)
-                log.info("calibrated micro-batch: %d of %d rows (step ms by size: %s)", s.micro_batch, s.batch,
-                         ", ".join(f"{c}: {ms:.1f}" for c, ms in sorted(self.timed.items())))
+                s.calibration = (f"micro-batch {s.micro_batch} of {s.batch} rows (step ms by size: "
+                                 + ", ".join(f"{c}: {ms:.1f}" for c, ms in sorted(self.timed.items())) + ")")
+                log.info("calibrated %s", s.calibration)
                 self.candidates = []
         if self.tune_window:
             fetch = s.stats["fetch_ms"] - self._last["fetch_ms"]

@@ -200,6 +200,12 @@ class OverlapObserver(Observer):
         return float(np.mean(self.values)) if self.values else None
 
 
+def _note_calibration(where: str, session) -> None:
+    """Say what the session's warm-up calibration chose (the micro-batch a "+pipe" row really ran)."""
+    if session.calibration:
+        _note(f"{where}: calibrated {session.calibration}")
+
+
 def _delta(after: Counter, before: Counter) -> Counter:
     return Counter({k: after.get(k, 0) - before.get(k, 0) for k in after})
 
@@ -342,6 +348,7 @@ def run_workload_a(cfg: BenchConfig, configs: list[Config], rows: list[Row], inf
                             cache.session.observers.append(observer)
                         snapshot.replay(cache)
                         logits, seconds, before, after = _decode_model(model, cache, fed, cfg.warmup)
+                        _note_calibration(f"workload a: batch {batch}, {tier}: {c.name}", cache.session)
                         bb = cache.session.block_bytes
                         used = _cache_bytes_in_use(cache.session)
                         cache.close()
@@ -408,7 +415,8 @@ class DenseAttention:
         return out.reshape(b, -1, d)
 
 
-def _run_attention(workload, c: Config, store, steps: int, windows, cfg: BenchConfig) -> tuple[float, Counter, int, int, float | None]:
+def _run_attention(workload, c: Config, store, steps: int, windows, cfg: BenchConfig,
+                   where: str) -> tuple[float, Counter, int, int, float | None]:
     """Prefill and decode one configuration; (seconds over measured steps, stats delta, block bytes, cache bytes, overlap)."""
     from kvdrive_client.engine import SparseKV  # noqa: PLC0415
 
@@ -446,6 +454,7 @@ def _run_attention(workload, c: Config, store, steps: int, windows, cfg: BenchCo
                 seconds += time.perf_counter() - t0
     if not c.store:
         return seconds, Counter(), 0, 0, None
+    _note_calibration(where, kv.session)
     stats = _delta(Counter(kv.stats), before)
     bb, used = kv.session.block_bytes, _cache_bytes_in_use(kv.session)
     overlap = observer.overlap if observer else None
@@ -514,7 +523,8 @@ def run_workloads_bc(cfg: BenchConfig, configs: list[Config], rows: list[Row], i
                         _note("workload b: profiling windows on a held-out seed")
                         windows, info["b_profile_bytes"], info["b_profile_shrink"] = _attention_profile(base, store, steps)
                     _note(f"workload b: {tier}: {c.name} ({base.num_layers} layers x {base.context_tokens} tokens x batch {base.batch})")
-                    seconds, stats, bb, used, overlap = _run_attention(base, c, store, steps, windows, cfg)
+                    seconds, stats, bb, used, overlap = _run_attention(base, c, store, steps, windows, cfg,
+                                                                       f"workload b: {tier}: {c.name}")
                 row = _row("b", c, tier, base.batch, steps, seconds, stats, bb, used)
                 row.overlap = overlap
                 b_rows.append(row)
@@ -527,7 +537,7 @@ def run_workloads_bc(cfg: BenchConfig, configs: list[Config], rows: list[Row], i
                 if c.name != "kvdrive+pipe":
                     continue
                 _note(f"workload c: dram {dram >> 20} MiB for {kv_bytes >> 20} MiB of KV: {c.name}")
-                seconds, stats, bb, used, _ = _run_attention(base, c, store, steps, windows, cfg)
+                seconds, stats, bb, used, _ = _run_attention(base, c, store, steps, windows, cfg, f"workload c: {c.name}")
                 rows.append(_row("c", c, "dram/3", base.batch, steps, seconds, stats, bb, used))
 
 

@@ -88,7 +88,8 @@ def test_micro_batch_size_is_calibrated_and_logged(daemon, caplog):
     with caplog.at_level(logging.INFO, logger="kvdrive_client.session"), daemon.client() as store:
         _, _, session = run_engine(store, steps=8, pipeline=True)
     assert session.micro_batch in (1, 2, 4)
-    assert any("calibrated micro-batch" in r.message for r in caplog.records)
+    assert session.calibration.startswith(f"micro-batch {session.micro_batch} of 4 rows (step ms by size: 1: ")
+    assert any(r.getMessage() == f"calibrated {session.calibration}" for r in caplog.records)
 
 
 def test_window_calibration_grows_the_cache_and_logs_it(daemon, caplog):
