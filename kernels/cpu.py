@@ -499,7 +499,8 @@ def _lowrank_select(query, qproj, scale, scaling, codes, wide, valid, selectable
                     m += 1
             n = 0
             if m > 0 and k > 0:
-                kth = np.partition(cand[:m], max(m - k, 0))[max(m - k, 0)]
+                cut = max(m - k, 0)
+                kth = np.partition(cand[:m], cut)[cut]
                 for p in range(p_n):
                     if selectable[b, p] and score[p] > kth:
                         out_pages[b, h, n] = p
