@@ -48,12 +48,13 @@ class SparseKV:
 
     def decode(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Append one token's K/V and attend: ``[B, Hq, D]`` -> ``[B, Hq, D]``."""
-        self.session.update(key[:, :, None], value[:, :, None], layer)
-        valid = self.session.valid
-        t = self.session.layers[layer].num_tokens
-        if valid.shape[1] < t:
-            valid = torch.cat([valid, valid.new_ones(valid.shape[0], t - valid.shape[1])], dim=1)
-        out = self.session.decode_attention(layer, query[:, :, None], valid[:, None, None, :])
+        with self.session.decode_threads():
+            self.session.update(key[:, :, None], value[:, :, None], layer)
+            valid = self.session.valid
+            t = self.session.layers[layer].num_tokens
+            if valid.shape[1] < t:
+                valid = torch.cat([valid, valid.new_ones(valid.shape[0], t - valid.shape[1])], dim=1)
+            out = self.session.decode_attention(layer, query[:, :, None], valid[:, None, None, :])
         return out[:, :, 0]
 
     def close(self) -> None:

@@ -151,8 +151,9 @@ class Session:
                 f"KVDrive decodes one token per step after prefill (got {q_len} tokens at layer {layer}); "
                 "start a new generate() for a new prompt"
             )
-        ls.local_k = torch.cat([ls.local_k, key], dim=2)
-        ls.local_v = torch.cat([ls.local_v, value], dim=2)
+        with self.decode_threads():
+            ls.local_k = torch.cat([ls.local_k, key], dim=2)
+            ls.local_v = torch.cat([ls.local_v, value], dim=2)
         ls.num_tokens += 1
         return ls.local_k, ls.local_v
 
@@ -424,8 +425,13 @@ class Session:
         Inference only: no gradient flows through KVDrive's decode (its stages run on
         two threads, and the cache is updated in place).
         """
-        with torch.no_grad(), cpu_kernels.one_torch_thread() if self.device.type == "cpu" else nullcontext():
+        with torch.no_grad(), self.decode_threads():
             return self._decode_attention(layer, query, mask)
+
+    def decode_threads(self):
+        """Context for a decode step's own torch ops: on the CPU, one intra-op thread
+        (:func:`kvdrive.kernels.cpu.one_torch_thread`; the compiled kernels keep splitting)."""
+        return cpu_kernels.one_torch_thread() if self.device.type == "cpu" else nullcontext()
 
     def _decode_attention(self, layer: int, query: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         t_start = time.perf_counter()

@@ -35,3 +35,36 @@ def test_full_budget_decode_equals_dense_attention(daemon):
                 torch.testing.assert_close(out, dense(q, keys[layer], values[layer], valid, D**-0.5), atol=1e-5, rtol=1e-5)
         assert kv.stats["pages_flushed"] == (T + 40) // 16 - T // 16
         kv.close()
+
+
+def test_decode_runs_its_torch_ops_on_one_thread(daemon, monkeypatch):
+    """The local-window append and the attention of a decode step use one intra-op thread
+    (split ops wait for a core the kernels, the daemon or the front thread hold); the
+    caller's thread count is back afterwards."""
+    g = torch.Generator().manual_seed(1)
+    B, H, HQ, D, T = 2, 2, 4, 32, 96
+    threads = torch.get_num_threads()
+    seen = []
+    cat = torch.cat
+
+    def counting_cat(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return cat(*args, **kwargs)
+
+    with daemon.client() as store:
+        kv = SparseKV(store, num_layers=1, num_kv_heads=H, num_q_heads=HQ, head_dim=D, dtype=torch.float32,
+                      batch=B, budget=0.25)
+        kv.prefill(0, torch.randn(B, HQ, T, D, generator=g), torch.randn(B, H, T, D, generator=g),
+                   torch.randn(B, H, T, D, generator=g))
+        torch.set_num_threads(2)
+        try:
+            monkeypatch.setattr(torch, "cat", counting_cat)
+            for _ in range(3):
+                kv.decode(0, torch.randn(B, HQ, D, generator=g), torch.randn(B, H, D, generator=g),
+                          torch.randn(B, H, D, generator=g))
+            monkeypatch.undo()
+            assert torch.get_num_threads() == 2
+        finally:
+            torch.set_num_threads(threads)
+        kv.close()
+    assert len(seen) >= 6 and set(seen) == {1}  # at least the two appends per step
