@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdrive.kernels import cpu as cpu_kernels
+
 
 class EvictionPolicy(enum.Enum):
     LOOKAHEAD = "lookahead"
@@ -119,27 +121,37 @@ class DeviceCache:
         b, h, k = pages.shape
         if k > self.capacity:
             raise ValueError(f"{k} pages selected but the device cache holds {self.capacity} per head")
-        none = pages < 0
-        pages = pages.clamp_min(0)
+        if self.head_capacity is not None and bool((self.head_capacity < k).any()):
+            raise ValueError(f"{k} pages selected but a head's window holds {int(self.head_capacity.min())}")
         if not self.reuse:
             self.page_slot.fill_(-1)
             self.slot_page.fill_(-1)
-        slots = self.lookup(pages)
-        miss = (slots < 0) & ~none
-        slots = slots.masked_fill(none & (slots < 0), 0)
         # Priority of each slot as a victim: empty first, then by policy; selected hits never.
         if self.policy is EvictionPolicy.LOOKAHEAD and self.reuse:
             if slot_scores is None:
                 raise ValueError("lookahead eviction needs the current scores of the cached pages")
-            prio = slot_scores.float().clone()
+            prio = slot_scores
         else:
-            prio = self.last_used.float().clone()
-        prio = prio.masked_fill(self.slot_page < 0, float("-inf"))
+            prio = self.last_used
+        self._ensure_pages(int(pages.max()) + 1 if pages.numel() else 1)
+        if pages.device.type == "cpu":
+            slots, miss = cpu_kernels.place(pages, self.page_slot, self.slot_page, self.last_used, prio,
+                                            self.head_capacity, step)
+            return Placement(slots, miss)
+        return self._place_torch(pages, step, prio)
+
+    def _place_torch(self, pages: torch.Tensor, step: int, prio: torch.Tensor) -> Placement:
+        """:meth:`place` in tensor ops (on the GPU; the CPU runs the same as one compiled pass)."""
+        b, h, k = pages.shape
+        none = pages < 0
+        pages = pages.clamp_min(0)
+        slots = self.lookup(pages)
+        miss = (slots < 0) & ~none
+        slots = slots.masked_fill(none & (slots < 0), 0)
+        prio = prio.float().masked_fill(self.slot_page < 0, float("-inf"))
         if self.head_capacity is not None:  # slots past a head's window are never used
             beyond = torch.arange(self.capacity, device=prio.device) >= self.head_capacity[:, None]
             prio = prio.masked_fill(beyond[None], float("inf"))
-            if bool((self.head_capacity < k).any()):
-                raise ValueError(f"{k} pages selected but a head's window holds {int(self.head_capacity.min())}")
         keep = torch.zeros(b, h, self.capacity, dtype=torch.bool, device=pages.device)
         hb, hh, hk = torch.nonzero(~miss & ~none, as_tuple=True)
         keep[hb, hh, slots[hb, hh, hk]] = True
