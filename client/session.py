@@ -545,17 +545,13 @@ class Session:
         t0 = time.perf_counter()
         ls, sh, s = self.layers[w.layer], self.shape, self.cfg.page_size
         bm = hi - lo
-        pos = torch.arange(ls.local_start, w.t, device=self.device).expand(bm, sh.num_kv_heads, -1)
-        if chosen is not None:
-            page_pos = chosen[..., None] * s + torch.arange(s, device=self.device)
-            page_pos = page_pos.masked_fill(chosen[..., None] < 0, -1).reshape(bm, sh.num_kv_heads, -1)
-            pos = torch.cat([page_pos, pos], dim=2)
-        valid = self.valid[lo:hi].gather(1, pos.clamp_min(0).reshape(bm, -1)).reshape(pos.shape) & (pos >= 0)
         if chosen is not None and self.device.type == "cpu":
             # Straight from the cache slots: no gathered copy of K and V.
+            valid = cpu_kernels.attended_valid(self.valid[lo:hi], chosen, s, ls.local_start, w.t)
             out = cpu_kernels.sparse_attention(w.query[lo:hi], cache.k, cache.v, placement.slots, ls.local_k[lo:hi],
                                                ls.local_v[lo:hi], valid, sh.scaling).to(w.query.dtype)
         else:
+            valid = ref.attended_valid(self.valid[lo:hi], chosen, s, ls.local_start, w.t, sh.num_kv_heads)
             paged = 0 if chosen is None else chosen.shape[2] * s
             kk, vv = self._workspace(bm, paged + ls.local_k.shape[2])
             if chosen is not None:

@@ -736,3 +736,28 @@ def place(pages: torch.Tensor, page_slot: torch.Tensor, slot_page: torch.Tensor,
     _place(pages.contiguous().numpy(), page_slot.numpy(), slot_page.numpy(), last_used.numpy(),
            prio_src.detach().to(torch.float64).contiguous().numpy(), cap, step, slots, miss)
     return torch.from_numpy(slots), torch.from_numpy(miss)
+
+
+@numba.njit(nogil=True, cache=True)
+def _attended_valid(valid, chosen, s_n, local_start, t, out):  # pragma: no cover - compiled
+    b_n, h_n, k_n = chosen.shape
+    for b in range(b_n):
+        for h in range(h_n):
+            for j in range(k_n):
+                p = chosen[b, h, j]
+                for i in range(s_n):
+                    out[b, h, j * s_n + i] = p >= 0 and valid[b, p * s_n + i]
+            for i in range(t - local_start):
+                out[b, h, k_n * s_n + i] = valid[b, local_start + i]
+
+
+def attended_valid(valid: torch.Tensor, chosen: torch.Tensor, page_size: int, local_start: int, t: int) -> torch.Tensor:
+    """Which attended tokens are real: ``[B, H, k*S + (t - local_start)]`` bool.
+
+    ``valid`` ``[B, >= t]``: the sequence's real tokens; ``chosen`` ``[B, H, k]``: the
+    attended pages (-1: none), then the local window ``[local_start, t)``, in that order.
+    """
+    b, h, k = chosen.shape
+    out = np.empty((b, h, k * page_size + t - local_start), np.bool_)
+    _attended_valid(valid.contiguous().numpy(), chosen.contiguous().numpy(), page_size, local_start, t, out)
+    return torch.from_numpy(out)

@@ -168,3 +168,20 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     logits = logits.masked_fill(~valid.unsqueeze(2), NEG_INF)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(values.dtype)
     return torch.matmul(probs, values).to(out_dtype)
+
+
+def attended_valid(valid: torch.Tensor, chosen: torch.Tensor | None, page_size: int, local_start: int,
+                   t: int, heads: int | None = None) -> torch.Tensor:
+    """Which attended tokens are real: ``[B, H, k*S + (t - local_start)]`` bool.
+
+    ``valid`` ``[B, >= t]``: the sequence's real tokens; ``chosen`` ``[B, H, k]``: the
+    attended pages (-1: none; None: no pages, ``heads`` gives ``H``), then the local
+    window ``[local_start, t)``, in that order.
+    """
+    b = valid.shape[0]
+    pos = torch.arange(local_start, t, device=valid.device).expand(b, heads if chosen is None else chosen.shape[1], -1)
+    if chosen is not None:
+        page_pos = chosen[..., None] * page_size + torch.arange(page_size, device=valid.device)
+        page_pos = page_pos.masked_fill(chosen[..., None] < 0, -1).reshape(b, chosen.shape[1], -1)
+        pos = torch.cat([page_pos, pos], dim=2)
+    return valid.gather(1, pos.clamp_min(0).reshape(b, -1)).reshape(pos.shape) & (pos >= 0)

@@ -53,6 +53,21 @@ def test_sparse_attention_from_cache_slots_matches_gathered_reference(dtype, loc
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("local_start", [40, 64])
+def test_attended_valid_matches_reference(local_start):
+    """Validity of sink + selected pages + local window, padding and -1 pages included."""
+    g = torch.Generator().manual_seed(local_start)
+    B, H, K, S, T = 3, 2, 5, 8, 70
+    valid = torch.rand(B, T + 6, generator=g) > 0.3  # spare columns past t are never read
+    chosen = torch.stack([torch.stack([torch.randperm(local_start // S, generator=g)[:K] for _ in range(H)])
+                          for _ in range(B)])
+    chosen[1, 0, 2] = -1
+    out = cpu.attended_valid(valid, chosen, S, local_start, T)
+    assert out.shape == (B, H, K * S + T - local_start) and out.dtype == torch.bool
+    assert torch.equal(out, ref.attended_valid(valid, chosen, S, local_start, T))
+    assert not out[1, 0, 2 * S : 3 * S].any()
+
+
 @pytest.mark.parametrize("rows", [3, 1])
 def test_sparse_attention_split_across_threads_matches_one_call(monkeypatch, rows):
     """Rows (or, for one row, heads) attended on several threads give exactly the one-thread result."""
