@@ -492,6 +492,20 @@ class Store:
             "bytes_read": plan.bytes_read, "ms": (time.perf_counter() - t0) * 1e3,
         }
 
+    def in_dram(self, req: Get, max_bytes: int) -> bool:
+        """Whether ``req`` asks for at most ``max_bytes`` and every block sits in DRAM now
+        (False for a request :meth:`get` would refuse). An eviction after this answer only
+        sends the get to the SSD for those blocks."""
+        entry = self.index.get(req.uid)
+        if entry is None or not len(req.blocks) or len(req.blocks) * entry.geometry.block_bytes > max_bytes:
+            return False
+        lay, hed, pag = (req.blocks[:, i] for i in range(3))
+        off = entry.dram_off
+        if lay.max() >= off.shape[0] or hed.max() >= off.shape[1] or pag.max() >= off.shape[2]:
+            return False
+        with self.index.lock:
+            return bool((entry.dram_off[lay, hed, pag] >= 0).all())
+
     def _read_ssd(self, entry, lay, hed, pag, ssd_off, crc, dst_array, dst) -> ReadPlan:
         """Read blocks from the SSD into ``dst_array`` at ``dst``, each checked against its CRC.
 

@@ -26,6 +26,7 @@ def test_roundtrip_through_dram(daemon):
     np.testing.assert_array_equal(out, data[blocks[:, 0], blocks[:, 1], blocks[:, 2]])
     counters = c.stats()["counters"]
     assert counters["blocks_dram"] == len(blocks) and counters.get("blocks_ssd", 0) == 0
+    assert counters["gets_inline"] == counters["gets"] == 1  # all in DRAM: served without a worker
 
 
 def test_roundtrip_through_ssd_when_dram_is_off(daemon_factory):
@@ -40,6 +41,7 @@ def test_roundtrip_through_ssd_when_dram_is_off(daemon_factory):
     np.testing.assert_array_equal(out, data[blocks[:, 0], blocks[:, 1], blocks[:, 2]])
     counters = c.stats()["counters"]
     assert counters["blocks_ssd"] == 100 and counters["ssd_reads"] < 100
+    assert counters.get("gets_inline", 0) == 0  # SSD reads run on the get workers
 
 
 def test_decode_appends_pages_and_blocks_are_write_once(daemon):
