@@ -1,4 +1,5 @@
-"""numba kernels for the CPU, each tested against its torch reference in ``reference.py``."""
+"""numba kernels for the CPU, each tested against its torch reference (``reference.py``, or
+for the cache placement :meth:`kvdrive_client.device_cache.DeviceCache._place_torch`)."""
 
 from __future__ import annotations
 

@@ -184,20 +184,23 @@ def _note(text: str) -> None:
 
 
 class OverlapObserver(Observer):
-    """Previous-step overlap of the pages each (row, layer, KV head) selects."""
+    """Previous-step overlap of the pages each (row, layer, KV head) selects.
+
+    It only keeps a copy of each selection while the decode is timed; the overlaps are
+    computed when asked for, so the row that carries it is not slowed by the measurement.
+    """
 
     def __init__(self) -> None:
-        self.prev: dict[int, torch.Tensor] = {}
-        self.values: list[float] = []
+        self.chosen: dict[int, list[torch.Tensor]] = {}
 
     def on_select(self, layer, step, query, chosen, selectable, selector):
-        if layer in self.prev and self.prev[layer].shape == chosen.shape:
-            self.values.append(selection_overlap(self.prev[layer], chosen))
-        self.prev[layer] = chosen.clone()
+        self.chosen.setdefault(layer, []).append(chosen.clone())
 
     @property
     def overlap(self) -> float | None:
-        return float(np.mean(self.values)) if self.values else None
+        values = [selection_overlap(prev, now) for seq in self.chosen.values() for prev, now in zip(seq, seq[1:])
+                  if prev.shape == now.shape]
+        return float(np.mean(values)) if values else None
 
 
 def _note_calibration(where: str, session) -> None:

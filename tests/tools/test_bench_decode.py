@@ -63,3 +63,16 @@ def test_knobs_and_defaults():
     assert "index" not in by["kvdrive+pipe"].options
     assert by["kvdrive-hierarchical+pipe"].options["index"].value == "hierarchical"
     assert "kvdrive-hierarchical+pipe" not in {c.name for c in bench_decode.configurations(pipeline_variants=False)}
+
+
+def test_overlap_observer_averages_consecutive_selections_per_layer():
+    import torch
+
+    obs = bench_decode.OverlapObserver()
+    steps = [torch.tensor([[[1, 2, 3, 4]]]), torch.tensor([[[1, 2, 5, 6]]]), torch.tensor([[[1, 2, 5, -1]]])]
+    for step, chosen in enumerate(steps):
+        for layer in (0, 1):
+            obs.on_select(layer, step, None, chosen, None, None)
+    steps[0][0, 0, 0] = 9  # the observer keeps copies
+    # per layer: 2/4 then 3/3 (the -1 is no page)
+    assert obs.overlap == pytest.approx((0.5 + 1.0) / 2)
