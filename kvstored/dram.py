@@ -62,6 +62,11 @@ class DramTier:
             self._resident[block_bytes] = self._resident.get(block_bytes, 0) + take
             return out
 
+    def has_room(self, block_bytes: int) -> bool:
+        """Whether :meth:`allocate` would give at least one slot of ``block_bytes`` now."""
+        with self.lock:
+            return bool(self._free.get(block_bytes)) or self._chunks.can_allocate(self._chunk_bytes(block_bytes))
+
     def release(self, block_bytes: int, offsets: np.ndarray) -> None:
         if not len(offsets):
             return  # a sequence that never had DRAM slots (or a tier of size 0)
@@ -70,8 +75,11 @@ class DramTier:
             self._resident[block_bytes] -= len(offsets)
             assert self._resident[block_bytes] >= 0
 
+    def _chunk_bytes(self, block_bytes: int) -> int:
+        return max(block_bytes, min(CHUNK_BYTES, self._chunks.capacity) // block_bytes * block_bytes)
+
     def _grow(self, block_bytes: int, free: list[int]) -> bool:
-        chunk = max(block_bytes, min(CHUNK_BYTES, self._chunks.capacity) // block_bytes * block_bytes)
+        chunk = self._chunk_bytes(block_bytes)
         try:
             start = self._chunks.allocate(chunk)
         except (SpaceError, ValueError):

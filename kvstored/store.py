@@ -362,9 +362,9 @@ class Store:
         lowest-ranked resident only if it ranks higher itself. With ``expect_crc`` (the
         source is client memory) only copies that verify against it are kept.
         """
-        if not self.dram.capacity:
-            return
         bb = entry.geometry.block_bytes
+        if not self.dram.capacity or (not replace and not self.dram.has_room(bb)):
+            return  # a full tier takes blocks read from the SSD only into free slots
         with self.index.lock:
             if self.index.get(entry.uid) is not entry:
                 return
