@@ -145,7 +145,7 @@ class DeviceCache:
         b, h, k = pages.shape
         none = pages < 0
         pages = pages.clamp_min(0)
-        slots = self.lookup(pages)
+        slots = self.page_slot.gather(2, pages)  # place() sized page_slot
         miss = (slots < 0) & ~none
         slots = slots.masked_fill(none & (slots < 0), 0)
         prio = prio.float().masked_fill(self.slot_page < 0, float("-inf"))

@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"ipc://PATH or tcp://127.0.0.1:PORT (default ipc://{default_runtime_dir()}/kvstored.sock)",
     )
     p.add_argument("--io-threads", type=int, default=8, help="threads issuing SSD reads (posix and kvikio engines)")
-    p.add_argument("--get-workers", type=int, default=4, help="gets that read the SSD served at once (small DRAM-only gets are served on the main thread)")
+    p.add_argument("--get-workers", type=int, default=4,
+                   help="gets that read the SSD served at once (small DRAM-only gets are served on the main thread)")
     p.add_argument("--max-gap", default="64K", metavar="SIZE", help="read through holes up to this size when coalescing")
     p.add_argument("--max-io", default="4M", metavar="SIZE", help="largest single read")
     p.add_argument(

@@ -90,8 +90,9 @@ def test_compiled_placement_equals_the_tensor_ops():
                                                  (EvictionPolicy.LRU, False, None, 40, 6)):
         caches = [DeviceCache(2, 3, 12, page_size=2, head_dim=2, dtype=torch.float32, device="cpu", policy=policy,
                               reuse=reuse) for _ in range(2)]
-        if per_head is not None:
-            for c in caches:
+        for c in caches:
+            c.reserve_pages(num_pages)  # _place_torch expects place() to have sized the page map
+            if per_head is not None:
                 c.set_head_capacity(torch.tensor(per_head))
         for step in range(25):
             sel = _random_selection(g, 2, 3, k, num_pages)
@@ -105,4 +106,4 @@ def test_compiled_placement_equals_the_tensor_ops():
             assert torch.equal(fast.slots, slow.slots) and torch.equal(fast.miss, slow.miss), (policy, step)
             for name in ("page_slot", "slot_page", "last_used"):
                 a, b = getattr(caches[0], name), getattr(caches[1], name)
-                assert torch.equal(a[..., : b.shape[2]], b), (policy, step, name)
+                assert torch.equal(a, b), (policy, step, name)
