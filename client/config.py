@@ -30,6 +30,10 @@ class AttachConfig:
         first decode steps (each candidate size timed on one step, the fastest kept).
     pipeline: overlap selection, hit/miss evaluation, fetching and attention of
         successive micro-batches (off: one stage after another for the whole batch).
+    overlap_fetch: attend to the cached pages and the local window while the missed
+        pages are fetched, then to the fetched ones, merging the two parts through
+        their log-sum-exps (CPU; the result equals one pass up to float rounding).
+        Off: attention waits for the fetch and runs in one pass.
     trace: write a Chrome trace JSON of every decode stage here when the session ends.
     obs_window: prompt tokens whose attention scores page importance at prefill.
     index: how pages are chosen: ``lowrank`` (default) keeps every key as a ``rank``-dim
@@ -54,6 +58,7 @@ class AttachConfig:
     profile: str | None = None
     micro_batch: int | None = None
     pipeline: bool = True
+    overlap_fetch: bool = True
     trace: str | None = None
     index: IndexKind = IndexKind.LOWRANK
     eviction: EvictionPolicy = EvictionPolicy.LOOKAHEAD

@@ -24,7 +24,7 @@ import uuid
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -525,9 +525,28 @@ class Session:
             self.timeline.add("fill", "main", t0, t1, layer=w.layer, mb=mb)
             self.stats["fetch_ms"] += (t1 - t0) * 1e3
 
-    def _finish(self, w: "_LayerWork", mb: int, lo: int, hi: int, chosen, cache, placement, fetch) -> torch.Tensor:
-        """Stages 3 and 4 on the main thread: land the fetched pages, then attend."""
+    def _finish(self, w: "_LayerWork", mb: int, lo: int, hi: int, chosen, cache, placement, fetch,
+                landed=None) -> torch.Tensor:
+        """Stages 3 and 4 on the main thread: land the fetched pages, then attend.
+
+        With ``overlap_fetch`` (CPU), the cached pages and the local window are attended
+        while the fetch is in flight, and the fetched pages after they land.
+        ``landed`` runs once the fetched pages are in the cache (the pipeline submits
+        the next fetch there: it reuses this fetch's staging buffer).
+        """
+        if fetch is not None and self.cfg.overlap_fetch and self.device.type == "cpu":
+            partial = cpu_kernels.PartialAttention()
+            miss = placement.miss
+            self._compute(w, mb, lo, hi, chosen, cache, placement, slots=placement.slots.masked_fill(miss, -1),
+                          partial=partial)
+            self._land(w, mb, cache, placement, fetch)
+            if landed is not None:
+                landed()
+            return self._compute(w, mb, lo, hi, chosen, cache, placement, slots=placement.slots.masked_fill(~miss, -1),
+                                 partial=partial, local=False)
         self._land(w, mb, cache, placement, fetch)
+        if landed is not None:
+            landed()
         return self._compute(w, mb, lo, hi, chosen, cache, placement)
 
     def _workspace(self, b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -540,16 +559,32 @@ class Session:
             self._work = (torch.empty(shape, dtype=dtype, device=self.device), torch.empty(shape, dtype=dtype, device=self.device))
         return self._work[0][:b, :, :n], self._work[1][:b, :, :n]
 
-    def _compute(self, w: "_LayerWork", mb: int, lo: int, hi: int, chosen, cache, placement) -> torch.Tensor:
-        """Stage 4: exact attention over sink + selected pages + local window, for rows ``[lo, hi)``."""
+    def _compute(self, w: "_LayerWork", mb: int, lo: int, hi: int, chosen, cache, placement, slots=None,
+                 partial=None, local: bool = True) -> torch.Tensor:
+        """Stage 4: exact attention over sink + selected pages + local window, for rows ``[lo, hi)``.
+
+        On the CPU it may run in two parts (:meth:`_finish`): ``slots`` are the pages of
+        this part (-1 elsewhere), ``local`` whether it takes the local window, and
+        ``partial`` carries the first part's result into the second.
+        """
         t0 = time.perf_counter()
         ls, sh, s = self.layers[w.layer], self.shape, self.cfg.page_size
         bm = hi - lo
+        second = partial is not None and partial.filled
         if chosen is not None and self.device.type == "cpu":
             # Straight from the cache slots: no gathered copy of K and V.
-            valid = cpu_kernels.attended_valid(self.valid[lo:hi], chosen, s, ls.local_start, w.t)
-            out = cpu_kernels.sparse_attention(w.query[lo:hi], cache.k, cache.v, placement.slots, ls.local_k[lo:hi],
-                                               ls.local_v[lo:hi], valid, sh.scaling).to(w.query.dtype)
+            if second:
+                valid = w.valid_parts.pop(mb)
+            else:
+                valid = cpu_kernels.attended_valid(self.valid[lo:hi], chosen, s, ls.local_start, w.t)
+                if partial is not None:
+                    w.valid_parts[mb] = valid
+            lk, lv = ls.local_k[lo:hi], ls.local_v[lo:hi]
+            if not local:
+                lk, lv = lk[:, :, :0], lv[:, :, :0]
+            out = cpu_kernels.sparse_attention(w.query[lo:hi], cache.k, cache.v,
+                                               placement.slots if slots is None else slots, lk, lv, valid, sh.scaling,
+                                               partial).to(w.query.dtype)
         else:
             valid = ref.attended_valid(self.valid[lo:hi], chosen, s, ls.local_start, w.t, sh.num_kv_heads)
             paged = 0 if chosen is None else chosen.shape[2] * s
@@ -564,7 +599,8 @@ class Session:
         t1 = time.perf_counter()
         self.timeline.add("compute", "main", t0, t1, layer=w.layer, mb=mb)
         self.stats["attention_ms"] += (t1 - t0) * 1e3
-        self.stats["attended_tokens"] += int(valid.sum())
+        if not second:
+            self.stats["attended_tokens"] += int(valid.sum())
         return out.reshape(bm, sh.num_q_heads, 1, sh.head_dim)
 
     def _count(self, placement, t_select: float, t_place: float) -> None:
@@ -640,10 +676,9 @@ class Session:
             while n < len(groups) or inflight:
                 submit_ready(block=True)
                 i0, lo, hi, chosen, cache, placement, fetch = inflight.popleft()
-                self._land(w, i0, cache, placement, fetch)
                 # A selection that finished meanwhile is fetched while this micro-batch attends.
-                submit_ready(block=False)
-                outs[i0] = self._compute(w, i0, lo, hi, chosen, cache, placement)
+                outs[i0] = self._finish(w, i0, lo, hi, chosen, cache, placement, fetch,
+                                        landed=lambda: submit_ready(block=False))
         finally:
             done.result()
         return outs
@@ -710,6 +745,7 @@ class _LayerWork:
     sink: int
     k: int
     selectable: torch.Tensor | None
+    valid_parts: dict = field(default_factory=dict)  # micro-batch -> attended-token mask, kept between two parts
 
 
 @dataclass

@@ -53,6 +53,41 @@ def test_sparse_attention_from_cache_slots_matches_gathered_reference(dtype, loc
     torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("seed", range(3))
+def test_sparse_attention_in_two_parts_equals_one_call(dtype, seed):
+    """Cached pages and local window first, then the fetched pages: merged through the
+    log-sum-exps, the result is the attention over all of them."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, G, D, C, S, K, L = 3, 2, 4, 32, 24, 8, 10, 5
+    kc, vc = (torch.randn(B, H, C, S, D, generator=g).to(dtype) for _ in range(2))
+    lk, lv = (torch.randn(B, H, L, D, generator=g).to(dtype) for _ in range(2))
+    slots = torch.stack([torch.stack([torch.randperm(C, generator=g)[:K] for _ in range(H)]) for _ in range(B)])
+    query = torch.randn(B, H, G, D, generator=g) * 3
+    valid = torch.rand(B, H, K * S + L, generator=g) > 0.2
+    fetched = torch.rand(B, H, K, generator=g) < 0.3
+    fetched[0, 0] = True  # every page fetched: the first part is the local window only
+    fetched[0, 1] = False  # nothing fetched: the second part attends nothing
+    valid[1, 0] = False  # nothing at all: zeros
+    valid[1, 1, : K * S] = False  # pages all invalid: the local window alone
+    whole = cpu.sparse_attention(query, kc, vc, slots, lk, lv, valid, 0.17)
+    partial = cpu.PartialAttention()
+    cpu.sparse_attention(query, kc, vc, slots.masked_fill(fetched, -1), lk, lv, valid, 0.17, partial)
+    no_local = lk[:, :, :0]
+    out = cpu.sparse_attention(query, kc, vc, slots.masked_fill(~fetched, -1), no_local, no_local, valid, 0.17, partial)
+    torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[1, 0], torch.zeros(G, D))
+    lse = torch.from_numpy(partial.lse)
+    assert torch.isneginf(lse[1, 0]).all() and torch.isfinite(lse[0]).all()
+
+
+def test_sparse_attention_refuses_a_short_valid_mask():
+    kc = torch.zeros(1, 1, 4, 8, 16)
+    with pytest.raises(ValueError, match="valid covers"):
+        cpu.sparse_attention(torch.zeros(1, 1, 2, 16), kc, kc, torch.zeros(1, 1, 3, dtype=torch.long), kc[:, :, 0, :2],
+                             kc[:, :, 0, :2], torch.ones(1, 1, 20, dtype=torch.bool), 1.0)
+
+
 @pytest.mark.parametrize("local_start", [40, 64])
 def test_attended_valid_matches_reference(local_start):
     """Validity of sink + selected pages + local window, padding and -1 pages included."""
