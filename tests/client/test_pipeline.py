@@ -50,6 +50,25 @@ def test_pipelined_decode_equals_serial_decode(daemon, micro_batch):
     assert s_stats["misses"] > 0
 
 
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_attending_while_misses_are_fetched_equals_one_pass(daemon, pipeline, monkeypatch):
+    calls = []
+    kernel = cpu.sparse_attention
+    monkeypatch.setattr(cpu, "sparse_attention", lambda *a, **k: calls.append(a[3]) or kernel(*a, **k))
+    with daemon.client() as store:
+        one, o_stats, _ = run_engine(store, pipeline=pipeline, micro_batch=2, overlap_fetch=False)
+        n_one = len(calls)
+        calls.clear()
+        split, s_stats, _ = run_engine(store, pipeline=pipeline, micro_batch=2, overlap_fetch=True)
+    torch.testing.assert_close(split, one, atol=1e-6, rtol=1e-6)
+    for key in ("hits", "misses", "bytes_fetched", "attended_tokens"):
+        assert s_stats[key] == o_stats[key], key
+    # A micro-batch with misses attends twice: its cached pages (misses -1), then only the fetched ones.
+    assert n_one < len(calls) <= 2 * n_one
+    assert all((a >= 0).any() for a in calls)
+    assert o_stats["misses"] > 0
+
+
 def _slowed(fn, seconds=0.01):
     def slow(*args, **kwargs):
         time.sleep(seconds)
