@@ -127,6 +127,9 @@ class Session:
         self.observers: list[Observer] = []
         self._selectable_key: tuple | None = None
         self._selectable_mask: torch.Tensor | None = None
+        if cfg.overlap_fetch and device.type != "cpu":
+            log.info("overlap_fetch: attention on %s waits for each fetch and runs in one pass "
+                     "(attending while misses are fetched is implemented for the CPU)", device.type)
 
     # ------------------------------------------------------------ transformers Cache hooks
 
