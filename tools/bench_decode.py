@@ -635,7 +635,7 @@ def target_lines(rows: list[Row], info: dict) -> list[str]:
 
 def render(rows: list[Row], info: dict) -> str:
     head = ("workload", "config", "tier", "batch", "tok/s", "vs best base", "MiB/step dram", "MiB/step ssd", "hit rate",
-            "select ms", "hit/miss ms", "fetch ms", "compute ms", "attn ms", "step ms", "dloss", "kl", "top1")
+            "select ms", "hit/miss ms", "fetch ms", "wait ms", "compute ms", "attn ms", "step ms", "dloss", "kl", "top1")
     body = []
     for r in rows:
         bases = [x.tokens_per_s for x in rows if x.workload == r.workload and x.batch == r.batch and x.config in BASELINES
@@ -645,7 +645,7 @@ def render(rows: list[Row], info: dict) -> str:
         body.append((r.workload, r.config, r.tier, str(r.batch), f"{r.tokens_per_s:.2f}",
                      f"{r.tokens_per_s / best:.2f}x" if best else "-", f"{r.bytes_per_step_dram / 2**20:.2f}",
                      f"{r.bytes_per_step_ssd / 2**20:.2f}", fmt(r.hit_rate, ".3f"), f"{r.select_ms:.1f}", f"{r.hitmiss_ms:.1f}",
-                     f"{r.fetch_ms:.1f}", f"{r.compute_ms:.1f}", f"{r.attn_ms:.1f}", f"{r.step_ms:.1f}", fmt(r.dloss, "+.3f"),
+                     f"{r.fetch_ms:.1f}", f"{r.fetch_wait_ms:.1f}", f"{r.compute_ms:.1f}", f"{r.attn_ms:.1f}", f"{r.step_ms:.1f}", fmt(r.dloss, "+.3f"),
                      fmt(r.kl, ".3f"),
                      fmt(r.top1, ".3f")))
     lines = text_table(head, body, right=set(range(3, len(head))))
@@ -656,7 +656,8 @@ def render(rows: list[Row], info: dict) -> str:
                      + f", query locality alpha {info['b_alpha']:.4f}"
                      + ("" if info["b_alpha_calibrated"] else " (not calibrated: workload a did not run)"))
     lines.append("times are per decode step over all layers; select, hit/miss, fetch and compute are each stage's own time"
-                 " (fetch: the daemon's time on the gets plus landing the pages in the cache); attn: wall time inside the"
+                 " (fetch: the daemon's time on the gets plus landing the pages in the cache); wait: what the main thread"
+                 " waited for the gets (attending to the cached pages meanwhile); attn: wall time inside the"
                  " attention layers; step: wall time of the whole step (the model's other layers too in (a));"
                  " vs best base: tok/s over the fastest baseline (dense, whole-layer, quest, shadowkv) of the same"
                  " workload, batch and tier")
