@@ -127,6 +127,11 @@ class Session:
         self.observers: list[Observer] = []
         self._selectable_key: tuple | None = None
         self._selectable_mask: torch.Tensor | None = None
+        # One get per layer names each block's sequence, where the daemon takes that.
+        self._get_seqs = bool(store.hello().get("get_seqs"))
+        if not self._get_seqs:
+            log.info("kvstored at %s does not take gets across sequences: one get per row and sequence",
+                     store.address)
         if cfg.overlap_fetch and device.type != "cpu":
             log.info("overlap_fetch: attention on %s waits for each fetch and runs in one pass "
                      "(attending while misses are fetched is implemented for the CPU)", device.type)
@@ -359,7 +364,8 @@ class Session:
         return buf
 
     def _fetch_submit(self, layer: int, row0: int, pages: torch.Tensor, miss: torch.Tensor, slot: int) -> "_Fetch | None":
-        """Ask the store for the missed pages of rows ``row0 ..``: one sparse get per row, all in flight."""
+        """Ask the store for the missed pages of rows ``row0 ..``: one sparse get naming each
+        block's sequence (a daemon without that: one get per row and sequence, all in flight)."""
         bi, hi, ki = torch.nonzero(miss, as_tuple=True)
         n = len(bi)
         if n == 0:
@@ -371,6 +377,12 @@ class Session:
         blocks = np.stack([np.full(n, layer), hi.cpu().numpy(), page_ids], axis=1)
         in_base = page_ids < self.base_pages
         started = time.perf_counter()
+        if self._get_seqs:
+            uids = np.array([seq.uid for seq in self.seqs], dtype=np.int64)[rows]
+            if self.base_seqs:
+                uids = np.where(in_base, np.array([seq.uid for seq in self.base_seqs], dtype=np.int64)[rows], uids)
+            pending = [self.store.get_async(self.seqs[int(rows[0])], blocks, staging, seqs=uids)]
+            return _Fetch(layer, pending, n, staging, started)
         pending = []
         for row in np.unique(rows).tolist():
             for seqs, where in ((self.base_seqs, in_base), (self.seqs, ~in_base)):

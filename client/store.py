@@ -132,6 +132,12 @@ class StoreClient:
     def delete(self, ns: str, seq: str) -> dict:
         return self.call(Op.DELETE, {"ns": ns, "seq": seq})
 
+    def hello(self) -> dict:
+        """The daemon's hello (format, engine, what it supports), asked once and kept."""
+        if not self.server_info:
+            self.server_info = self.call(Op.HELLO)
+        return self.server_info
+
     def stats(self) -> dict:
         return self.call(Op.STATS)
 
@@ -185,15 +191,21 @@ class StoreClient:
         staging.array[: raw.nbytes] = raw
         return self.put_from(seq, layers, pages, staging, 0, cluster, order, importance)
 
-    def get_async(self, seq: Sequence, blocks, buffer: SharedBuffer, offset: int = 0, dst=None) -> PendingGet:
+    def get_async(self, seq: Sequence, blocks, buffer: SharedBuffer, offset: int = 0, dst=None,
+                  seqs=None) -> PendingGet:
         """Start a sparse get of ``blocks`` ((layer, head, page) rows) into ``buffer``.
 
         Block i lands at ``offset + dst[i]`` (default ``offset + i * block_bytes``).
+        ``seqs`` (uids, one per block) gathers blocks of several sequences of one block
+        size in one request (daemons whose hello says ``get_seqs``); ``seq`` is then
+        only the default.
         """
         blocks = np.ascontiguousarray(np.asarray(blocks, dtype=np.int32).reshape(-1, 3))
         arrays = {"blocks": blocks}
         if dst is not None:
             arrays["dst"] = np.ascontiguousarray(np.asarray(dst, dtype=np.int64))
+        if seqs is not None:
+            arrays["seqs"] = np.ascontiguousarray(np.asarray(seqs, dtype=np.int64))
         return PendingGet(self, self._submit(Op.GET, {"seq": seq.uid, "buf": buffer.buf_id, "offset": offset}, arrays))
 
     def get_into(self, seq: Sequence, blocks, buffer: SharedBuffer, offset: int = 0, dst=None) -> dict:

@@ -146,13 +146,17 @@ class Put:
 
 @dataclass(frozen=True)
 class Get:
-    """Blocks ``blocks[i] = (layer, head, page)`` go to ``offset + dst[i]`` in ``buf``."""
+    """Blocks ``blocks[i] = (layer, head, page)`` go to ``offset + dst[i]`` in ``buf``.
+
+    Block i is of sequence ``seqs[i]`` where ``seqs`` is given, else of ``uid``.
+    """
 
     uid: int
     buf: int
     offset: int
     blocks: np.ndarray
     dst: np.ndarray | None
+    seqs: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -164,7 +168,7 @@ Request = Hello | Register | Unregister | Create | OpenSeq | ListSeqs | Delete |
 
 # Array frames each op may carry, with their dtypes.
 PUT_ARRAYS = {"cluster": np.int32, "order": np.int32, "importance": np.float32}
-GET_ARRAYS = {"blocks": np.int32, "dst": np.int64}
+GET_ARRAYS = {"blocks": np.int32, "dst": np.int64, "seqs": np.int64}
 
 
 # ---------------------------------------------------------------- encoding
@@ -370,5 +374,11 @@ def _parse_op(header: dict, frames: list, max_bytes: int, max_blocks: int) -> Re
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, f"'dst' has {len(dst)} offsets for {len(blocks)} blocks")
             if len(dst) and dst.min() < 0:
                 raise ProtocolError(ErrorCode.OUT_OF_RANGE, "'dst' holds a negative offset")
-        return Get(f.int("seq", 0, 1 << 62), f.int("buf", 0, 1 << 31), f.int("offset", 0, 1 << 44), blocks, dst)
+        seqs = arrays.get("seqs")
+        if seqs is not None:
+            if len(seqs) != len(blocks):
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"'seqs' has {len(seqs)} uids for {len(blocks)} blocks")
+            if seqs.min() < 0:
+                raise ProtocolError(ErrorCode.OUT_OF_RANGE, "'seqs' holds a negative uid")
+        return Get(f.int("seq", 0, 1 << 62), f.int("buf", 0, 1 << 31), f.int("offset", 0, 1 << 44), blocks, dst, seqs)
     raise AssertionError(f"op {op} has no parser")

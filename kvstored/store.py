@@ -131,6 +131,7 @@ class Store:
             "sync": self.cfg.sync,
             "pid": os.getpid(),
             "ssd_dir": str(self.cfg.ssd_dir.resolve()),
+            "get_seqs": True,  # a get may name each block's sequence (the 'seqs' array)
         }
 
     def create(self, req: Create) -> dict:
@@ -442,69 +443,108 @@ class Store:
 
     # ------------------------------------------------------------ get
 
+    def _get_parts(self, req: Get) -> list[tuple[SeqEntry, np.ndarray | slice]]:
+        """The sequences of a get and which of its blocks each holds (every block of ``uid``
+        without ``seqs``). Every sequence must exist and all must share a block size."""
+        if req.seqs is None:
+            return [(self._entry(req.uid), slice(None))]
+        uids, inverse = np.unique(req.seqs, return_inverse=True)
+        parts = [(self._entry(int(u)), np.flatnonzero(inverse == i)) for i, u in enumerate(uids)]
+        sizes = {e.geometry.block_bytes for e, _ in parts}
+        if len(sizes) > 1:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"the sequences of one get must share a block size, got {sorted(sizes)}")
+        return parts
+
     def get(self, req: Get) -> dict:
         t0 = time.perf_counter()
-        entry = self._entry(req.uid)
-        g = entry.geometry
-        bb = g.block_bytes
-        lay, hed, pag = (req.blocks[:, i].astype(np.int64) for i in range(3))
-        for name, arr, limit in (("layer", lay, g.num_layers), ("head", hed, g.num_kv_heads)):
-            bad = np.flatnonzero(arr >= limit)
-            if len(bad):
-                raise ProtocolError(ErrorCode.OUT_OF_RANGE, f"block {int(bad[0])}: {name} {int(arr[bad[0]])} >= {limit}")
+        parts = self._get_parts(req)
+        bb = parts[0][0].geometry.block_bytes
+        blocks = req.blocks.astype(np.int64)
+        for entry, at in parts:
+            g = entry.geometry
+            for name, col, limit in (("layer", 0, g.num_layers), ("head", 1, g.num_kv_heads)):
+                bad = np.flatnonzero(blocks[at, col] >= limit)
+                if len(bad):
+                    i = int(np.arange(len(blocks))[at][bad[0]])
+                    raise ProtocolError(ErrorCode.OUT_OF_RANGE, f"block {i}: {name} {int(blocks[i, col])} >= {limit}")
         mb = self._buffer(req.buf)
-        n = len(lay)
+        n = len(blocks)
         dst = req.dst if req.dst is not None else np.arange(n, dtype=np.int64) * bb
         _check_span(mb, req.offset, int(dst.max()) + bb, "destination")
         dst = dst + req.offset
+        n_hit = n_ssd = reads = bytes_read = 0
         with self.gate.reading():
             # An unregister before this point has unmapped the buffer; after it, it waits for us.
             self.buffers.lookup(req.buf)
-            with self.index.lock:
-                inside = pag < entry.capacity
-                ssd_off = np.full(n, -1, dtype=np.int64)
-                ssd_off[inside] = entry.ssd_off[lay[inside], hed[inside], pag[inside]]
-                missing = np.flatnonzero(ssd_off < 0)
-                if len(missing):
-                    i = int(missing[0])
-                    raise ProtocolError(
-                        ErrorCode.NOT_FOUND,
-                        f"{len(missing)} of {n} blocks are not stored, first (layer {lay[i]}, head {hed[i]}, page {pag[i]})",
-                    )
-                crc = entry.crc[lay, hed, pag]
-                dram_off = entry.dram_off[lay, hed, pag]
-                entry.last_use[lay, hed, pag] = next(self._tick)
-            hit = dram_off >= 0
-            gather_scatter(self.dram.arena, dram_off[hit], mb.array, dst[hit], bb)
-            miss = np.flatnonzero(~hit)
-            plan = self._read_ssd(entry, lay[miss], hed[miss], pag[miss], ssd_off[miss], crc[miss], mb.array, dst[miss])
-            if len(miss):
-                self._admit(entry, lay[miss], hed[miss], pag[miss], entry.importance[lay[miss], hed[miss], pag[miss]],
-                            mb.array, dst[miss], replace=False, expect_crc=crc[miss])
-        n_hit = int(hit.sum())
+            found = []
+            with self.index.lock:  # every sequence's blocks checked before any is copied
+                for entry, at in parts:
+                    lay, hed, pag = blocks[at, 0], blocks[at, 1], blocks[at, 2]
+                    inside = pag < entry.capacity
+                    ssd_off = np.full(len(lay), -1, dtype=np.int64)
+                    ssd_off[inside] = entry.ssd_off[lay[inside], hed[inside], pag[inside]]
+                    missing = np.flatnonzero(ssd_off < 0)
+                    if len(missing):
+                        i = int(missing[0])
+                        raise ProtocolError(
+                            ErrorCode.NOT_FOUND,
+                            f"{len(missing)} of {n} blocks are not stored, first (layer {lay[i]}, head {hed[i]}, "
+                            f"page {pag[i]}) of {entry.ns}/{entry.name}",
+                        )
+                    found.append((entry, lay, hed, pag, ssd_off, entry.crc[lay, hed, pag], entry.dram_off[lay, hed, pag],
+                                  dst[at]))
+                tick = next(self._tick)
+                for entry, lay, hed, pag, *_ in found:
+                    entry.last_use[lay, hed, pag] = tick
+            for entry, lay, hed, pag, ssd_off, crc, dram_off, to in found:
+                hit = dram_off >= 0
+                gather_scatter(self.dram.arena, dram_off[hit], mb.array, to[hit], bb)
+                miss = np.flatnonzero(~hit)
+                plan = self._read_ssd(entry, lay[miss], hed[miss], pag[miss], ssd_off[miss], crc[miss], mb.array, to[miss])
+                if len(miss):
+                    self._admit(entry, lay[miss], hed[miss], pag[miss], entry.importance[lay[miss], hed[miss], pag[miss]],
+                                mb.array, to[miss], replace=False, expect_crc=crc[miss])
+                n_hit += int(hit.sum())
+                n_ssd += len(miss)
+                reads += plan.num_reads
+                bytes_read += plan.bytes_read
         self.counters["gets"] += 1
         self.counters["blocks_dram"] += n_hit
-        self.counters["blocks_ssd"] += len(miss)
-        self.counters["ssd_reads"] += plan.num_reads
-        self.counters["ssd_bytes_read"] += plan.bytes_read
+        self.counters["blocks_ssd"] += n_ssd
+        self.counters["ssd_reads"] += reads
+        self.counters["ssd_bytes_read"] += bytes_read
         return {
-            "n": n, "dram": n_hit, "ssd": len(miss), "reads": plan.num_reads,
-            "bytes_read": plan.bytes_read, "ms": (time.perf_counter() - t0) * 1e3,
+            "n": n, "dram": n_hit, "ssd": n_ssd, "reads": reads,
+            "bytes_read": bytes_read, "ms": (time.perf_counter() - t0) * 1e3,
         }
 
     def in_dram(self, req: Get, max_bytes: int) -> bool:
         """Whether ``req`` asks for at most ``max_bytes`` and every block sits in DRAM now
         (False for a request :meth:`get` would refuse). An eviction after this answer only
         sends the get to the SSD for those blocks."""
-        entry = self.index.get(req.uid)
-        if entry is None or not len(req.blocks) or len(req.blocks) * entry.geometry.block_bytes > max_bytes:
+        if not len(req.blocks):
             return False
-        lay, hed, pag = (req.blocks[:, i] for i in range(3))
-        off = entry.dram_off
-        if lay.max() >= off.shape[0] or hed.max() >= off.shape[1] or pag.max() >= off.shape[2]:
+        if req.seqs is None:
+            groups = [(req.uid, req.blocks)]
+        else:
+            uids, inverse = np.unique(req.seqs, return_inverse=True)
+            groups = [(int(u), req.blocks[inverse == i]) for i, u in enumerate(uids)]
+        total = 0
+        looked = []
+        for uid, blocks in groups:
+            entry = self.index.get(uid)
+            if entry is None:
+                return False
+            total += len(blocks) * entry.geometry.block_bytes
+            lay, hed, pag = (blocks[:, i] for i in range(3))
+            off = entry.dram_off
+            if lay.max() >= off.shape[0] or hed.max() >= off.shape[1] or pag.max() >= off.shape[2]:
+                return False
+            looked.append((entry, lay, hed, pag))
+        if total > max_bytes:
             return False
         with self.index.lock:
-            return bool((entry.dram_off[lay, hed, pag] >= 0).all())
+            return all(bool((entry.dram_off[lay, hed, pag] >= 0).all()) for entry, lay, hed, pag in looked)
 
     def _read_ssd(self, entry, lay, hed, pag, ssd_off, crc, dst_array, dst) -> ReadPlan:
         """Read blocks from the SSD into ``dst_array`` at ``dst``, each checked against its CRC.

@@ -69,6 +69,23 @@ def test_attending_while_misses_are_fetched_equals_one_pass(daemon, pipeline, mo
     assert o_stats["misses"] > 0
 
 
+def test_one_get_per_fetch_across_rows_equals_a_get_per_row(daemon, caplog):
+    gets = {}
+    outs = {}
+    with daemon.client() as store:
+        for across in (True, False):
+            store.hello()["get_seqs"] = across  # as an older daemon would answer
+            before = store.stats()["counters"].get("gets", 0)
+            with caplog.at_level(logging.INFO, logger="kvdrive_client"):
+                outs[across], stats, _ = run_engine(store, pipeline=False)
+            gets[across] = store.stats()["counters"]["gets"] - before
+    assert torch.equal(outs[True], outs[False])
+    assert stats["misses"] > 0
+    # B = 4 rows: a get per row and fetch without, one per fetch with.
+    assert 0 < gets[True] < gets[False] <= 4 * gets[True]
+    assert any("does not take gets across sequences" in r.getMessage() for r in caplog.records)
+
+
 def _slowed(fn, seconds=0.01):
     def slow(*args, **kwargs):
         time.sleep(seconds)

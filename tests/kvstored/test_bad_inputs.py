@@ -131,6 +131,9 @@ CASES = {
     "get dst length mismatch": ({**GET, "frames": ["blocks", "dst"]}, [i32((0, 0, 0), (0, 0, 1)), i64(0)], "bad_message", "'dst' has 1 offsets for 2 blocks"),
     "get dst wrong dtype size": ({**GET, "frames": ["blocks", "dst"]}, [GOOD_BLOCK, b"\0" * 4], "bad_message", "whole number of int64"),
     "get repeated frame": ({**GET, "frames": ["blocks", "blocks"]}, [GOOD_BLOCK, GOOD_BLOCK], "bad_field", "repeated"),
+    "get seqs length mismatch": ({**GET, "frames": ["blocks", "seqs"]}, [i32((0, 0, 0), (0, 0, 1)), i64(0)], "bad_message", "'seqs' has 1 uids for 2 blocks"),
+    "get seqs negative": ({**GET, "frames": ["blocks", "seqs"]}, [GOOD_BLOCK, i64(-1)], "out_of_range", "negative uid"),
+    "get seqs unknown sequence": ({**GET, "frames": ["blocks", "seqs"]}, [GOOD_BLOCK, i64(4242)], "not_found", "no sequence with uid 4242"),
 }
 
 

@@ -44,6 +44,38 @@ def test_roundtrip_through_ssd_when_dram_is_off(daemon_factory):
     assert counters.get("gets_inline", 0) == 0  # SSD reads run on the get workers
 
 
+@pytest.mark.parametrize("dram", ["64M", "0"])
+def test_one_get_gathers_blocks_of_several_sequences(daemon_factory, dram):
+    d = daemon_factory(dram=dram).start()
+    rng = np.random.default_rng(5)
+    c = d.client()
+    assert c.hello()["get_seqs"] is True
+    seqs = [c.create("t", f"multi{i}", GEOM) for i in range(3)]
+    data = [random_blocks(rng, 4, 10) for _ in seqs]
+    for seq, x in zip(seqs, data):
+        c.put(seq, range(4), range(10), x)
+    n = 60
+    which = rng.integers(0, 3, n)
+    blocks = np.stack([rng.integers(0, 4, n), rng.integers(0, 2, n), rng.integers(0, 10, n)], axis=1)
+    buf = c.register(n * GEOM.block_bytes)
+    before = c.stats()["counters"]
+    reply = c.get_async(seqs[0], blocks, buf, dst=np.arange(n)[::-1].astype(np.int64) * GEOM.block_bytes,
+                        seqs=[seqs[i].uid for i in which]).wait()
+    got = buf.array[: n * GEOM.block_bytes].reshape(n, GEOM.block_bytes)[::-1]
+    expect = np.stack([data[w][l, h, p] for w, (l, h, p) in zip(which, blocks)])
+    np.testing.assert_array_equal(got, expect)
+    after = c.stats()["counters"]
+    assert reply["n"] == n and reply["dram"] + reply["ssd"] == n
+    assert after["gets"] - before.get("gets", 0) == 1
+    assert (after.get("gets_inline", 0) - before.get("gets_inline", 0) == 1) == (dram != "0")
+    other = c.create("t", "wide", Geometry(num_layers=4, num_kv_heads=2, head_dim=128, dtype="float16", page_size=16))
+    c.put(other, [0], [0], np.zeros((1, 2, 1, other.geometry.block_bytes), np.uint8))
+    with pytest.raises(Exception, match="share a block size"):
+        c.get_async(seqs[0], [(0, 0, 0), (0, 0, 0)], buf, seqs=[seqs[0].uid, other.uid]).wait()
+    with pytest.raises(NotFoundError, match="of t/multi2"):
+        c.get_async(seqs[0], [(0, 0, 0), (0, 0, 10)], buf, seqs=[seqs[0].uid, seqs[2].uid]).wait()
+
+
 def test_decode_appends_pages_and_blocks_are_write_once(daemon):
     rng = np.random.default_rng(2)
     c = daemon.client()
