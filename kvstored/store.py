@@ -496,18 +496,22 @@ class Store:
                 tick = next(self._tick)
                 for entry, lay, hed, pag, *_ in found:
                     entry.last_use[lay, hed, pag] = tick
+            misses = []
             for entry, lay, hed, pag, ssd_off, crc, dram_off, to in found:
                 hit = dram_off >= 0
                 gather_scatter(self.dram.arena, dram_off[hit], mb.array, to[hit], bb)
-                miss = np.flatnonzero(~hit)
-                plan = self._read_ssd(entry, lay[miss], hed[miss], pag[miss], ssd_off[miss], crc[miss], mb.array, to[miss])
+                misses.append(np.flatnonzero(~hit))
+                n_hit += len(lay) - len(misses[-1])
+            # Every sequence's SSD blocks in one read plan: their reads are in flight together.
+            part = np.concatenate([np.full(len(m), j) for j, m in enumerate(misses)])
+            pick = lambda col: np.concatenate([f[col][m] for f, m in zip(found, misses)])  # noqa: E731
+            plan = self._read_ssd([f[0] for f in found], part, pick(1), pick(2), pick(3), pick(4), pick(5), mb.array, pick(7))
+            reads, bytes_read = plan.num_reads, plan.bytes_read
+            for (entry, lay, hed, pag, _, crc, _, to), miss in zip(found, misses):
                 if len(miss):
                     self._admit(entry, lay[miss], hed[miss], pag[miss], entry.importance[lay[miss], hed[miss], pag[miss]],
                                 mb.array, to[miss], replace=False, expect_crc=crc[miss])
-                n_hit += int(hit.sum())
                 n_ssd += len(miss)
-                reads += plan.num_reads
-                bytes_read += plan.bytes_read
         self.counters["gets"] += 1
         self.counters["blocks_dram"] += n_hit
         self.counters["blocks_ssd"] += n_ssd
@@ -546,21 +550,25 @@ class Store:
         with self.index.lock:
             return all(bool((entry.dram_off[lay, hed, pag] >= 0).all()) for entry, lay, hed, pag in looked)
 
-    def _read_ssd(self, entry, lay, hed, pag, ssd_off, crc, dst_array, dst) -> ReadPlan:
+    def _read_ssd(self, entries, part, lay, hed, pag, ssd_off, crc, dst_array, dst) -> ReadPlan:
         """Read blocks from the SSD into ``dst_array`` at ``dst``, each checked against its CRC.
 
-        The reads of a chunk (up to :data:`READ_CHUNK_BYTES`, or one read if larger) land
-        in this thread's aligned scratch buffer; then one call checks and scatters every
-        block of the chunk, so an I/O costs the engine's read and no Python work of its own.
+        Block i is of sequence ``entries[part[i]]`` (all of one block size). The reads of
+        a chunk (up to :data:`READ_CHUNK_BYTES`, or one read if larger) land in this
+        thread's aligned scratch buffer; then one call checks and scatters every block of
+        the chunk, so an I/O costs the engine's read and no Python work of its own.
         """
-        bb = entry.geometry.block_bytes
+        bb = entries[0].geometry.block_bytes
         plan = plan_reads(ssd_off, bb, self.cfg.max_gap_bytes, self.cfg.max_io_bytes, ALIGN)
         if not len(ssd_off):
             return plan
         sizes = plan.ends - plan.starts
         by_run = np.argsort(plan.run_of, kind="stable")
         bounds = np.searchsorted(plan.run_of[by_run], np.arange(plan.num_reads + 1))
-        tags = address_tags(entry.uid, lay, hed, pag)
+        tags = np.empty(len(lay), np.uint32)
+        for j, entry in enumerate(entries):
+            at = part == j
+            tags[at] = address_tags(entry.uid, lay[at], hed[at], pag[at])
         bad: list[np.ndarray] = []
         reach = np.cumsum(sizes)  # bytes read up to the end of each run
         r0 = 0
@@ -585,11 +593,12 @@ class Store:
             wrong = np.concatenate(bad)
             self.counters["checksum_errors"] += len(wrong)
             i = int(wrong.min())
+            entry = entries[int(part[i])]
             log.error("checksum mismatch: %s/%s layer %d head %d page %d at offset %d (%d bad blocks in this get)",
                       entry.ns, entry.name, lay[i], hed[i], pag[i], ssd_off[i], len(wrong))
             raise ChecksumError(
                 f"checksum mismatch in {len(wrong)} block(s), first (layer {lay[i]}, head {hed[i]}, page {pag[i]}) "
-                f"at data file offset {int(ssd_off[i])}; the SSD copy is damaged"
+                f"of {entry.ns}/{entry.name} at data file offset {int(ssd_off[i])}; the SSD copy is damaged"
             )
         return plan
 
