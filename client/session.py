@@ -378,10 +378,14 @@ class Session:
         in_base = page_ids < self.base_pages
         started = time.perf_counter()
         if self._get_seqs:
-            uids = np.array([seq.uid for seq in self.seqs], dtype=np.int64)[rows]
-            if self.base_seqs:
-                uids = np.where(in_base, np.array([seq.uid for seq in self.base_seqs], dtype=np.int64)[rows], uids)
-            pending = [self.store.get_async(self.seqs[int(rows[0])], blocks, staging, seqs=uids)]
+            # A row's pages below base_pages are in its stored prompt sequence (a restored
+            # prefix is loaded before the session's own sequences exist), the rest in its own.
+            uids = np.empty(n, dtype=np.int64)
+            for seqs, where in ((self.base_seqs, in_base), (self.seqs, ~in_base)):
+                if where.any():
+                    uids[where] = np.array([seq.uid for seq in seqs], dtype=np.int64)[rows[where]]
+            first = (self.base_seqs if in_base[0] else self.seqs)[int(rows[0])]
+            pending = [self.store.get_async(first, blocks, staging, seqs=uids)]
             return _Fetch(layer, pending, n, staging, started)
         pending = []
         for row in np.unique(rows).tolist():
