@@ -24,7 +24,7 @@ import uuid
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -556,13 +556,14 @@ class Session:
         if fetch is not None and self.cfg.overlap_fetch and self.device.type == "cpu":
             partial = cpu_kernels.PartialAttention()
             miss = placement.miss
+            valid = self._attended_valid(w, lo, hi, chosen)
             self._compute(w, mb, lo, hi, chosen, cache, placement, slots=placement.slots.masked_fill(miss, -1),
-                          partial=partial)
+                          partial=partial, valid=valid)
             self._land(w, mb, cache, placement, fetch)
             if landed is not None:
                 landed()
             return self._compute(w, mb, lo, hi, chosen, cache, placement, slots=placement.slots.masked_fill(~miss, -1),
-                                 partial=partial, local=False)
+                                 partial=partial, valid=valid, local=False)
         self._land(w, mb, cache, placement, fetch)
         if landed is not None:
             landed()
@@ -578,26 +579,29 @@ class Session:
             self._work = (torch.empty(shape, dtype=dtype, device=self.device), torch.empty(shape, dtype=dtype, device=self.device))
         return self._work[0][:b, :, :n], self._work[1][:b, :, :n]
 
+    def _attended_valid(self, w: "_LayerWork", lo: int, hi: int, chosen) -> torch.Tensor:
+        """Which of rows ``[lo, hi)``'s attended tokens (selected pages, then local window) are real."""
+        ls, s = self.layers[w.layer], self.cfg.page_size
+        if chosen is not None and self.device.type == "cpu":
+            return cpu_kernels.attended_valid(self.valid[lo:hi], chosen, s, ls.local_start, w.t)
+        return ref.attended_valid(self.valid[lo:hi], chosen, s, ls.local_start, w.t, self.shape.num_kv_heads)
+
     def _compute(self, w: "_LayerWork", mb: int, lo: int, hi: int, chosen, cache, placement, slots=None,
-                 partial=None, local: bool = True) -> torch.Tensor:
+                 partial=None, valid=None, local: bool = True) -> torch.Tensor:
         """Stage 4: exact attention over sink + selected pages + local window, for rows ``[lo, hi)``.
 
         On the CPU it may run in two parts (:meth:`_finish`): ``slots`` are the pages of
-        this part (-1 elsewhere), ``local`` whether it takes the local window, and
-        ``partial`` carries the first part's result into the second.
+        this part (-1 elsewhere), ``local`` whether it takes the local window, ``partial``
+        carries the first part's result into the second, and both get the same ``valid``.
         """
         t0 = time.perf_counter()
         ls, sh, s = self.layers[w.layer], self.shape, self.cfg.page_size
         bm = hi - lo
         second = partial is not None and partial.filled
+        if valid is None:
+            valid = self._attended_valid(w, lo, hi, chosen)
         if chosen is not None and self.device.type == "cpu":
             # Straight from the cache slots: no gathered copy of K and V.
-            if second:
-                valid = w.valid_parts.pop(mb)
-            else:
-                valid = cpu_kernels.attended_valid(self.valid[lo:hi], chosen, s, ls.local_start, w.t)
-                if partial is not None:
-                    w.valid_parts[mb] = valid
             lk, lv = ls.local_k[lo:hi], ls.local_v[lo:hi]
             if not local:
                 lk, lv = lk[:, :, :0], lv[:, :, :0]
@@ -605,7 +609,6 @@ class Session:
                                                placement.slots if slots is None else slots, lk, lv, valid, sh.scaling,
                                                partial).to(w.query.dtype)
         else:
-            valid = ref.attended_valid(self.valid[lo:hi], chosen, s, ls.local_start, w.t, sh.num_kv_heads)
             paged = 0 if chosen is None else chosen.shape[2] * s
             kk, vv = self._workspace(bm, paged + ls.local_k.shape[2])
             if chosen is not None:
@@ -764,7 +767,6 @@ class _LayerWork:
     sink: int
     k: int
     selectable: torch.Tensor | None
-    valid_parts: dict = field(default_factory=dict)  # micro-batch -> attended-token mask, kept between two parts
 
 
 @dataclass

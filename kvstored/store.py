@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -72,6 +73,19 @@ class PreparedPut:
     def release(self) -> None:
         self.staging = np.zeros(0, dtype=np.uint8)
         self.staging_map.close()
+
+
+class _Looked(NamedTuple):
+    """One sequence's blocks of a get, as looked up under the index lock."""
+
+    entry: SeqEntry
+    lay: np.ndarray
+    hed: np.ndarray
+    pag: np.ndarray
+    ssd_off: np.ndarray
+    crc: np.ndarray
+    dram_off: np.ndarray
+    dst: np.ndarray  # where each lands in the client's buffer
 
 
 class Store:
@@ -443,13 +457,19 @@ class Store:
 
     # ------------------------------------------------------------ get
 
-    def _get_parts(self, req: Get) -> list[tuple[SeqEntry, np.ndarray | slice]]:
-        """The sequences of a get and which of its blocks each holds (every block of ``uid``
-        without ``seqs``). Every sequence must exist and all must share a block size."""
+    @staticmethod
+    def _seq_groups(req: Get) -> list[tuple[int, np.ndarray | slice]]:
+        """A get's sequence uids and which of its blocks each holds (every block of ``uid``
+        without ``seqs``)."""
         if req.seqs is None:
-            return [(self._entry(req.uid), slice(None))]
+            return [(req.uid, slice(None))]
         uids, inverse = np.unique(req.seqs, return_inverse=True)
-        parts = [(self._entry(int(u)), np.flatnonzero(inverse == i)) for i, u in enumerate(uids)]
+        return [(int(u), np.flatnonzero(inverse == i)) for i, u in enumerate(uids)]
+
+    def _get_parts(self, req: Get) -> list[tuple[SeqEntry, np.ndarray | slice]]:
+        """:meth:`_seq_groups` with each sequence's entry. Every sequence must exist and
+        all must share a block size."""
+        parts = [(self._entry(uid), at) for uid, at in self._seq_groups(req)]
         sizes = {e.geometry.block_bytes for e, _ in parts}
         if len(sizes) > 1:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"the sequences of one get must share a block size, got {sorted(sizes)}")
@@ -491,26 +511,28 @@ class Store:
                             f"{len(missing)} of {n} blocks are not stored, first (layer {lay[i]}, head {hed[i]}, "
                             f"page {pag[i]}) of {entry.ns}/{entry.name}",
                         )
-                    found.append((entry, lay, hed, pag, ssd_off, entry.crc[lay, hed, pag], entry.dram_off[lay, hed, pag],
-                                  dst[at]))
+                    found.append(_Looked(entry, lay, hed, pag, ssd_off, entry.crc[lay, hed, pag],
+                                         entry.dram_off[lay, hed, pag], dst[at]))
                 tick = next(self._tick)
-                for entry, lay, hed, pag, *_ in found:
-                    entry.last_use[lay, hed, pag] = tick
+                for f in found:
+                    f.entry.last_use[f.lay, f.hed, f.pag] = tick
             misses = []
-            for entry, lay, hed, pag, ssd_off, crc, dram_off, to in found:
-                hit = dram_off >= 0
-                gather_scatter(self.dram.arena, dram_off[hit], mb.array, to[hit], bb)
+            for f in found:
+                hit = f.dram_off >= 0
+                gather_scatter(self.dram.arena, f.dram_off[hit], mb.array, f.dst[hit], bb)
                 misses.append(np.flatnonzero(~hit))
-                n_hit += len(lay) - len(misses[-1])
+                n_hit += len(f.lay) - len(misses[-1])
             # Every sequence's SSD blocks in one read plan: their reads are in flight together.
             part = np.concatenate([np.full(len(m), j) for j, m in enumerate(misses)])
-            pick = lambda col: np.concatenate([f[col][m] for f, m in zip(found, misses)])  # noqa: E731
-            plan = self._read_ssd([f[0] for f in found], part, pick(1), pick(2), pick(3), pick(4), pick(5), mb.array, pick(7))
+            pick = lambda name: np.concatenate([getattr(f, name)[m] for f, m in zip(found, misses)])  # noqa: E731
+            plan = self._read_ssd([f.entry for f in found], part, pick("lay"), pick("hed"), pick("pag"), pick("ssd_off"),
+                                  pick("crc"), mb.array, pick("dst"))
             reads, bytes_read = plan.num_reads, plan.bytes_read
-            for (entry, lay, hed, pag, _, crc, _, to), miss in zip(found, misses):
+            for f, miss in zip(found, misses):
                 if len(miss):
-                    self._admit(entry, lay[miss], hed[miss], pag[miss], entry.importance[lay[miss], hed[miss], pag[miss]],
-                                mb.array, to[miss], replace=False, expect_crc=crc[miss])
+                    lay, hed, pag = f.lay[miss], f.hed[miss], f.pag[miss]
+                    self._admit(f.entry, lay, hed, pag, f.entry.importance[lay, hed, pag], mb.array, f.dst[miss],
+                                replace=False, expect_crc=f.crc[miss])
                 n_ssd += len(miss)
         self.counters["gets"] += 1
         self.counters["blocks_dram"] += n_hit
@@ -528,17 +550,13 @@ class Store:
         sends the get to the SSD for those blocks."""
         if not len(req.blocks):
             return False
-        if req.seqs is None:
-            groups = [(req.uid, req.blocks)]
-        else:
-            uids, inverse = np.unique(req.seqs, return_inverse=True)
-            groups = [(int(u), req.blocks[inverse == i]) for i, u in enumerate(uids)]
         total = 0
         looked = []
-        for uid, blocks in groups:
+        for uid, at in self._seq_groups(req):
             entry = self.index.get(uid)
             if entry is None:
                 return False
+            blocks = req.blocks[at]
             total += len(blocks) * entry.geometry.block_bytes
             lay, hed, pag = (blocks[:, i] for i in range(3))
             off = entry.dram_off
