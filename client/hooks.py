@@ -9,7 +9,9 @@
 - :meth:`Handle.detach` restores both; the model is then exactly as before.
 
 A forward pass that carries no KVDriveCache (a plain ``model(**inputs)``) keeps
-dense attention; the first such call is logged.
+dense attention; the first such call is logged. A layer's attention runs in the
+session of the cache that the layer has just updated, on the same thread, so caches
+of several handles on one model (other indexes or budgets, say) can be used in turn.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import threading
 from collections import Counter
 from dataclasses import replace
 from typing import Any
@@ -37,6 +40,11 @@ ATTN_NAME = "kvdrive"
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 
 
+# The session whose cache this thread's forward pass updated last: the layer's attention,
+# called right after the update, runs there.
+_updated = threading.local()
+
+
 class UnsupportedModelError(TypeError):
     """The model lacks something KVDrive needs; the message names it."""
 
@@ -54,6 +62,7 @@ class _Layer(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, **kwargs):
         self.session.current_layer = self.idx
+        _updated.session = self.session
         return self.session.update(key_states, value_states, self.idx)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -75,11 +84,13 @@ class KVDriveCache(Cache):
 
     def close(self) -> None:
         self.session.close()
+        if getattr(_updated, "session", None) is self.session:
+            _updated.session = None  # a closed session's buffers are not kept alive here
 
 
 def _kvdrive_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     handle: Handle | None = getattr(module, "_kvdrive_handle", None)
-    session = handle.active if handle is not None else None
+    session = getattr(_updated, "session", None) if handle is not None else None
     if session is None or getattr(session, "current_layer", None) != module.layer_idx:
         if handle is not None and not handle._warned_dense:
             log.info("forward pass without a KVDriveCache: dense sdpa attention")

@@ -98,6 +98,40 @@ def test_detach_restores_the_model(daemon, tiny_qwen2):
     assert torch.equal(again.sequences, ref.sequences)
 
 
+def test_caches_of_two_handles_on_one_model_decode_in_turn_as_each_alone(daemon, make_tiny):
+    model = make_tiny("llama")
+    ids, _ = left_padded([500])
+    fed = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(3))
+    options = [dict(budget=0.25, index="lowrank"), dict(budget=0.125, index="quest")]
+
+    def decode(store, which, in_turn):
+        handles = [attach(model, store, **options[i]) for i in which]
+        caches = [h.new_cache(1) for h in handles]
+        logits = [[] for _ in caches]
+        with torch.no_grad():
+            for c in caches:
+                model(input_ids=ids, cache=c)
+            # in turn: every step in each cache before the next step; else one cache after the other
+            order = [(i, j) for i in range(fed.shape[1]) for j in range(len(caches))] if in_turn else \
+                [(i, j) for j in range(len(caches)) for i in range(fed.shape[1])]
+            for i, j in order:
+                logits[j].append(model(input_ids=fed[:, i : i + 1], cache=caches[j]).logits[0, -1])
+        stats = [h.stats() for h in handles]
+        for c in caches:
+            c.close()
+        for h in reversed(handles):
+            h.detach()
+        return [torch.stack(x) for x in logits], stats
+
+    with daemon.client() as store:
+        together, stats = decode(store, [0, 1], in_turn=True)
+        alone = [decode(store, [i], in_turn=False)[0][0] for i in (0, 1)]
+    for i in (0, 1):
+        assert torch.equal(together[i], alone[i])
+        assert stats[i]["steps"] == 8 * 1 and stats[i]["select_ms"] > 0  # each session decoded sparsely, none densely
+    assert model.config._attn_implementation != "kvdrive"
+
+
 def test_unsupported_model_is_refused_with_a_reason():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(UnsupportedModelError, match="gpt2"):
