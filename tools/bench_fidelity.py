@@ -23,7 +23,11 @@ NLL of the decoded tokens minus the dense one (nats), ``kl`` the mean
 KL(dense || KVDrive) of the next-token distributions, ``top1`` the fraction of steps
 whose argmax agrees with dense. ``index_bytes``: every layer's index at the context
 length; ``select_ms``: the session's selection time per decode step (all layers),
-from the second step on (the first one compiles kernels on a fresh install).
+from the second step on (the first one compiles kernels on a fresh install). The
+selectors of one context and budget decode side by side, one session each, every
+step taken by each session in turn (the order reversed every other step), so that a
+slow spell of a shared machine falls on all of them alike and their select_ms
+compare.
 
 The cache part replays the trace of attach()'s default index, lowrank (hierarchical
 when lowrank is not among ``--selectors``), at 6.25% (the pages chosen per step, layer
@@ -36,7 +40,7 @@ part runs on text window 0 only.
 
 The prefill is dense and identical for every run, so it runs once per context: the
 keys, values and queries that KVDrive's prefill hook receives are kept and replayed
-into each run's fresh session (and into a DynamicCache for the dense reference).
+into each selector's fresh session (and into a DynamicCache for the dense reference).
 
 ``--json FILE`` writes ``{"fidelity": [...], "cache": [...]}``: ``fidelity`` has one
 row per text window x context x budget x selector with exactly the keys selector,
@@ -49,11 +53,13 @@ budget, context, window, capacity, policy, hits, lookups, hit_rate).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -318,35 +324,50 @@ def _note(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def run_selector(model, store, snapshot: PrefillSnapshot, fed: torch.Tensor, kind: IndexKind, budget: float,
-                 trace: bool) -> tuple[torch.Tensor, dict]:
+def run_selectors(model, store, snapshot: PrefillSnapshot, fed: torch.Tensor, kinds: Sequence[IndexKind],
+                  budget: float, traced: IndexKind | None = None) -> dict[IndexKind, tuple[torch.Tensor, dict]]:
+    """Teacher-forced decode of ``fed`` through one session per selector, the sessions in lockstep.
+
+    Each decode step runs once in every session before the next step starts (the order
+    reversed every other step), so a slow spell of a shared machine falls on all the
+    selectors alike and their ``select_ms`` compare. The sessions are independent: each
+    one's logits equal those of a run on its own. Returns ``{kind: (logits [T, V], info)}``.
+    """
     from kvdrive_client import attach  # noqa: PLC0415
 
-    handle = attach(model, store, budget=budget, index=kind, page_size=PAGE_SIZE)  # a fresh handle: fresh stats
-    try:
-        cache = handle.new_cache(1)
-        recall = RecallObserver(cache.session)
-        tracer = TraceObserver() if trace else None
-        cache.session.observers += [recall] + ([tracer] if tracer else [])
-        try:
+    runs: dict[IndexKind, dict] = {}
+    with contextlib.ExitStack() as stack:
+        for kind in kinds:
+            handle = attach(model, store, budget=budget, index=kind, page_size=PAGE_SIZE)  # a fresh handle: fresh stats
+            stack.callback(handle.detach)
+            cache = handle.new_cache(1)
+            stack.callback(cache.close)
+            recall = RecallObserver(cache.session)
+            tracer = TraceObserver() if kind is traced else None
+            cache.session.observers += [recall] + ([tracer] if tracer else [])
             snapshot.replay(cache)
-            index_bytes = cache.session.index_bytes()
-            logits = teacher_force(model, cache, fed[:, :1])
-            first = handle.stats()  # the first step compiles kernels on a fresh install: not timed
-            if fed.shape[1] > 1:
-                logits = torch.cat([logits, teacher_force(model, cache, fed[:, 1:])])
-        finally:
-            cache.close()
-        stats = handle.stats()
-    finally:
-        handle.detach()
-    if stats.get("steps", 0) > first.get("steps", 0):
-        select_ms = (stats.get("select_ms", 0.0) - first.get("select_ms", 0.0)) / (stats["steps"] - first.get("steps", 0))
-    else:
-        select_ms = stats.get("select_ms", 0.0) / max(stats.get("steps", 0), 1)
-    info = {"recall": recall.recall, "index_bytes": index_bytes, "select_ms": select_ms,
-            "trace": tracer.trace() if tracer else None}
-    return logits, info
+            runs[kind] = {"handle": handle, "cache": cache, "recall": recall, "tracer": tracer, "logits": [],
+                          "index_bytes": cache.session.index_bytes()}
+        order = list(kinds)
+        for i in range(fed.shape[1]):
+            for kind in order if i % 2 == 0 else reversed(order):
+                run = runs[kind]
+                run["logits"].append(teacher_force(model, run["cache"], fed[:, i : i + 1]))
+                if i == 0:
+                    run["first"] = run["handle"].stats()  # the first step compiles kernels on a fresh install: not timed
+        for run in runs.values():
+            run["stats"] = run["handle"].stats()
+    out = {}
+    for kind, run in runs.items():
+        stats, first = run["stats"], run["first"]
+        if stats.get("steps", 0) > first.get("steps", 0):
+            select_ms = (stats.get("select_ms", 0.0) - first.get("select_ms", 0.0)) / (stats["steps"] - first.get("steps", 0))
+        else:
+            select_ms = stats.get("select_ms", 0.0) / max(stats.get("steps", 0), 1)
+        info = {"recall": run["recall"].recall, "index_bytes": run["index_bytes"], "select_ms": select_ms,
+                "trace": run["tracer"].trace() if run["tracer"] else None}
+        out[kind] = (torch.cat(run["logits"]), info)
+    return out
 
 
 def cache_rows(trace: Trace, kind: IndexKind, context: int) -> list[CacheRow]:
@@ -402,18 +423,19 @@ def run_fidelity(cfg: FidelityConfig) -> tuple[list[FidelityRow], list[CacheRow]
                     dense = teacher_force(model, snapshot.dense_cache(model.config), fed)
                     _note(f"{where}: dense decode of {cfg.tokens} tokens {time.perf_counter() - t:.0f} s")
                     for budget in cfg.budgets:
+                        t = time.perf_counter()
+                        traced = cfg.traced_kind if w == 0 and budget == TRACE_BUDGET else None
+                        results = run_selectors(model, store, snapshot, fed, cfg.selectors, budget, traced)
                         for kind in cfg.selectors:
-                            t = time.perf_counter()
-                            trace = w == 0 and kind is cfg.traced_kind and budget == TRACE_BUDGET
-                            logits, r = run_selector(model, store, snapshot, fed, kind, budget, trace)
+                            logits, r = results[kind]
                             dloss, kl, top1 = compare(logits, dense, targets)
                             rows.append(FidelityRow(kind.value, budget, context, w, offset, r["recall"], dloss, kl,
                                                     top1, r["index_bytes"], per_token * context, r["select_ms"]))
                             if r["trace"] is not None:
                                 crows += cache_rows(r["trace"], kind, context)
-                            done += 1
-                            _note(f"[{done}/{runs}] {where}: {kind.value} at {budget:.3%}: "
-                                  f"{time.perf_counter() - t:.0f} s")
+                        done += len(cfg.selectors)
+                        _note(f"[{done}/{runs}] {where}: {len(cfg.selectors)} selectors side by side at {budget:.3%}: "
+                              f"{time.perf_counter() - t:.0f} s")
                     del snapshot
     finally:
         store.close()
@@ -541,7 +563,8 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
         f"attended; lowrank: rank {attach_cfg.rank} key sketches (8 int8 channels, the rest int4); hierarchical: {attach_cfg.pages_per_cluster} "
         f"pages per cluster, {attach_cfg.candidate_factor:g} x k candidates",
         "select_ms: the session's selection time per decode step from the second step on, all layers (with the "
-        f"scoring of cached pages for lookahead eviction); {os.cpu_count()} CPUs, torch threads: "
+        "scoring of cached pages for lookahead eviction), the selectors decoding side by side, a step each in turn; "
+        f"{os.cpu_count()} CPUs, torch threads: "
         f"{torch.get_num_threads()}; model load {info['load_s']:.0f} s",
         "vs oracle: recall over the oracle's at the same window, context and budget; index/kv: index_bytes over "
         "the full K+V of every layer at the context (float32, as the model runs)",

@@ -11,8 +11,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvdrive.tools import bench
 from kvdrive.tools.bench_fidelity import (InputError, PrefillSnapshot, RecallObserver, TraceObserver, compare,
-                                          teacher_force, window_offsets)
+                                          run_selectors, teacher_force, window_offsets)
 from kvdrive_client import attach
+from kvdrive_client.selectors import IndexKind
 
 FIDELITY_KEYS = {"selector", "budget", "context", "text_window", "offset", "recall", "dloss", "kl", "top1", "index_bytes",
                  "kv_bytes", "select_ms"}
@@ -71,6 +72,23 @@ def test_recall_is_one_at_full_budget_and_the_trace_covers_every_stream(tiny, da
     assert (trace.num_streams, trace.num_steps) == (2 * 2, fed.shape[1])
     assert trace.scores.shape[2] >= trace.selected.max() + 1
     assert trace.max_selected >= 1
+
+
+def test_selectors_side_by_side_decode_as_each_does_alone(tiny, daemon):
+    model, ctx, fed = tiny
+    kinds = [IndexKind.LOWRANK, IndexKind.HIERARCHICAL, IndexKind.QUEST]
+    with torch.no_grad(), daemon.client() as store:
+        snapshot = PrefillSnapshot.capture(model, store, ctx)
+        together = run_selectors(model, store, snapshot, fed, kinds, 0.25, traced=IndexKind.LOWRANK)
+        alone = {kind: run_selectors(model, store, snapshot, fed, [kind], 0.25)[kind] for kind in kinds}
+    for kind in kinds:
+        logits, info = together[kind]
+        assert logits.shape == (fed.shape[1], model.config.vocab_size)
+        assert torch.equal(logits, alone[kind][0]), kind
+        assert info["recall"] == pytest.approx(alone[kind][1]["recall"], abs=1e-12)
+        assert info["index_bytes"] == alone[kind][1]["index_bytes"] and info["select_ms"] > 0
+        assert (info["trace"] is not None) == (kind is IndexKind.LOWRANK)
+    assert together[IndexKind.LOWRANK][1]["trace"].num_steps == fed.shape[1]
 
 
 def test_compare_against_itself_and_against_another_distribution():
