@@ -15,6 +15,11 @@ from numba.extending import intrinsic, overload
 import numpy as np
 import torch
 
+from kvdrive.kernels import jit
+
+# Before the first kernel below is compiled or loaded from the cache.
+VECTOR_WIDTH = jit.configure()
+
 
 @numba.njit(nogil=True, cache=True, inline="always", fastmath=True)
 def _page_score(query, q8, scale, b, h, p):  # pragma: no cover - compiled
