@@ -36,6 +36,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -46,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvdrive.kernels import cpu as cpu_kernels
 from kvdrive.tools.decode_workload import selection_overlap
 from kvdrive.tools.text_table import text_table
 from kvdrive_client.config import AttachConfig
@@ -661,6 +663,7 @@ def render(rows: list[Row], info: dict) -> str:
                  " attention layers; step: wall time of the whole step (the model's other layers too in (a));"
                  " vs best base: tok/s over the fastest baseline (dense, whole-layer, quest, shadowkv) of the same"
                  " workload, batch and tier")
+    lines.append(f"{os.cpu_count()} CPUs; kernels: {cpu_kernels.VECTOR_WIDTH}")
     lines.append("")
     lines += target_lines(rows, info)
     return "\n".join(lines)

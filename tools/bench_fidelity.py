@@ -66,6 +66,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvdrive.kernels import cpu as cpu_kernels
 from kvdrive.tools.text_table import text_table
 from kvdrive_client.cache_sim import CachePolicy, Trace, simulate
 from kvdrive_client.config import AttachConfig
@@ -565,7 +566,7 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
         "select_ms: the session's selection time per decode step from the second step on, all layers (with the "
         "scoring of cached pages for lookahead eviction), the selectors decoding side by side, a step each in turn; "
         f"{os.cpu_count()} CPUs, torch threads: "
-        f"{torch.get_num_threads()}; model load {info['load_s']:.0f} s",
+        f"{torch.get_num_threads()}; kernels: {cpu_kernels.VECTOR_WIDTH}; model load {info['load_s']:.0f} s",
         "vs oracle: recall over the oracle's at the same window, context and budget; index/kv: index_bytes over "
         "the full K+V of every layer at the context (float32, as the model runs)",
     ]
