@@ -401,6 +401,7 @@ def _exp2_nonpos(x):  # pragma: no cover - compiled
     return _bits_to_float((np.int32(n) + np.int32(127)) << np.int32(23)) * p
 
 
+_PAGE16 = 16  # the common page size, given a loop of constant length
 _TILE = 256  # tokens per tile of the logit pass: the tile's float codes (R x 1 KiB) stay in L1 across query heads
 _LOG2E = np.float32(1.4426950408889634)
 # Logits here come from int8 codes and finite queries: never NaN (-inf marks padding), so
@@ -481,9 +482,10 @@ def _lowrank_page_mass(w, codes, wide, valid, b, h, p_n, s_n, logits, cf, top, o
                 lg[t] = v
                 m = _fmax(m, v)
             top[g] = m
-    # Each token's softmax weight per query head, summed over the heads into the first
-    # row, then summed per page: one short (page-long) reduction per page, not one per
-    # page and head. Validity is per token, so either every head has a finite max or none.
+    # Each query head's softmax weights summed per page, in one pass over its logits
+    # (the page sums overwrite the row's first p_n entries, whose tokens are read by
+    # then), then the heads' page sums added with their normalisers. Validity is per
+    # token, so either every head has a finite max or none.
     if t_n == 0 or top[0] == -np.inf:
         out[:p_n] = 0.0
         return
@@ -491,25 +493,31 @@ def _lowrank_page_mass(w, codes, wide, valid, b, h, p_n, s_n, logits, cf, top, o
         m = top[g]
         lg = logits[g]
         total = np.float32(0.0)
-        for t in range(t_n):
-            e = _exp2_nonpos(lg[t] - m)
-            lg[t] = e
-            total += e
+        if s_n == _PAGE16:  # a fixed-length inner loop: one vector sum per page
+            for p in range(p_n):
+                base = p * _PAGE16
+                part = np.float32(0.0)
+                for j in range(_PAGE16):
+                    part += _exp2_nonpos(lg[base + j] - m)
+                lg[p] = part
+                total += part
+        else:
+            for p in range(p_n):
+                part = np.float32(0.0)
+                for t in range(p * s_n, (p + 1) * s_n):
+                    part += _exp2_nonpos(lg[t] - m)
+                lg[p] = part
+                total += part
         top[g] = np.float32(1.0) / total  # top now holds each head's normaliser
-    mix = logits[0]
     inv0 = top[0]
-    for t in range(t_n):
-        mix[t] *= inv0
+    first = logits[0]
+    for p in range(p_n):
+        out[p] = first[p] * inv0
     for g in range(1, g_n):
         lg = logits[g]
         inv = top[g]
-        for t in range(t_n):
-            mix[t] += lg[t] * inv
-    for p in range(p_n):
-        part = np.float32(0.0)
-        for t in range(p * s_n, (p + 1) * s_n):
-            part += mix[t]
-        out[p] = part
+        for p in range(p_n):
+            out[p] += lg[p] * inv
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -519,14 +527,8 @@ def _log_mass(m):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True)
-def _lowrank_scratch(g_n, r_n, t_n):  # pragma: no cover - compiled
-    return (np.empty((g_n, r_n), np.float32), np.empty((g_n, max(t_n, 1)), np.float32),
-            np.empty((r_n + 1, _TILE), np.float32), np.empty(g_n, np.float32))
-
-
-@numba.njit(nogil=True, cache=True)
-def _lowrank_scores(query, qproj, scale, scaling, codes, wide, valid, p_n, s_n, out):  # pragma: no cover - compiled
-    w, logits, cf, top = _lowrank_scratch(query.shape[2], qproj.shape[3], p_n * s_n)
+def _lowrank_scores(query, qproj, scale, scaling, codes, wide, valid, p_n, s_n, out, w, logits, cf, top, score,
+                    cand):  # pragma: no cover - compiled
     for b in range(query.shape[0]):
         for h in range(query.shape[1]):
             _lowrank_weights(query, qproj, scale, scaling, b, h, w)
@@ -537,10 +539,9 @@ def _lowrank_scores(query, qproj, scale, scaling, codes, wide, valid, p_n, s_n, 
 
 @numba.njit(nogil=True, cache=True)
 def _lowrank_select(query, qproj, scale, scaling, codes, wide, valid, selectable, k, p_n, s_n, out_pages, out_scores,
-                    cached, cached_scores):  # pragma: no cover - compiled
-    w, logits, cf, top = _lowrank_scratch(query.shape[2], qproj.shape[3], p_n * s_n)
-    score = np.empty(p_n, np.float32)
-    cand = np.empty(p_n, np.float32)
+                    cached, cached_scores, w, logits, cf, top, score, cand):  # pragma: no cover - compiled
+    """Scratch (:func:`_lowrank_work`): ``w`` ``[G, R]``, ``logits`` ``[G, >= P*S]``, ``cf`` ``[R + 1, _TILE]``,
+    ``top`` ``[G]``, ``score`` and ``cand`` ``[>= P]``."""
     for b in range(query.shape[0]):
         for h in range(query.shape[1]):
             _lowrank_weights(query, qproj, scale, scaling, b, h, w)
@@ -651,6 +652,29 @@ def _in_parts(b_n: int, h_n: int, work_per_head: int, fn, min_work: int | None =
             f.result()
 
 
+_work = threading.local()
+
+
+def _lowrank_work(g_n: int, r_n: int, p_n: int, s_n: int) -> tuple[np.ndarray, ...]:
+    """The calling thread's scratch for the low-rank kernels (w, logits, cf, top, score, cand), kept between calls.
+
+    Fresh scratch each call (about 100 KiB at a 7K context) page-faulted in on every
+    call where the model's forward pass had handed freed memory back to the OS: tens
+    of faults per layer. Grown by a quarter past the need, never shrunk.
+    """
+    bufs = getattr(_work, "lowrank", None)
+    t_n = max(p_n * s_n, 1)
+    if bufs is None or bufs[0].shape != (g_n, r_n) or bufs[1].shape[1] < t_n or bufs[4].shape[0] < p_n:
+        t_cap, p_cap = t_n + t_n // 4, max(p_n + p_n // 4, 1)
+        if bufs is not None and bufs[0].shape == (g_n, r_n):
+            t_cap, p_cap = max(t_cap, bufs[1].shape[1]), max(p_cap, bufs[4].shape[0])
+        bufs = (np.empty((g_n, r_n), np.float32), np.empty((g_n, t_cap), np.float32),
+                np.empty((r_n + 1, _TILE), np.float32), np.empty(g_n, np.float32), np.empty(p_cap, np.float32),
+                np.empty(p_cap, np.float32))
+        _work.lowrank = bufs
+    return bufs
+
+
 def _f32(t: torch.Tensor) -> np.ndarray:
     """A float32 numpy view of ``t`` (a copy only when its dtype differs)."""
     return t.detach().to(torch.float32).numpy()
@@ -678,7 +702,7 @@ def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
 
     def part(bs, hs):
         _lowrank_scores(q[bs, hs], qp[bs, hs], sc[bs, hs], scaling, cd[bs, hs], wide, ok[bs], num_pages, page_size,
-                        out[bs, hs])
+                        out[bs, hs], *_lowrank_work(q.shape[2], qp.shape[3], num_pages, page_size))
 
     _in_parts(q.shape[0], q.shape[1], num_pages * page_size * q.shape[2], part)
     return torch.from_numpy(out)
@@ -708,7 +732,8 @@ def lowrank_select(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
 
     def part(bs, hs):  # without cached pages, the empty arrays slice to empty arrays
         _lowrank_select(q[bs, hs], qp[bs, hs], sc[bs, hs], scaling, cd[bs, hs], wide, ok[bs], sel[bs], k, num_pages,
-                        page_size, pages[bs, hs], scores[bs, hs], cached_np[bs, hs], cached_scores[bs, hs])
+                        page_size, pages[bs, hs], scores[bs, hs], cached_np[bs, hs], cached_scores[bs, hs],
+                        *_lowrank_work(q.shape[2], qp.shape[3], num_pages, page_size))
 
     _in_parts(b, h, num_pages * page_size * q.shape[2], part)
     return torch.from_numpy(pages), torch.from_numpy(scores), None if cached is None else torch.from_numpy(cached_scores)
