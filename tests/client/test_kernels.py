@@ -146,14 +146,15 @@ def test_half_widening_is_exact_for_every_finite_value_class(dtype):
 
 # (rank, int8 channels): whole eight-channel passes and passes plus single channels; int4
 # channels in odd and even numbers (an odd one leaves a spare nibble), none, or all.
-_LOWRANK_SHAPES = [(8, 5), (13, 8), (8, 8), (13, 0)]
+_LOWRANK_SHAPES = [(8, 5), (13, 8), (8, 8), (13, 0), (16, 8), (16, 8), (16, 8), (16, 8)]  # (16, 8): the fused logit pass
 
 
 def _lowrank_case(seed, spare=3):
     """Packed codes and int8 channel count for the kernels, and the unpacked codes for the reference."""
     g = torch.Generator().manual_seed(seed)
     R, wide = _LOWRANK_SHAPES[seed % len(_LOWRANK_SHAPES)]
-    B, H, G, D, S, P = 2, 3, 3, 32, 16, 40
+    G = (3, 3, 3, 3, 3, 5, 4, 6)[seed % len(_LOWRANK_SHAPES)]  # fused chunks: 3; 4 + 1; 4; 4 + 2 query heads
+    B, H, D, S, P = 2, 3, 32, 16, 40
     query = torch.randn(B, H, G, D, generator=g)
     qproj = torch.randn(B, H, D, R, generator=g) * 0.3
     scale = torch.rand(B, H, R, generator=g) * 0.05 + 1e-3
@@ -167,7 +168,7 @@ def _lowrank_case(seed, spare=3):
     return query, qproj, scale, codes, wide, values, valid, S, P
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(8))
 def test_numba_lowrank_scores_match_reference(seed):
     query, qproj, scale, codes, wide, values, valid, S, P = _lowrank_case(seed)
     expect = ref.score_lowrank(query, qproj, values[..., : P * S], scale, valid[:, : P * S], S, 0.2)
@@ -181,7 +182,7 @@ def test_numba_lowrank_scores_match_reference(seed):
                                atol=1e-3)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(8))
 def test_numba_lowrank_select_matches_reference(seed):
     query, qproj, scale, codes, wide, values, valid, S, P = _lowrank_case(seed)
     g = torch.Generator().manual_seed(100 + seed)
