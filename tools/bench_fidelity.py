@@ -83,7 +83,7 @@ DEFAULT_WINDOWS, QUICK_WINDOWS = 3, 1
 TRACE_BUDGET = 0.0625
 WINDOWS = (1, 2, 4)
 POLICIES = (CachePolicy.LOOKAHEAD, CachePolicy.LRU, CachePolicy.BELADY)
-DRAM = "1G"
+DRAM = "2G"  # the selectors' sessions side by side hold 5 x 330 MB at 7K in float32: all in DRAM
 
 TARGET_RECALL_VS_MEANKEY = 0.97
 TARGET_INDEX_VS_QUEST = 0.5
