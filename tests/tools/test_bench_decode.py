@@ -39,6 +39,21 @@ def test_quick_run_prints_every_configuration_and_writes_json(tmp_path, capsys):
     assert png.stat().st_size > 0
 
 
+def test_the_default_and_hierarchical_index_also_decode_side_by_side(capsys):
+    rc = main(["decode", "--quick", "--workloads", "a", "--configs", "kvdrive+pipe,kvdrive-hierarchical+pipe",
+               "--batches-a", "2", "--context-a", "512", "--steps-a", "4"])
+    assert rc == 0
+    lines = capsys.readouterr().out.splitlines()
+    side = [l for l in lines if l.startswith("target index: (a) batch 2") and "side by side" in l]
+    assert [l.split(",")[0].split(" batch 2 ")[1] for l in side] == ["dram", "dram+ssd"]
+    for line in side:
+        head, tail = line.split(" tok/s vs the hierarchical index ")
+        mine, hier = float(head.split()[-1]), float(tail.split()[0])
+        assert mine > 0 and hier > 0 and f"({mine / hier:.2f}x)" in tail and ("PASS" in tail or "MISS" in tail)
+    # The one-after-the-other rows are still printed, as information.
+    assert sum(l.startswith("info: (a) batch 2") and "one after the other" in l for l in lines) == 2
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--context-a", "100"], "multiple of 16"),
     (["--workloads", "a,x"], "takes a, b and c"),
