@@ -654,10 +654,13 @@ def _lowrank_select(query, qproj, scale, scaling, codes, wide, valid, selectable
 
 _NO_CACHED = np.full((0, 0, 0), -1, np.int64)
 
-# A call is split across threads only where each part has at least this much work:
-# (token, query head) pairs scored, about 0.1 ms of kernel time here, against tens of
-# microseconds to hand a part to another thread.
-_PART_MIN_WORK = 1 << 15
+# A low-rank call is split across threads only where each part has at least this much
+# work: (token, query head) pairs scored, about 0.4 ms of kernel time here. On a host
+# whose two CPUs are one core's hyperthreads a split only pays on long calls: SmolLM2
+# at 7K tokens and batch 4 (2.6e5 pairs) took 0.45-0.65 ms on one thread and
+# 0.75-0.81 ms in two parts; Llama-3-8B's shape at 32K and batch 4 (4.2e6 pairs),
+# 5.6-7.0 ms on one and 4.5-4.8 ms in two.
+_PART_MIN_WORK = 1 << 18
 _pool = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="kvdrive-kernel")  # threads start on first use
 
 
