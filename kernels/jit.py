@@ -3,8 +3,9 @@
 LLVM tunes recent Intel server cores to prefer 256-bit vectors, so its loop
 vectorizer leaves half of every AVX-512 register unused. The kernels here are short
 dense float32 loops (page scores, attention) over data that sits in cache, where
-full-width vectors pay: on this project's AVX-512 hosts the low-rank selection
-kernel ran about a third faster with them. :func:`configure` turns the preference
+full-width vectors pay: on this project's AVX-512 hosts the low-rank selection took
+about an eighth less time per decode step with them (attention about the same).
+:func:`configure` turns the preference
 off for this process, before the first kernel compiles (the kernels' on-disk cache
 keeps code for each setting apart).
 
