@@ -589,8 +589,8 @@ def _log_mass(m):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True)
-def _lowrank_scores(query, qproj, scale, scaling, codes, wide, valid, p_n, s_n, out, w, logits, cf, top, score,
-                    cand):  # pragma: no cover - compiled
+def _lowrank_scores(query, qproj, scale, scaling, codes, wide, valid, p_n, s_n, out, w, logits, cf,
+                    top):  # pragma: no cover - compiled
     for b in range(query.shape[0]):
         for h in range(query.shape[1]):
             _lowrank_weights(query, qproj, scale, scaling, b, h, w)
@@ -780,7 +780,7 @@ def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
     def part(bs, hs):
         q_, qp_, sc_, cd_, ok_, out_ = _cut((q, qp, sc, cd, ok, out), bs, hs, rows_only=(4,))
         _lowrank_scores(q_, qp_, sc_, scaling, cd_, wide, ok_, num_pages, page_size, out_,
-                        *_lowrank_work(q.shape[2], qp.shape[3], num_pages, page_size))
+                        *_lowrank_work(q.shape[2], qp.shape[3], num_pages, page_size)[:4])  # no top-k scratch
 
     _in_parts(q.shape[0], q.shape[1], num_pages * page_size * q.shape[2], part)
     return torch.from_numpy(out)

@@ -271,11 +271,12 @@ def _decode_model(model, cache, fed: torch.Tensor, warmup: int) -> tuple[torch.T
 def _decode_side_by_side(model, caches: list, fed: torch.Tensor, warmup: int) -> list[float]:
     """Teacher-forced decode through several caches in turn, a step each (the order reversed every
     other step): seconds per cache over the measured steps, a slow spell of the machine shared alike."""
+    from kvdrive.tools.bench_fidelity import turn_order  # noqa: PLC0415
     seconds = [0.0] * len(caches)
     first = min(warmup, fed.shape[1] - 1)
     with torch.no_grad():
         for i in range(fed.shape[1]):
-            for j in (range(len(caches)) if i % 2 == 0 else reversed(range(len(caches)))):
+            for j in turn_order(len(caches), i):
                 t0 = time.perf_counter()
                 model(input_ids=fed[:, i : i + 1], cache=caches[j])
                 if i >= first:
@@ -362,7 +363,8 @@ def run_workload_a(cfg: BenchConfig, configs: list[Config], rows: list[Row], inf
         tiers = {"dram": max(2 * kv_bytes, 64 << 20), "dram+ssd": max(kv_bytes // 4, 4 << 20)}
         dense_logits = snapshot = None
         for tier, dram in tiers.items():
-            with connect(None, dram=f"{dram // 1024}K", ssd_max=f"{max(8 * kv_bytes, 1 << 30) // (1 << 20)}M") as store:
+            ssd_max = max(8 * kv_bytes, 1 << 30)
+            with connect(None, dram=f"{dram // 1024}K", ssd_max=f"{ssd_max // (1 << 20)}M") as store:
                 if windows is None and any(c.profile for c in configs):
                     _note("workload a: profiling windows on held-out calibration text")
                     windows, pinfo = _profile_windows(model, store, ids, cfg.context_a, max(2 * cfg.steps_a, 32))
@@ -408,7 +410,6 @@ def run_workload_a(cfg: BenchConfig, configs: list[Config], rows: list[Row], inf
                 pair = [c for name in ("kvdrive+pipe", "kvdrive-hierarchical+pipe") for c in configs if c.name == name]
                 if len(pair) == 2:
                     _note(f"workload a: batch {batch}, {tier}: {pair[0].name} and {pair[1].name} side by side")
-                    ssd_max = max(8 * kv_bytes, 1 << 30)
                     info.setdefault("a_index_side_by_side", []).append(
                         _index_side_by_side(model, snapshot, fed, batch, tier, dram, ssd_max, pair, cfg))
 

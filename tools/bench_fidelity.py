@@ -325,6 +325,11 @@ def _note(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def turn_order(n: int, step: int) -> range:
+    """The order in which ``n`` side-by-side sessions take decode step ``step``: reversed every other step."""
+    return range(n) if step % 2 == 0 else range(n - 1, -1, -1)
+
+
 def run_selectors(model, store, snapshot: PrefillSnapshot, fed: torch.Tensor, kinds: Sequence[IndexKind],
                   budget: float, traced: IndexKind | None = None) -> dict[IndexKind, tuple[torch.Tensor, dict]]:
     """Teacher-forced decode of ``fed`` through one session per selector, the sessions in lockstep.
@@ -351,8 +356,8 @@ def run_selectors(model, store, snapshot: PrefillSnapshot, fed: torch.Tensor, ki
                           "index_bytes": cache.session.index_bytes()}
         order = list(kinds)
         for i in range(fed.shape[1]):
-            for kind in order if i % 2 == 0 else reversed(order):
-                run = runs[kind]
+            for j in turn_order(len(order), i):
+                run = runs[order[j]]
                 run["logits"].append(teacher_force(model, run["cache"], fed[:, i : i + 1]))
                 if i == 0:
                     run["first"] = run["handle"].stats()  # the first step compiles kernels on a fresh install: not timed
