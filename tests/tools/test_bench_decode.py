@@ -36,6 +36,13 @@ def test_quick_run_prints_every_configuration_and_writes_json(tmp_path, capsys):
     assert all(r["kl"] is not None for r in rows if r["workload"] == "a" and r["config"] != "dense")
     for needle in ("target 1:", "target 2:", "target 3:", "target 4:", "target 5:", "locality:", "system costs only"):
         assert needle in text, needle
+    # Target 1's tokens/s ratio comes from (b)'s side-by-side run; the one-after-the-other rows are information.
+    lines = text.splitlines()
+    side = [l for l in lines if l.startswith("target 1: (b) dram, side by side: kvdrive (kvdrive")]
+    assert len(side) == 1
+    mine, shadow = float(side[0].split("on/off) ")[1].split()[0]), float(side[0].split("/ shadowkv ")[1].split()[0])
+    assert mine > 0 and shadow > 0 and f"= {mine / shadow:.2f}x" in side[0]
+    assert sum(l.startswith("info: (b) dram: kvdrive") and "one after the other" in l for l in lines) == 1
     assert png.stat().st_size > 0
 
 
