@@ -40,7 +40,7 @@ def test_quick_run_prints_every_configuration_and_writes_json(tmp_path, capsys):
     lines = text.splitlines()
     side = [l for l in lines if l.startswith("target 1: (b) dram, side by side: kvdrive (kvdrive")]
     assert len(side) == 1
-    mine, shadow = float(side[0].split("on/off) ")[1].split()[0]), float(side[0].split("/ shadowkv ")[1].split()[0])
+    mine, shadow = float(side[0].split(") ")[2].split()[0]), float(side[0].split("/ shadowkv ")[1].split()[0])
     assert mine > 0 and shadow > 0 and f"= {mine / shadow:.2f}x" in side[0]
     assert sum(l.startswith("info: (b) dram: kvdrive") and "one after the other" in l for l in lines) == 1
     assert png.stat().st_size > 0
