@@ -22,8 +22,9 @@ Every configuration runs in one process, one after another, on the same inputs:
 
 Store-backed rows run on a DRAM tier that holds everything (``dram``) and on one
 well below the KV size (``dram+ssd``). In (b) a configuration's two tiers run back to
-back, each on a fresh daemon. Then ``shadowkv`` and ``kvdrive+pipe`` also decode (b) side by side on the DRAM tier,
-a step each in turn: target 1 takes its tokens/s ratio from that run.
+back, each on a fresh daemon. Then ``shadowkv`` and ``kvdrive+pipe`` also decode (b)
+side by side on the DRAM tier, a step each in turn: target 1 takes its tokens/s ratio
+from that run.
 
 Workloads: (a) SmolLM2-135M on real text, teacher-forced so every configuration
 decodes the same tokens and its loss / KL against dense can be printed; (b) an
@@ -542,9 +543,8 @@ def _attention_side_by_side(workload, configs: list[Config], dram: int, kv_bytes
     from kvdrive_client import connect  # noqa: PLC0415
     from kvdrive_client.engine import SparseKV  # noqa: PLC0415
 
-    w = workload
-    seconds = [0.0] * len(configs)
-    n = len(configs)
+    w, n = workload, len(configs)
+    seconds = [0.0] * n
     with connect(None, dram=f"{n * dram >> 20}M", ssd_max=f"{(n * 2 * kv_bytes + (1 << 30)) >> 20}M") as store, \
             contextlib.ExitStack() as stack:
         sessions = []
@@ -560,7 +560,7 @@ def _attention_side_by_side(workload, configs: list[Config], dram: int, kv_bytes
             del q_obs, keys, values
         for step in range(cfg.warmup + steps):
             fed = [w.step(step, layer) for layer in range(w.num_layers)]
-            for j in turn_order(len(sessions), step):
+            for j in turn_order(n, step):
                 t0 = time.perf_counter()
                 for layer, (q, k, v) in enumerate(fed):
                     sessions[j].decode(layer, q, k, v)
