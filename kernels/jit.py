@@ -5,9 +5,8 @@ vectorizer leaves half of every AVX-512 register unused. The kernels here are sh
 dense float32 loops (page scores, attention) over data that sits in cache, where
 full-width vectors pay: on this project's AVX-512 hosts the low-rank selection took
 about an eighth less time per decode step with them (attention about the same).
-:func:`configure` turns the preference
-off for this process, before the first kernel compiles (the kernels' on-disk cache
-keeps code for each setting apart).
+:func:`configure` turns the preference off for this process, before the first kernel
+compiles (the kernels' on-disk cache keeps code for each setting apart).
 
 ``KVDRIVE_JIT_VECTOR=256`` keeps LLVM's own choice (for hosts whose clocks drop on
 512-bit code); ``NUMBA_CPU_NAME`` or ``NUMBA_CPU_FEATURES`` set by the user are left
