@@ -42,7 +42,31 @@ class RequestError(StoreError):
 
 
 class StoreUnavailableError(StoreError):
-    """No daemon answered in time."""
+    """No daemon answered in time, or the daemon ended this client's session."""
+
+
+class SessionLostError(StoreUnavailableError):
+    """The daemon no longer knows this client's session (it restarted, or ended the
+    session): the request did not run. The client has opened a new session; retrying
+    is safe."""
+
+    code = ErrorCode.SESSION
+
+
+class UnsafeStoreError(StoreError):
+    """The daemon's socket is in a place another user could control; the client will not use it."""
+
+
+class BusyError(StoreError):
+    """The daemon refused the request for now (too many requests or sessions); retry later."""
+
+    code = ErrorCode.BUSY
+
+
+class ExpiredError(StoreError):
+    """The request's deadline passed before the daemon could start it; it did not run."""
+
+    code = ErrorCode.EXPIRED
 
 
 _BY_CODE = {
@@ -51,6 +75,10 @@ _BY_CODE = {
     ErrorCode.FULL: StoreFullError,
     ErrorCode.CHECKSUM: ChecksumError,
     ErrorCode.BUFFER: BufferError_,
+    ErrorCode.SESSION: SessionLostError,
+    ErrorCode.BUSY: BusyError,
+    ErrorCode.EXPIRED: ExpiredError,
+    ErrorCode.UNAVAILABLE: StoreUnavailableError,
 }
 
 

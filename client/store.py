@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,8 @@ import zmq
 
 from kvdrive.layout.geometry import Geometry
 from kvdrive_client.embedded import EmbeddedDaemon
-from kvdrive_client.errors import StoreUnavailableError, error_from_reply
+from kvdrive_client.channel import SessionChannel
+from kvdrive_client.errors import RequestError, SessionLostError, StoreUnavailableError, error_from_reply
 from kvdrive_client.shm import SharedBuffer
 from kvstored.protocol import Op, decode_reply, request_frames
 
@@ -54,9 +56,22 @@ class PendingGet:
 
 
 ZERO_COPY_MIN_BYTES = 256 << 10
+# Ops that change nothing: retried once, on a new session, when the daemon no longer knew the old one.
+_SAFE_TO_RETRY = frozenset({Op.HELLO, Op.OPEN, Op.LIST, Op.STATS})
 
 
 class StoreClient:
+    """A connection to kvstored and one session on it.
+
+    The session is opened on first use (see kvdrive_client.channel). When the daemon
+    ends it (a restart, a crash), the client notices at once: a request waiting for
+    its reply fails within a poll interval instead of waiting out ``timeout``, and the
+    next call opens a new session and registers the client's buffers again, with new
+    ids (``SharedBuffer.buf_id``), so no request ever names a buffer of the old session.
+    Every request carries a deadline of ``timeout`` from its sending: the daemon does
+    not start it later, so a request the client gave up on never runs behind its back.
+    """
+
     def __init__(self, address: str, timeout: float = 120.0, daemon: EmbeddedDaemon | None = None) -> None:
         self.address = address
         self.timeout = timeout
@@ -67,48 +82,111 @@ class StoreClient:
         self._sock.connect(address)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._session_lock = threading.RLock()
         self._replies: dict[int, dict] = {}
         self._staging: SharedBuffer | None = None
         self._buffers: list[SharedBuffer] = []
+        self._channel: SessionChannel | None = None
+        # Requests in flight, by id: the session (channel) each was sent in.
+        self._sent_in: dict[int, SessionChannel | None] = {}
         self.server_info: dict = {}
+        self.instance: str | None = None
+        self.restarts_seen = 0
+
+    # ------------------------------------------------------------ session
+
+    def _session_path(self) -> Path:
+        if self.address.startswith("ipc://"):
+            return Path(self.address[len("ipc://"):] + ".session")
+        return Path(self.hello()["session_socket"])
+
+    def session(self) -> SessionChannel:
+        """The open session, opened (again) here if there is none or the daemon ended it."""
+        with self._session_lock:
+            ch = self._channel
+            if ch is not None and not ch.dead():
+                return ch
+            if ch is not None:
+                ch.close()
+                self._channel = None
+            ch = SessionChannel(self._session_path(), min(self.timeout, 30.0))
+            if self.instance is not None and ch.instance != self.instance:
+                self.restarts_seen += 1
+                log.warning("kvstored at %s restarted (instance %s -> %s); registering %d buffers again",
+                            self.address, self.instance, ch.instance, len(self._buffers))
+            self.server_info = {}
+            for buf in self._buffers:
+                buf.buf_id = None
+            try:
+                for buf in self._buffers:
+                    buf.buf_id = ch.register(buf)
+            except BaseException:
+                ch.close()
+                raise
+            self._channel, self.instance = ch, ch.instance
+        self.server_info = self.call(Op.HELLO)
+        return ch
 
     # ------------------------------------------------------------ transport
 
-    def _submit(self, op: Op, fields: dict | None = None, arrays: dict | None = None) -> int:
+    def _submit(self, op: Op, fields: dict | None = None, arrays: dict | None = None,
+                timeout: float | None = None) -> int:
+        ch = None if op is Op.HELLO else self.session()
         req_id = next(self._ids)
-        frames = request_frames(op, req_id, fields or {}, arrays)
+        deadline = time.time() + (self.timeout if timeout is None else timeout)
+        frames = request_frames(op, req_id, fields or {}, arrays, None if ch is None else ch.token, deadline)
+        nbytes = sum(memoryview(f).nbytes for f in frames)
+        limit = self.server_info.get("max_message_bytes") if self.server_info else None
+        if limit is not None and nbytes > limit:
+            raise RequestError(f"[too_large] this {op.value} is {nbytes} bytes; kvstored takes messages of at most {limit}")
         # Zero-copy sends pay for tracking every frame; they only win for large frames
         # (measured: ~0.3 ms per small frame with copy=False).
-        big = sum(memoryview(f).nbytes for f in frames) > ZERO_COPY_MIN_BYTES
         with self._lock:
-            self._sock.send_multipart(frames, copy=not big)
+            self._sent_in[req_id] = ch
+            self._sock.send_multipart(frames, copy=nbytes <= ZERO_COPY_MIN_BYTES)
         return req_id
 
     def _wait(self, req_id: int, timeout: float | None = None) -> dict:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        while True:
+        ch = self._sent_in.get(req_id)
+        try:
+            while True:
+                with self._lock:
+                    reply = self._replies.pop(req_id, None)
+                    if reply is None and self._sock.poll(50, zmq.POLLIN):
+                        got = decode_reply(self._sock.recv())
+                        if got.get("id") is None:
+                            # The daemon could not read a request's id; it can only be reported here.
+                            raise error_from_reply(got)
+                        if got.get("id") == req_id:
+                            reply = got
+                        elif got.get("id") in self._sent_in:
+                            self._replies[got.get("id")] = got
+                if reply is not None:
+                    if not reply.get("ok"):
+                        raise error_from_reply(reply)
+                    return reply
+                if ch is not None and ch.dead():
+                    raise StoreUnavailableError(
+                        f"kvstored at {self.address} ended this client's session while request {req_id} was in flight "
+                        f"(it stopped or restarted); whether the request ran is unknown"
+                    )
+                if self._daemon is not None:
+                    self._daemon.check_alive()
+                if time.monotonic() > deadline:
+                    raise StoreUnavailableError(f"no reply from kvstored at {self.address} within {self.timeout:.0f} s")
+        finally:
             with self._lock:
-                reply = self._replies.pop(req_id, None)
-                if reply is None and self._sock.poll(50, zmq.POLLIN):
-                    got = decode_reply(self._sock.recv())
-                    if got.get("id") is None:
-                        # The daemon could not read a request's id; it can only be reported here.
-                        raise error_from_reply(got)
-                    if got.get("id") == req_id:
-                        reply = got
-                    else:
-                        self._replies[got.get("id")] = got
-            if reply is not None:
-                if not reply.get("ok"):
-                    raise error_from_reply(reply)
-                return reply
-            if self._daemon is not None:
-                self._daemon.check_alive()
-            if time.monotonic() > deadline:
-                raise StoreUnavailableError(f"no reply from kvstored at {self.address} within {self.timeout:.0f} s")
+                self._sent_in.pop(req_id, None)
 
     def call(self, op: Op, fields: dict | None = None, arrays: dict | None = None, timeout: float | None = None) -> dict:
-        return self._wait(self._submit(op, fields, arrays), timeout)
+        try:
+            return self._wait(self._submit(op, fields, arrays, timeout), timeout)
+        except SessionLostError:
+            if op not in _SAFE_TO_RETRY:
+                raise
+            # It did not run; the retry opens a new session first.
+            return self._wait(self._submit(op, fields, arrays, timeout), timeout)
 
     def ping(self, timeout: float = 1.0) -> bool:
         try:
@@ -127,7 +205,15 @@ class StoreClient:
         return Sequence.from_reply(self.call(Op.OPEN, {"ns": ns, "seq": seq}))
 
     def list(self, ns: str | None = None) -> list[dict]:
-        return self.call(Op.LIST, {"ns": ns} if ns else {})["sequences"]
+        """This user's sequences (of namespace ``ns``), in creation order, every page of the reply."""
+        out: list[dict] = []
+        after = 0
+        while True:
+            r = self.call(Op.LIST, {**({"ns": ns} if ns else {}), "after": after})
+            out.extend(r["sequences"])
+            if not r.get("more") or not r["sequences"]:
+                return out
+            after = r["sequences"][-1]["uid"]
 
     def delete(self, ns: str, seq: str) -> dict:
         return self.call(Op.DELETE, {"ns": ns, "seq": seq})
@@ -144,21 +230,24 @@ class StoreClient:
     # ------------------------------------------------------------ buffers
 
     def register(self, size: int) -> SharedBuffer:
+        """A new shared buffer of ``size`` bytes, registered with the daemon (a memfd)."""
         buf = SharedBuffer(size)
         try:
-            buf.buf_id = self.call(Op.REGISTER, {"kind": "shm", "name": buf.name, "size": size})["buf"]
+            with self._session_lock:
+                buf.buf_id = self.session().register(buf)
+                self._buffers.append(buf)
         except BaseException:
             buf.close()
             raise
-        buf.unlink()
-        self._buffers.append(buf)
         return buf
 
     def unregister(self, buf: SharedBuffer) -> None:
-        if buf.buf_id is not None:
-            self.call(Op.UNREGISTER, {"buf": buf.buf_id})
-        if buf in self._buffers:
-            self._buffers.remove(buf)
+        with self._session_lock:
+            if buf in self._buffers:
+                self._buffers.remove(buf)
+            ch = self._channel
+            if buf.buf_id is not None and ch is not None and not ch.dead():
+                ch.unregister(buf.buf_id)
         buf.close()
 
     def _staging_buffer(self, nbytes: int) -> SharedBuffer:
@@ -222,15 +311,15 @@ class StoreClient:
     # ------------------------------------------------------------ life cycle
 
     def close(self) -> None:
-        for buf in list(self._buffers):
-            try:
-                if self._daemon is None or self._daemon.proc.poll() is None:
-                    self.unregister(buf)
-            except Exception as exc:  # the daemon may be gone; the mapping still goes
-                log.debug("unregister at close failed: %s", exc)
-            buf.close()
-        self._buffers.clear()
-        self._staging = None
+        """End the session (the daemon unmaps its buffers as the socket closes) and free the buffers."""
+        with self._session_lock:
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = None
+            for buf in self._buffers:
+                buf.close()
+            self._buffers.clear()
+            self._staging = None
         self._sock.close()
         self._ctx.term()
         if self._daemon is not None:

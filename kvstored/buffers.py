@@ -1,107 +1,169 @@
 """Client buffers the daemon maps once and moves bytes through.
 
-A CPU client creates a file in /dev/shm, registers it by name, and may unlink it
-once registered: the daemon keeps its own mapping. The message also carries the
-fields of a CUDA IPC registration (kind, handle, device); this daemon does not
-serve GPU buffers yet and refuses them with an UNSUPPORTED reply.
+A CPU client makes a memfd (``memfd_create`` with sealing allowed), seals it against
+shrinking, and hands the descriptor to the daemon over its session socket
+(SCM_RIGHTS). The daemon never opens a path in a client's name, so it can only ever
+touch memory the client gave it; and a sealed file cannot be truncated under the
+daemon's mapping, so no client can make the daemon fault (SIGBUS) on its memory. A
+descriptor without ``F_SEAL_SHRINK``, not a memfd, or smaller than the size it is
+registered with is refused with a ``buffer`` error.
+
+Buffers belong to the session that registered them: a request names a buffer by id
+and the id is looked up in the sending session's registry only. When the session
+ends (the client closed its session socket, or died), its buffers are unmapped.
+CUDA IPC registrations are refused as UNSUPPORTED by this daemon.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvstored.protocol import BufferKind, ErrorCode, ProtocolError, Register
+from kvstored.protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger(__name__)
-
-SHM_DIR = "/dev/shm"
-MAX_BUFFERS = 4096
 
 
 @dataclass
 class MappedBuffer:
     buf_id: int
-    kind: BufferKind
     size: int
     array: np.ndarray
     owner: Any
 
 
+@dataclass(frozen=True)
+class BufferLimits:
+    """What one session may register (see docs/protocol.md, Limits)."""
+
+    max_buffers: int = 64
+    max_bytes: int = 256 << 30
+
+
 class BufferRegistry:
-    def __init__(self) -> None:
+    """One session's buffers. ``register``/``unregister`` run on the session thread,
+    ``lookup`` on any thread."""
+
+    def __init__(self, limits: BufferLimits, budget: "MappedBudget") -> None:
         self._lock = threading.Lock()
         self._next = 1
         self._buffers: dict[int, MappedBuffer] = {}
+        self.limits = limits
+        self._budget = budget
 
-    def register(self, req: Register) -> MappedBuffer:
-        if len(self._buffers) >= MAX_BUFFERS:
-            raise ProtocolError(ErrorCode.BUFFER, f"{MAX_BUFFERS} buffers already registered; unregister some")
-        if req.kind is BufferKind.SHM:
-            array, owner = self._map_shm(req.name, req.size)
-        else:
-            array, owner = self._open_cuda_ipc(req)
+    @property
+    def mapped_bytes(self) -> int:
+        with self._lock:
+            return sum(mb.size for mb in self._buffers.values())
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def register_fd(self, fd: int, size: int) -> MappedBuffer:
+        """Map ``size`` bytes of the client's sealed memfd ``fd`` (the caller closes ``fd``)."""
+        with self._lock:
+            if len(self._buffers) >= self.limits.max_buffers:
+                raise ProtocolError(
+                    ErrorCode.BUFFER,
+                    f"this session already has {len(self._buffers)} buffers (limit {self.limits.max_buffers}); unregister some",
+                )
+            held = sum(mb.size for mb in self._buffers.values())
+            if held + size > self.limits.max_bytes:
+                raise ProtocolError(
+                    ErrorCode.BUFFER,
+                    f"this session's buffers would map {held + size} bytes, limit {self.limits.max_bytes} per session",
+                )
+            self._budget.take(size)
+        try:
+            array, m = _map_sealed(fd, size)
+        except BaseException:
+            self._budget.give_back(size)
+            raise
         with self._lock:
             buf_id = self._next
             self._next += 1
-            mb = MappedBuffer(buf_id, req.kind, req.size, array, owner)
+            mb = MappedBuffer(buf_id, size, array, m)
             self._buffers[buf_id] = mb
-        log.info("registered %s buffer %d (%d bytes)", req.kind.value, buf_id, req.size)
+        log.debug("mapped buffer %d (%d bytes)", buf_id, size)
         return mb
 
     def lookup(self, buf_id: int) -> MappedBuffer:
         mb = self._buffers.get(buf_id)
         if mb is None:
-            raise ProtocolError(ErrorCode.BUFFER, f"buffer {buf_id} is not registered")
+            raise ProtocolError(ErrorCode.BUFFER, f"buffer {buf_id} is not registered by this session")
         return mb
 
     def unregister(self, buf_id: int) -> MappedBuffer:
         with self._lock:
             mb = self._buffers.pop(buf_id, None)
         if mb is None:
-            raise ProtocolError(ErrorCode.BUFFER, f"buffer {buf_id} is not registered")
+            raise ProtocolError(ErrorCode.BUFFER, f"buffer {buf_id} is not registered by this session")
         return mb
 
-    @staticmethod
-    def close_mapping(mb: MappedBuffer) -> None:
-        if isinstance(mb.owner, mmap.mmap):
-            mb.array = np.zeros(0, dtype=np.uint8)
-            try:
-                mb.owner.close()
-            except BufferError:
-                log.debug("buffer %d still referenced; unmapped at exit", mb.buf_id)
-
-    def close(self) -> None:
+    def take_all(self) -> list[MappedBuffer]:
         with self._lock:
             buffers, self._buffers = list(self._buffers.values()), {}
-        for mb in buffers:
-            self.close_mapping(mb)
+        return buffers
 
-    @staticmethod
-    def _map_shm(name: str, size: int) -> tuple[np.ndarray, mmap.mmap]:
-        path = os.path.join(SHM_DIR, name)
+    def close_mapping(self, mb: MappedBuffer) -> None:
+        """Unmap ``mb`` (once no reader can still copy through it: see ReclaimGate)."""
+        mb.array = np.zeros(0, dtype=np.uint8)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            raise ProtocolError(ErrorCode.BUFFER, f"cannot open shared memory {name!r}: {exc.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if st.st_size < size:
-                raise ProtocolError(ErrorCode.BUFFER, f"shared memory {name!r} is {st.st_size} bytes, registered as {size}")
-            m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        return np.frombuffer(m, dtype=np.uint8), m
+            mb.owner.close()
+        except BufferError:
+            log.debug("buffer %d still referenced; unmapped at exit", mb.buf_id)
+        self._budget.give_back(mb.size)
 
-    @staticmethod
-    def _open_cuda_ipc(req: Register) -> tuple[Any, Any]:
+
+class MappedBudget:
+    """Bytes of client memory all sessions together may map (the daemon's address space)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self.used = 0
+
+    def take(self, nbytes: int) -> None:
+        with self._lock:
+            if self.used + nbytes > self.max_bytes:
+                raise ProtocolError(
+                    ErrorCode.BUFFER,
+                    f"the daemon maps {self.used} bytes of client buffers; {nbytes} more would pass its limit of "
+                    f"{self.max_bytes} (--max-mapped)",
+                )
+            self.used += nbytes
+
+    def give_back(self, nbytes: int) -> None:
+        with self._lock:
+            self.used -= nbytes
+            assert self.used >= 0
+
+
+def _map_sealed(fd: int, size: int) -> tuple[np.ndarray, mmap.mmap]:
+    try:
+        st = os.fstat(fd)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise ProtocolError(ErrorCode.BUFFER, f"the descriptor is not a sealable memfd ({exc.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ProtocolError(ErrorCode.BUFFER, "the descriptor is not a memfd")
+    if not seals & fcntl.F_SEAL_SHRINK:
         raise ProtocolError(
-            ErrorCode.UNSUPPORTED,
-            "CUDA IPC buffers are not served by this kvstored; register a shared-memory buffer",
+            ErrorCode.BUFFER,
+            "the memfd is not sealed against shrinking (F_SEAL_SHRINK); the daemon maps only sealed buffers",
         )
+    if st.st_size < size:
+        raise ProtocolError(ErrorCode.BUFFER, f"the memfd is {st.st_size} bytes, registered as {size}")
+    try:
+        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, ValueError, OverflowError) as exc:
+        raise ProtocolError(ErrorCode.BUFFER, f"cannot map the buffer: {exc}") from None
+    return np.frombuffer(m, dtype=np.uint8), m

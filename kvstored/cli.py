@@ -6,7 +6,9 @@ import argparse
 import logging
 import sys
 
+from kvstored.buffers import BufferLimits
 from kvstored.config import ENGINES, DaemonConfig, SyncPolicy, default_runtime_dir, parse_size
+from kvstored.sessions import SessionLimits
 
 log = logging.getLogger("kvstored")
 
@@ -25,6 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--listen", default="", metavar="ADDR",
         help=f"ipc://PATH or tcp://127.0.0.1:PORT (default ipc://{default_runtime_dir()}/kvstored.sock)",
     )
+    p.add_argument("--session-socket", default="", metavar="PATH",
+                   help="the session socket clients open sessions and register buffers on (default: the ipc socket's "
+                        "path + '.session', or kvstored.session in the runtime directory)")
+    p.add_argument("--socket-mode", default="0660", metavar="MODE",
+                   help="permissions of both sockets (octal): who may connect; what a client may touch is decided "
+                        "by its uid, which the kernel reports")
+    p.add_argument("--max-client-buffers", default="256G", metavar="SIZE",
+                   help="client buffer bytes one session may register")
+    p.add_argument("--max-mapped", default="16T", metavar="SIZE",
+                   help="client buffer bytes all sessions together may register (the daemon maps them)")
     p.add_argument("--io-threads", type=int, default=8, help="threads issuing SSD reads (posix and kvikio engines)")
     p.add_argument("--get-workers", type=int, default=4,
                    help="gets that read the SSD served at once (small DRAM-only gets are served on the main thread)")
@@ -59,7 +71,18 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         engine=args.engine,
         direct_io=not args.no_direct,
         parent_pid=args.parent_pid,
+        session_socket=args.session_socket,
+        socket_mode=_octal(args.socket_mode),
+        session_limits=SessionLimits(buffers=BufferLimits(max_bytes=parse_size(args.max_client_buffers))),
+        max_mapped_bytes=parse_size(args.max_mapped),
     )
+
+
+def _octal(text: str) -> int:
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise ValueError(f"--socket-mode {text!r} is not an octal mode such as 0660") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,12 +93,21 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kvstored: {exc}", file=sys.stderr)
         return 2
+    import zmq  # noqa: PLC0415
+
+    from kvstored.config import UnsafeDirectoryError  # noqa: PLC0415
     from kvstored.server import Server, install_signal_handlers  # noqa: PLC0415 - keep --help fast
 
     try:
         server = Server(cfg)
     except Exception as exc:  # start-up failures are reported plainly, not as a traceback
         log.error("cannot start: %s", exc)
+        return 1
+    try:
+        server.bind()
+    except (UnsafeDirectoryError, RuntimeError, OSError, zmq.ZMQError) as exc:
+        log.error("cannot start: %s", exc)
+        server.store.close()
         return 1
     install_signal_handlers(server)
     server.serve_forever()

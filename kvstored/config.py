@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvstored.buffers import BufferLimits
+from kvstored.sessions import SessionLimits
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
@@ -32,6 +36,37 @@ def format_size(n: float) -> str:
 def default_runtime_dir() -> Path:
     base = os.environ.get("RUNTIME_DIRECTORY") or os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvdrive-{os.getuid()}"
     return Path(base.split(":")[0])
+
+
+class UnsafeDirectoryError(RuntimeError):
+    """A socket directory another user could have made or can change."""
+
+
+def check_private_dir(path: Path, create: bool = False) -> None:
+    """Refuse a socket directory this process's user does not own or that others can write.
+
+    Anyone may create a directory in /tmp; one that another user made there first
+    (``/tmp/kvdrive-UID`` is the fallback runtime directory) would let that user put a
+    fake daemon's socket in it. With ``create`` a missing directory is made owner-only.
+    """
+    if create:
+        try:
+            path.mkdir(parents=True, mode=0o700)
+        except FileExistsError:
+            pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirectoryError(f"socket directory {path} is not a directory (a symbolic link?); refusing it")
+    if st.st_uid != os.geteuid():
+        raise UnsafeDirectoryError(
+            f"socket directory {path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}); another user "
+            f"may have made it: remove it, or choose another directory"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeDirectoryError(
+            f"socket directory {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
+            f"make it writable by its owner only (chmod go-w)"
+        )
 
 
 class SyncPolicy:
@@ -67,6 +102,13 @@ class DaemonConfig:
     engine: str = "auto"
     # Stop when this process is no longer our parent (a private daemon outliving a crashed client).
     parent_pid: int = 0
+    # The session socket (kvstored/sessions.py); default: beside an ipc socket, else in the runtime directory.
+    session_socket: str = ""
+    # Both sockets: owner and group may connect by default; what a client may touch is decided by its uid.
+    socket_mode: int = 0o660
+    session_limits: SessionLimits = field(default_factory=SessionLimits)
+    # Client buffers all sessions together may map.
+    max_mapped_bytes: int = 16 << 40
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -87,10 +129,25 @@ class DaemonConfig:
             raise ValueError(f"--sync must be one of {', '.join(SyncPolicy.ALL)}, got {self.sync!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if not 0 <= self.socket_mode <= 0o777:
+            raise ValueError(f"--socket-mode must be an octal mode such as 0660, got {self.socket_mode:o}")
+        if self.max_mapped_bytes < 1 << 20:
+            raise ValueError(f"--max-mapped must be at least 1M, got {self.max_mapped_bytes}")
+        if self.session_limits.buffers.max_bytes < 4096:
+            raise ValueError(f"--max-client-buffers must be at least 4K, got {self.session_limits.buffers.max_bytes}")
         if self.address and not (self.address.startswith("ipc://") or self.address.startswith("tcp://127.")):
             raise ValueError(
                 f"--listen {self.address!r}: use ipc://PATH or tcp://127.0.0.1:PORT (the daemon serves this host only)"
             )
+
+    @property
+    def session_socket_path(self) -> Path:
+        if self.session_socket:
+            return Path(self.session_socket)
+        address = self.bind_address
+        if address.startswith("ipc://"):
+            return Path(address[len("ipc://"):] + ".session")
+        return default_runtime_dir() / "kvstored.session"
 
     @property
     def bind_address(self) -> str:

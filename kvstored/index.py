@@ -25,6 +25,7 @@ class SeqEntry:
     name: str
     geometry: Geometry
     created: float
+    owner: int = 0
     ssd_off: np.ndarray = field(init=False)
     crc: np.ndarray = field(init=False)
     dram_off: np.ndarray = field(init=False)
@@ -72,30 +73,30 @@ class SeqEntry:
 
 
 class BlockIndex:
-    """Sequences by uid and by (namespace, name); guarded by one lock for structure."""
+    """Sequences by uid and by (owner uid, namespace, name); guarded by one lock for structure."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._by_uid: dict[int, SeqEntry] = {}
-        self._by_name: dict[tuple[str, str], int] = {}
+        self._by_name: dict[tuple[int, str, str], int] = {}
 
     def add(self, entry: SeqEntry) -> None:
         with self.lock:
             self._by_uid[entry.uid] = entry
-            self._by_name[(entry.ns, entry.name)] = entry.uid
+            self._by_name[(entry.owner, entry.ns, entry.name)] = entry.uid
 
     def remove(self, uid: int) -> SeqEntry | None:
         with self.lock:
             entry = self._by_uid.pop(uid, None)
             if entry is not None:
-                self._by_name.pop((entry.ns, entry.name), None)
+                self._by_name.pop((entry.owner, entry.ns, entry.name), None)
             return entry
 
     def get(self, uid: int) -> SeqEntry | None:
         return self._by_uid.get(uid)
 
-    def find(self, ns: str, name: str) -> SeqEntry | None:
-        uid = self._by_name.get((ns, name))
+    def find(self, owner: int, ns: str, name: str) -> SeqEntry | None:
+        uid = self._by_name.get((owner, ns, name))
         return None if uid is None else self._by_uid.get(uid)
 
     def all(self) -> list[SeqEntry]:

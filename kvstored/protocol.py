@@ -32,13 +32,13 @@ PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 64 << 10
 MAX_NAME_BYTES = 256
 _NAME_RE = re.compile(r"^[\x21-\x7e]{1,256}$")
-_SHM_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+SESSION_TOKEN_BYTES = 16
+# Sequences in one list reply at most (a client pages with 'after').
+MAX_LIST = 1000
 
 
 class Op(enum.Enum):
     HELLO = "hello"
-    REGISTER = "register"
-    UNREGISTER = "unregister"
     CREATE = "create"
     OPEN = "open"
     LIST = "list"
@@ -62,6 +62,10 @@ class ErrorCode(enum.Enum):
     CHECKSUM = "checksum"
     IO = "io"
     UNSUPPORTED = "unsupported"
+    SESSION = "session"
+    EXPIRED = "expired"
+    BUSY = "busy"
+    UNAVAILABLE = "unavailable"
     INTERNAL = "internal"
 
 
@@ -87,20 +91,6 @@ class Hello:
 
 
 @dataclass(frozen=True)
-class Register:
-    kind: BufferKind
-    name: str
-    size: int
-    handle: bytes = b""
-    device: int = 0
-
-
-@dataclass(frozen=True)
-class Unregister:
-    buf: int
-
-
-@dataclass(frozen=True)
 class Create:
     ns: str
     seq: str
@@ -116,7 +106,11 @@ class OpenSeq:
 
 @dataclass(frozen=True)
 class ListSeqs:
+    """The caller's sequences with uid > ``after``, at most ``limit`` per reply."""
+
     ns: str | None
+    after: int = 0
+    limit: int = 1000
 
 
 @dataclass(frozen=True)
@@ -164,7 +158,7 @@ class Stats:
     pass
 
 
-Request = Hello | Register | Unregister | Create | OpenSeq | ListSeqs | Delete | Put | Get | Stats
+Request = Hello | Create | OpenSeq | ListSeqs | Delete | Put | Get | Stats
 
 # Array frames each op may carry, with their dtypes.
 PUT_ARRAYS = {"cluster": np.int32, "order": np.int32, "importance": np.float32}
@@ -181,8 +175,13 @@ def encode(header: dict, arrays: list[np.ndarray] | None = None) -> list:
     return frames
 
 
-def request_frames(op: Op, req_id: int, fields: dict, arrays: dict[str, np.ndarray] | None = None) -> list:
+def request_frames(op: Op, req_id: int, fields: dict, arrays: dict[str, np.ndarray] | None = None,
+                   session: bytes | None = None, deadline: float | None = None) -> list:
     header = {"v": PROTOCOL_VERSION, "op": op.value, "id": req_id, **fields}
+    if session is not None:
+        header["session"] = session
+    if deadline is not None:
+        header["deadline"] = deadline
     names = list(arrays or {})
     if names:
         header["frames"] = names
@@ -281,8 +280,18 @@ def _arrays(header: dict, frames: list, allowed: dict[str, type], max_bytes: int
     return out
 
 
-def parse_request(frames: list, max_message_bytes: int, max_blocks: int) -> tuple[Any, Request]:
-    """Decode and check one request. Returns (request id, request).
+@dataclass(frozen=True)
+class Envelope:
+    """What every request carries besides its op: who sent it and until when it matters."""
+
+    req_id: int
+    session: bytes | None  # None only for hello
+    deadline: float | None  # seconds since the epoch
+    request: "Request"
+
+
+def parse_request(frames: list, max_message_bytes: int, max_blocks: int) -> Envelope:
+    """Decode and check one request.
 
     Raises ProtocolError; its ``args`` carry the request id when one was readable,
     so the error reply can name it.
@@ -305,7 +314,19 @@ def parse_request(frames: list, max_message_bytes: int, max_blocks: int) -> tupl
     if not (isinstance(req_id, int) and not isinstance(req_id, bool) and 0 <= req_id < 1 << 63):
         raise ProtocolError(ErrorCode.BAD_FIELD, "field 'id' must be an integer in 0..2^63-1")
     try:
-        return req_id, _parse_op(header, frames[1:], max_message_bytes, max_blocks)
+        request = _parse_op(header, frames[1:], max_message_bytes, max_blocks)
+        session = header.get("session")
+        if isinstance(request, Hello) and session is None:
+            return Envelope(req_id, None, None, request)
+        if not (isinstance(session, bytes) and len(session) == SESSION_TOKEN_BYTES):
+            raise ProtocolError(
+                ErrorCode.SESSION,
+                f"field 'session' must be the {SESSION_TOKEN_BYTES}-byte token of a session opened on the session socket",
+            )
+        deadline = header.get("deadline")
+        if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))):
+            raise ProtocolError(ErrorCode.BAD_FIELD, "field 'deadline' must be a number (seconds since the epoch)")
+        return Envelope(req_id, session, None if deadline is None else float(deadline), request)
     except ProtocolError as exc:
         exc.req_id = req_id  # type: ignore[attr-defined]
         raise
@@ -315,6 +336,11 @@ def _parse_op(header: dict, frames: list, max_bytes: int, max_blocks: int) -> Re
     version = header.get("v")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(ErrorCode.BAD_VERSION, f"protocol version {version!r} is not {PROTOCOL_VERSION}")
+    if header.get("op") in ("register", "unregister"):
+        raise ProtocolError(
+            ErrorCode.UNSUPPORTED,
+            "buffers are registered on the session socket, as file descriptors (see docs/protocol.md)",
+        )
     try:
         op = Op(header.get("op"))
     except ValueError:
@@ -322,20 +348,6 @@ def _parse_op(header: dict, frames: list, max_bytes: int, max_blocks: int) -> Re
     f = _Fields(header)
     if op in (Op.HELLO, Op.STATS):
         return Hello() if op is Op.HELLO else Stats()
-    if op is Op.REGISTER:
-        try:
-            kind = BufferKind(header.get("kind", "shm"))
-        except ValueError:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"buffer kind {header.get('kind')!r:.32} is not shm or cuda_ipc") from None
-        name = header.get("name", "")
-        if kind is BufferKind.SHM and not (isinstance(name, str) and _SHM_NAME_RE.match(name)):
-            raise ProtocolError(ErrorCode.BAD_FIELD, "field 'name' must name a file in /dev/shm ([A-Za-z0-9._-], no slashes)")
-        handle = header.get("handle", b"")
-        if not isinstance(handle, bytes):
-            raise ProtocolError(ErrorCode.BAD_FIELD, "field 'handle' must be bytes")
-        return Register(kind, str(name), f.int("size", 1, 1 << 44), handle, f.int("device", 0, 1024, 0))
-    if op is Op.UNREGISTER:
-        return Unregister(f.int("buf", 0, 1 << 31))
     if op is Op.CREATE:
         try:
             geometry = Geometry.from_dict(header.get("geometry"))
@@ -347,7 +359,7 @@ def _parse_op(header: dict, frames: list, max_bytes: int, max_blocks: int) -> Re
     if op is Op.DELETE:
         return Delete(f.name("ns"), f.name("seq"))
     if op is Op.LIST:
-        return ListSeqs(f.name("ns", required=False))
+        return ListSeqs(f.name("ns", required=False), f.int("after", 0, 1 << 62, 0), f.int("limit", 1, MAX_LIST, MAX_LIST))
     if op is Op.PUT:
         layers = f.int_array("layers", 0, 1 << 20, 1 << 12)
         pages = f.int_array("pages", 0, MAX_PAGES - 1, max_blocks)

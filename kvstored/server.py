@@ -1,11 +1,20 @@
-"""kvstored's ZeroMQ front end: one ROUTER socket, a writer thread, a get pool.
+"""kvstored's front end: one ZeroMQ ROUTER socket, the session socket, a writer thread, a get pool.
 
-The main thread owns the socket. It parses every request (a bad one gets an error
-reply at once), answers the cheap ops itself, queues catalog changes and puts for
-the single writer thread, and hands gets to a worker pool; a get of a few MiB whose
-blocks are all in DRAM it serves itself (``gets_inline`` counts them). Workers and the writer
-send finished replies back over an inproc PUSH/PULL pair, so only the main thread
-ever touches the ROUTER socket.
+The main thread owns the ROUTER socket. It reads what clients sent into one queue per
+connection and serves the queues in turn, one request each per round, so a client
+that floods the daemon delays only itself: another client waits at most one request
+of each busy client. A request is parsed (a bad one gets an error reply at once), its
+session token checked (kvstored/sessions.py) and its deadline; cheap ops are answered
+here, catalog changes and puts are queued for the single writer thread, gets go to a
+worker pool (a get of a few MiB whose blocks are all in DRAM is served here:
+``gets_inline`` counts them). Each connection has at most ``MAX_IN_FLIGHT`` requests
+handed to the writer or the pool at once, and at most ``MAX_QUEUED`` waiting; past
+that it gets ``busy`` replies. Workers and the writer send finished replies back over
+an inproc PUSH/PULL pair, so only the main thread ever touches the ROUTER socket.
+
+On SIGTERM the daemon stops reading, answers every request it had read but not
+started with ``unavailable``, finishes the ones it started, and flushes every reply
+before it exits.
 """
 
 from __future__ import annotations
@@ -14,20 +23,21 @@ import logging
 import os
 import queue
 import signal
-import stat
 import threading
 import time
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
 import zmq
 
-from kvstored.config import DaemonConfig, SyncPolicy
+from kvstored.config import DaemonConfig, SyncPolicy, check_private_dir
 from kvstored.protocol import (
-    Create, Delete, ErrorCode, Get, Hello, ListSeqs, OpenSeq, ProtocolError, Put, Register, Stats, Unregister,
+    Create, Delete, Envelope, ErrorCode, Get, Hello, ListSeqs, OpenSeq, ProtocolError, Put, Stats,
     error_reply, ok_reply, parse_request,
 )
+from kvstored.sessions import Session, SessionServer, SessionTable
 from kvstored.store import PreparedPut, Store
 
 log = logging.getLogger(__name__)
@@ -38,6 +48,14 @@ _STOP = object()
 MAX_GROUP = 64
 # Gets of at most this many bytes, all in DRAM, are served on the main thread.
 INLINE_GET_BYTES = 8 << 20
+# Per connection: requests handed to the writer or the get pool and not yet answered,
+# and requests read but not yet served.
+MAX_IN_FLIGHT = 64
+MAX_QUEUED = 1024
+# Messages read from the socket before the queues are served again.
+READ_BATCH = 256
+# How long replies may take to leave at shutdown.
+SHUTDOWN_LINGER_MS = 5000
 
 
 class Server:
@@ -45,6 +63,7 @@ class Server:
         self.cfg = cfg
         self.address = cfg.bind_address
         self.store = Store(cfg)
+        self.sessions = SessionTable(cfg.session_limits, cfg.max_mapped_bytes, self.store.gate.retire)
         self.ctx = zmq.Context()
         self._stop = threading.Event()
         self._writes: queue.Queue = queue.Queue()
@@ -53,27 +72,38 @@ class Server:
         self._push_lock = threading.Lock()
         self._push_sockets: list[zmq.Socket] = []
         self._writer = threading.Thread(target=self._writer_loop, name="kvstored-writer", daemon=True)
+        self._queues: dict[bytes, deque] = {}
+        self._in_flight: Counter[bytes] = Counter()
+        self._session_server: SessionServer | None = None
 
     # ------------------------------------------------------------ life cycle
 
     def bind(self) -> None:
+        session_path = self.cfg.session_socket_path
+        check_private_dir(session_path.parent, create=True)
+        if self.address.startswith("ipc://"):
+            path = Path(self.address[len("ipc://"):])
+            check_private_dir(path.parent, create=True)
+            _refuse_live_socket(path, self.ctx)
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, 2 * self.cfg.max_message_bytes)
-        if self.address.startswith("ipc://"):
-            _prepare_ipc_path(Path(self.address[len("ipc://"):]), self.ctx)
         self.router.bind(self.address)
         if self.address.startswith("ipc://"):
-            os.chmod(self.address[len("ipc://"):], stat.S_IRUSR | stat.S_IWUSR)
+            os.chmod(self.address[len("ipc://"):], self.cfg.socket_mode)
         self.done = self.ctx.socket(zmq.PULL)
         self.done.bind(_DONE)
-        log.info("kvstored %d serving %s", os.getpid(), self.address)
+        self._session_server = SessionServer(session_path, self.sessions, self.cfg.socket_mode)
+        self._session_server.start()
+        log.info("kvstored %d serving %s, sessions on %s (instance %s)", os.getpid(), self.address,
+                 session_path, self.sessions.instance)
 
     def request_stop(self, *_: object) -> None:
         self._stop.set()
 
     def serve_forever(self) -> None:
-        self.bind()
+        if self._session_server is None:
+            self.bind()
         self._writer.start()
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
@@ -82,15 +112,24 @@ class Server:
             if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
                 log.warning("parent process %d is gone; shutting down", self.cfg.parent_pid)
                 break
-            for sock, _ in poller.poll(200):
-                if sock is self.router:
-                    self._drain_requests()
-                else:
-                    self._drain_replies()
+            servable = any(self._in_flight[i] < MAX_IN_FLIGHT for i in self._queues)
+            ready = dict(poller.poll(0 if servable else 200))
+            if self.done in ready:
+                self._drain_replies()
+            if self.router in ready:
+                self._read_requests()
+            self._serve_round()
         self._shutdown()
 
     def _shutdown(self) -> None:
-        log.info("shutting down: finishing queued work")
+        waiting = sum(len(q) for q in self._queues.values())
+        log.info("shutting down: finishing started work, refusing %d requests not started", waiting)
+        for ident, q in self._queues.items():
+            while q:
+                env_or_frames = q.popleft()
+                req_id = _peek_id(env_or_frames)
+                self.router.send_multipart([ident, *error_reply(req_id, ErrorCode.UNAVAILABLE, "kvstored is shutting down")])
+        self._queues.clear()
         self._pool.shutdown(wait=True)
         self._writes.put(_STOP)
         self._writer.join()
@@ -99,6 +138,10 @@ class Server:
         for sock in self._push_sockets:
             sock.close()
         self._drain_replies()
+        if self._session_server is not None:
+            self._session_server.stop()
+        # Replies already queued still leave: a client told nothing would wait out its timeout.
+        self.router.setsockopt(zmq.LINGER, SHUTDOWN_LINGER_MS)
         self.router.close()
         self.done.close()
         if self.address.startswith("ipc://"):
@@ -109,14 +152,35 @@ class Server:
 
     # ------------------------------------------------------------ main thread
 
-    def _drain_requests(self) -> None:
-        for _ in range(256):
+    def _read_requests(self) -> None:
+        for _ in range(READ_BATCH):
             try:
                 frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             ident, body = frames[0].bytes, frames[1:]
-            self._handle(ident, body)
+            q = self._queues.get(ident)
+            if q is None:
+                q = self._queues[ident] = deque()
+            if len(q) >= MAX_QUEUED:
+                self.store.counters["requests_busy"] += 1
+                self.router.send_multipart([ident, *error_reply(
+                    _peek_id(body), ErrorCode.BUSY,
+                    f"this connection has {len(q)} requests waiting (limit {MAX_QUEUED}); wait for replies",
+                )])
+                continue
+            q.append(body)
+
+    def _serve_round(self) -> None:
+        """One request from each connection that has one waiting and room in flight."""
+        for ident in list(self._queues):
+            q = self._queues[ident]
+            if self._in_flight[ident] >= MAX_IN_FLIGHT:
+                continue
+            self._handle(ident, q.popleft())
+            if not q:
+                del self._queues[ident]
+            self._drain_replies()
 
     def _drain_replies(self) -> None:
         while True:
@@ -124,25 +188,37 @@ class Server:
                 frames = self.done.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            ident = frames[0]
+            self._in_flight[ident] -= 1
+            if self._in_flight[ident] <= 0:
+                del self._in_flight[ident]
             self.router.send_multipart(frames)
 
     def _handle(self, ident: bytes, body: list) -> None:
         req_id = None
         try:
-            req_id, req = parse_request(body, self.cfg.max_message_bytes, self.cfg.max_blocks_per_request)
+            env = parse_request(body, self.cfg.max_message_bytes, self.cfg.max_blocks_per_request)
+            req_id, req = env.req_id, env.request
+            if isinstance(req, Hello):
+                self.router.send_multipart([ident, *ok_reply(req_id, **self._hello())])
+                return
+            session = self.sessions.find(env.session)
+            _check_deadline(env)
             if isinstance(req, Get):
-                if self.store.in_dram(req, INLINE_GET_BYTES):
+                if self.store.in_dram(req, session, INLINE_GET_BYTES):
                     # A DRAM-only get is a copy of a few MiB at most: served here, it saves
                     # two thread hand-offs (to a worker, and its reply back), about half of
                     # a small get's round trip on a busy host.
-                    self.router.send_multipart([ident, *ok_reply(req_id, **self.store.get(req))])
+                    self.router.send_multipart([ident, *ok_reply(req_id, **self.store.get(req, session))])
                     self.store.counters["gets_inline"] += 1
                 else:
-                    self._pool.submit(self._run, ident, req_id, lambda: self.store.get(req))
+                    self._in_flight[ident] += 1
+                    self._pool.submit(self._run, ident, env, lambda: self.store.get(req, session))
             elif isinstance(req, (Put, Create, Delete)):
-                self._writes.put((ident, req_id, req))
+                self._in_flight[ident] += 1
+                self._writes.put((ident, env, session))
             else:
-                self.router.send_multipart([ident, *ok_reply(req_id, **self._inline(req))])
+                self.router.send_multipart([ident, *ok_reply(req_id, **self._inline(req, session))])
         except ProtocolError as exc:
             req_id = getattr(exc, "req_id", req_id)
             self.store.counters["bad_requests"] += 1
@@ -152,21 +228,19 @@ class Server:
             log.exception("internal error on request %s", req_id)
             self.router.send_multipart([ident, *error_reply(req_id, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")])
 
-    def _inline(self, req: object) -> dict:
-        if isinstance(req, Hello):
-            return self.store.hello()
+    def _hello(self) -> dict:
+        return {**self.store.hello(), "instance": self.sessions.instance,
+                "session_socket": str(self.cfg.session_socket_path),
+                "max_message_bytes": self.cfg.max_message_bytes}
+
+    def _inline(self, req: object, session: Session) -> dict:
         if isinstance(req, Stats):
-            return self.store.stats()
+            return {**self.store.stats(session), "instance": self.sessions.instance, "sessions": len(self.sessions),
+                    "mapped_bytes": self.sessions.budget.used}
         if isinstance(req, OpenSeq):
-            return self.store.open(req)
+            return self.store.open(req, session.uid)
         if isinstance(req, ListSeqs):
-            return {"sequences": self.store.list(req)}
-        if isinstance(req, Register):
-            mb = self.store.buffers.register(req)
-            return {"buf": mb.buf_id, "size": mb.size}
-        if isinstance(req, Unregister):
-            self.store.unregister(req.buf)
-            return {}
+            return self.store.list(req, session.uid)
         raise AssertionError(f"no inline handler for {type(req).__name__}")
 
     # ------------------------------------------------------------ other threads
@@ -181,8 +255,10 @@ class Server:
                 self._push_sockets.append(sock)
         sock.send_multipart(frames)
 
-    def _run(self, ident: bytes, req_id: int, fn: Callable[[], dict]) -> None:
+    def _run(self, ident: bytes, env: Envelope, fn: Callable[[], dict]) -> None:
+        req_id = env.req_id
         try:
+            _check_deadline(env)
             self._send([ident, *ok_reply(req_id, **fn())])
         except ProtocolError as exc:
             self._send([ident, *error_reply(req_id, exc.code, str(exc))])
@@ -217,10 +293,12 @@ class Server:
 
     def _write_batch(self, batch: list) -> None:
         prepared: list[tuple[bytes, int, PreparedPut]] = []
-        for ident, req_id, req in batch:
+        for ident, env, session in batch:
+            req_id, req = env.req_id, env.request
             if isinstance(req, Put):
                 try:
-                    prepared.append((ident, req_id, self.store.prepare_put(req)))
+                    _check_deadline(env)
+                    prepared.append((ident, req_id, self.store.prepare_put(req, session)))
                 except ProtocolError as exc:
                     self._send([ident, *error_reply(req_id, exc.code, str(exc))])
                 except Exception as exc:
@@ -231,7 +309,7 @@ class Server:
                 self._commit(prepared)
                 prepared = []
                 fn = self.store.create if isinstance(req, Create) else self.store.delete
-                self._run(ident, req_id, lambda fn=fn, req=req: fn(req))
+                self._run(ident, env, lambda fn=fn, req=req: fn(req, session.uid))
         self._commit(prepared)
 
     def _commit(self, prepared: list[tuple[bytes, int, PreparedPut]]) -> None:
@@ -248,8 +326,25 @@ class Server:
             self._send([ident, *ok_reply(req_id, blocks=len(p.pages))])
 
 
-def _prepare_ipc_path(path: Path, ctx: zmq.Context) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+def _check_deadline(env: Envelope) -> None:
+    if env.deadline is not None and time.time() > env.deadline:
+        raise ProtocolError(
+            ErrorCode.EXPIRED,
+            f"the request's deadline passed {time.time() - env.deadline:.3f} s before it could start; it did not run",
+        )
+
+
+def _peek_id(body: list) -> int | None:
+    """The id of a request not worth parsing in full (it is refused as a whole)."""
+    try:
+        return parse_request(body, 1 << 62, 1 << 62).req_id
+    except ProtocolError as exc:
+        return getattr(exc, "req_id", None)
+    except Exception:  # noqa: BLE001 - garbage frames have no readable id
+        return None
+
+
+def _refuse_live_socket(path: Path, ctx: zmq.Context) -> None:
     if path.exists():
         probe = ctx.socket(zmq.DEALER)
         probe.setsockopt(zmq.LINGER, 0)

@@ -5,6 +5,11 @@ Threading contract (the server keeps it):
   the single writer thread, which owns LMDB writes and the SSD allocator.
 - :meth:`get`, :meth:`open`, :meth:`list`, :meth:`stats` run on any thread.
 
+Every sequence belongs to the uid that created it: lookups by name take the caller's
+uid, and a request naming another owner's sequence by uid is told it does not exist
+(the same words as for a uid never used), so uids say nothing about other tenants.
+Buffers are looked up in the calling session's registry only.
+
 A put is two-phase: ``prepare_put`` checks the request, allocates extents and
 writes the blocks to the data file; ``commit_puts`` makes a group of prepared puts
 durable (one fdatasync, one LMDB commit) and only then publishes them to the
@@ -29,7 +34,7 @@ import numpy as np
 
 from kvdrive.layout import ALIGN, ReadPlan, SpaceError, align_up, packing_order, plan_reads
 from kvdrive.layout.format import DATA_FILE, FORMAT_VERSION, META_DIR
-from kvstored.buffers import BufferRegistry, MappedBuffer
+from kvstored.buffers import MappedBuffer
 from kvstored.catalog import Catalog, ExtentRecord, SeqRecord
 from kvstored.config import DaemonConfig, SyncPolicy, format_size
 from kvstored.checksum import block_crcs, verify_scatter
@@ -39,7 +44,8 @@ from kvstored.gate import ReclaimGate
 from kvstored.index import BlockIndex, SeqEntry
 from kvstored.io_engine import AlignedScratch, choose_engine
 from kvstored.ssd import SsdTier
-from kvstored.protocol import BufferKind, Create, Delete, ErrorCode, Get, ListSeqs, OpenSeq, ProtocolError, Put
+from kvstored.protocol import Create, Delete, ErrorCode, Get, ListSeqs, OpenSeq, ProtocolError, Put
+from kvstored.sessions import Session
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +107,6 @@ class Store:
         self.dram = DramTier(cfg.dram_bytes)
         self.index = BlockIndex()
         self.gate = ReclaimGate()
-        self.buffers = BufferRegistry()
         self.counters: Counter[str] = Counter()
         self._tick = itertools.count(1)
         self._inflight: dict[tuple[int, int], list[np.ndarray]] = {}
@@ -148,8 +153,8 @@ class Store:
             "get_seqs": True,  # a get may name each block's sequence (the 'seqs' array)
         }
 
-    def create(self, req: Create) -> dict:
-        found = self.index.find(req.ns, req.seq)
+    def create(self, req: Create, owner: int) -> dict:
+        found = self.index.find(owner, req.ns, req.seq)
         if found is not None:
             if req.exist_ok and found.geometry == req.geometry:
                 return self._describe(found)
@@ -162,19 +167,25 @@ class Store:
         rec = SeqRecord(uid, req.ns, req.seq, req.geometry, time.time())
         with self.catalog.begin() as txn:
             self.catalog.add_sequence(txn, rec)
-        entry = SeqEntry(uid, req.ns, req.seq, req.geometry, rec.created)
+        entry = SeqEntry(uid, req.ns, req.seq, req.geometry, rec.created, owner=owner)
         self.index.add(entry)
         log.info("created %s/%s (uid %d, %d B blocks)", req.ns, req.seq, uid, req.geometry.block_bytes)
         return self._describe(entry)
 
-    def open(self, req: OpenSeq) -> dict:
-        entry = self.index.find(req.ns, req.seq)
+    def open(self, req: OpenSeq, owner: int) -> dict:
+        entry = self.index.find(owner, req.ns, req.seq)
         if entry is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no sequence {req.ns}/{req.seq}")
         return self._describe(entry)
 
-    def list(self, req: ListSeqs) -> list[dict]:
-        return [self._describe(e) for e in self.index.all() if req.ns is None or e.ns == req.ns]
+    def list(self, req: ListSeqs, owner: int) -> dict:
+        """The caller's sequences (of namespace ``req.ns`` if given) with uid > ``req.after``,
+        in uid order, at most ``req.limit``; ``more`` says whether others follow."""
+        mine = sorted(
+            (e for e in self.index.all() if e.owner == owner and e.uid > req.after and (req.ns is None or e.ns == req.ns)),
+            key=lambda e: e.uid,
+        )
+        return {"sequences": [self._describe(e) for e in mine[: req.limit]], "more": len(mine) > req.limit}
 
     def _describe(self, entry: SeqEntry) -> dict:
         with self.index.lock:
@@ -188,8 +199,8 @@ class Store:
             "complete_pages": prefix, "created": entry.created,
         }
 
-    def delete(self, req: Delete) -> dict:
-        entry = self.index.find(req.ns, req.seq)
+    def delete(self, req: Delete, owner: int) -> dict:
+        entry = self.index.find(owner, req.ns, req.seq)
         if entry is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no sequence {req.ns}/{req.seq}")
         rec = SeqRecord(entry.uid, entry.ns, entry.name, entry.geometry, entry.created)
@@ -208,8 +219,8 @@ class Store:
 
     # ------------------------------------------------------------ put
 
-    def prepare_put(self, req: Put) -> PreparedPut:
-        entry = self._entry(req.uid)
+    def prepare_put(self, req: Put, session: Session) -> PreparedPut:
+        entry = self._entry(req.uid, session.uid)
         g = entry.geometry
         bb = g.block_bytes
         layers, pages = req.layers, req.pages
@@ -222,7 +233,7 @@ class Store:
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, f"'{name}' has {len(arr)} values for {total} blocks")
         if req.importance is not None and not np.isfinite(req.importance).all():
             raise ProtocolError(ErrorCode.BAD_FIELD, "'importance' holds NaN or infinity")
-        mb = self._buffer(req.buf)
+        mb = session.buffers.lookup(req.buf)
         _check_span(mb, req.offset, total * bb, "source")
         self._check_new_pages(entry, layers, pages)
 
@@ -245,7 +256,7 @@ class Store:
         with self.gate.reading():
             # Inside the gate an unregister of the source waits for this copy to end before
             # it unmaps the buffer; one that came first fails the put here.
-            self.buffers.lookup(req.buf)
+            session.buffers.lookup(req.buf)
             gather_scatter(mb.array, src_offs.ravel(), staging, stage_offs.ravel(), bb)
         lay = np.broadcast_to(layers[:, None, None], slot_pages.shape)
         hed = np.broadcast_to(np.arange(num_h)[None, :, None], slot_pages.shape)
@@ -466,18 +477,18 @@ class Store:
         uids, inverse = np.unique(req.seqs, return_inverse=True)
         return [(int(u), np.flatnonzero(inverse == i)) for i, u in enumerate(uids)]
 
-    def _get_parts(self, req: Get) -> list[tuple[SeqEntry, np.ndarray | slice]]:
+    def _get_parts(self, req: Get, owner: int) -> list[tuple[SeqEntry, np.ndarray | slice]]:
         """:meth:`_seq_groups` with each sequence's entry. Every sequence must exist and
         all must share a block size."""
-        parts = [(self._entry(uid), at) for uid, at in self._seq_groups(req)]
+        parts = [(self._entry(uid, owner), at) for uid, at in self._seq_groups(req)]
         sizes = {e.geometry.block_bytes for e, _ in parts}
         if len(sizes) > 1:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"the sequences of one get must share a block size, got {sorted(sizes)}")
         return parts
 
-    def get(self, req: Get) -> dict:
+    def get(self, req: Get, session: Session) -> dict:
         t0 = time.perf_counter()
-        parts = self._get_parts(req)
+        parts = self._get_parts(req, session.uid)
         bb = parts[0][0].geometry.block_bytes
         blocks = req.blocks.astype(np.int64)
         for entry, at in parts:
@@ -487,7 +498,7 @@ class Store:
                 if len(bad):
                     i = int(np.arange(len(blocks))[at][bad[0]])
                     raise ProtocolError(ErrorCode.OUT_OF_RANGE, f"block {i}: {name} {int(blocks[i, col])} >= {limit}")
-        mb = self._buffer(req.buf)
+        mb = session.buffers.lookup(req.buf)
         n = len(blocks)
         dst = req.dst if req.dst is not None else np.arange(n, dtype=np.int64) * bb
         _check_span(mb, req.offset, int(dst.max()) + bb, "destination")
@@ -495,7 +506,7 @@ class Store:
         n_hit = n_ssd = reads = bytes_read = 0
         with self.gate.reading():
             # An unregister before this point has unmapped the buffer; after it, it waits for us.
-            self.buffers.lookup(req.buf)
+            session.buffers.lookup(req.buf)
             found = []
             with self.index.lock:  # every sequence's blocks checked before any is copied
                 for entry, at in parts:
@@ -544,7 +555,7 @@ class Store:
             "bytes_read": bytes_read, "ms": (time.perf_counter() - t0) * 1e3,
         }
 
-    def in_dram(self, req: Get, max_bytes: int) -> bool:
+    def in_dram(self, req: Get, session: Session, max_bytes: int) -> bool:
         """Whether ``req`` asks for at most ``max_bytes`` and every block sits in DRAM now
         (False for a request :meth:`get` would refuse). An eviction after this answer only
         sends the get to the SSD for those blocks."""
@@ -554,7 +565,7 @@ class Store:
         looked = []
         for uid, at in self._seq_groups(req):
             entry = self.index.get(uid)
-            if entry is None:
+            if entry is None or entry.owner != session.uid:
                 return False
             blocks = req.blocks[at]
             total += len(blocks) * entry.geometry.block_bytes
@@ -622,26 +633,17 @@ class Store:
 
     # ------------------------------------------------------------ buffers, stats, close
 
-    def _entry(self, uid: int) -> SeqEntry:
+    def _entry(self, uid: int, owner: int) -> SeqEntry:
         entry = self.index.get(uid)
-        if entry is None:
+        if entry is None or entry.owner != owner:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no sequence with uid {uid} (create or open it first)")
         return entry
 
-    def _buffer(self, buf_id: int) -> MappedBuffer:
-        mb = self.buffers.lookup(buf_id)
-        if mb.kind is not BufferKind.SHM:
-            raise ProtocolError(ErrorCode.UNSUPPORTED, f"buffer {buf_id} is not a shared-memory buffer")
-        return mb
-
-    def unregister(self, buf_id: int) -> None:
-        mb = self.buffers.unregister(buf_id)
-        self.gate.retire(lambda: BufferRegistry.close_mapping(mb))
-
-    def stats(self) -> dict:
+    def stats(self, session: Session) -> dict:
+        """Daemon-wide figures (tiers, counters) and the caller's own sequence count."""
         return {
             **self.hello(),
-            "sequences": len(self.index.all()),
+            "sequences": sum(1 for e in self.index.all() if e.owner == session.uid),
             "dram_used_bytes": self.dram.used_bytes,
             "dram_blocks": self.dram.num_blocks,
             "ssd_used_bytes": self.ssd.allocator.used_bytes,
@@ -651,7 +653,6 @@ class Store:
 
     def close(self) -> None:
         self.engine.close()
-        self.buffers.close()
         self.catalog.close()
         self.ssd.close()
         self.dram.close()

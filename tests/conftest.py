@@ -57,8 +57,7 @@ class DaemonProcess:
     def _close_clients(self) -> None:
         for c in self._clients:
             try:
-                c._sock.close()
-                c._ctx.term()
+                c.close()
             except Exception:  # a client the test already closed
                 pass
         self._clients.clear()

@@ -12,7 +12,6 @@ import zmq
 
 from kvdrive.layout.geometry import MAX_PAGES
 from kvdrive_client import Geometry, StoreError
-from kvdrive_client.shm import SharedBuffer
 from kvstored.protocol import PROTOCOL_VERSION
 
 GEOM = Geometry(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", page_size=16)
@@ -38,7 +37,8 @@ def f32(*values) -> bytes:
 
 
 # Each case: (header fields over {"v", "id"} or raw frames, extra frames, expected code, message pattern).
-# Placeholders: "$SEQ" the sequence uid, "$BUF" the registered buffer id, "$SHM" a 4 KiB shm file.
+# Placeholders: "$SEQ" the sequence uid, "$BUF" the registered buffer id; "$DROP" leaves a field out.
+# Every header carries the client's session token unless the case sets (or drops) "session".
 PUT = {"op": "put", "seq": "$SEQ", "layers": [0], "pages": [10], "buf": "$BUF", "offset": 0}
 GET = {"op": "get", "seq": "$SEQ", "buf": "$BUF", "offset": 0, "frames": ["blocks"]}
 GOOD_BLOCK = i32((0, 0, 0))
@@ -58,22 +58,16 @@ CASES = {
     "unknown op": ({"op": "frobnicate"}, [], "unknown_op", "frobnicate"),
     "op missing": ({}, [], "unknown_op", "unknown op None"),
     "op not a string": ({"op": 3}, [], "unknown_op", "unknown op 3"),
-    # -- register
-    "register size missing": ({"op": "register", "kind": "shm", "name": "x"}, [], "bad_field", "'size' is missing"),
-    "register size is a string": ({"op": "register", "kind": "shm", "name": "x", "size": "1M"}, [], "bad_field", "'size' must be an integer"),
-    "register size is a bool": ({"op": "register", "kind": "shm", "name": "x", "size": True}, [], "bad_field", "'size' must be an integer"),
-    "register negative size": ({"op": "register", "kind": "shm", "name": "x", "size": -1}, [], "out_of_range", "'size' = -1"),
-    "register huge size": ({"op": "register", "kind": "shm", "name": "x", "size": 1 << 60}, [], "out_of_range", "'size'"),
-    "register shm name with slash": ({"op": "register", "kind": "shm", "name": "../etc/passwd", "size": 4096}, [], "bad_field", "no slashes"),
-    "register shm name absolute": ({"op": "register", "kind": "shm", "name": "/dev/shm/x", "size": 4096}, [], "bad_field", "no slashes"),
-    "register shm name not a string": ({"op": "register", "kind": "shm", "name": 5, "size": 4096}, [], "bad_field", "'name'"),
-    "register missing shm file": ({"op": "register", "kind": "shm", "name": "kvdrive-no-such-file", "size": 4096}, [], "buffer", "cannot open shared memory 'kvdrive-no-such-file'"),
-    "register shm name is a directory": ({"op": "register", "kind": "shm", "name": "..", "size": 4096}, [], "buffer", "cannot open shared memory '..'"),
-    "register size past the shm file": ({"op": "register", "kind": "shm", "name": "$SHM", "size": 8192}, [], "buffer", "is 4096 bytes, registered as 8192"),
-    "register unknown kind": ({"op": "register", "kind": "floppy", "name": "x", "size": 4096}, [], "bad_field", "'floppy'"),
-    "register cuda ipc": ({"op": "register", "kind": "cuda_ipc", "handle": b"\0" * 64, "size": 4096}, [], "unsupported", "CUDA IPC"),
-    "register handle not bytes": ({"op": "register", "kind": "cuda_ipc", "handle": "abc", "size": 4096}, [], "bad_field", "'handle'"),
-    "unregister unknown buffer": ({"op": "unregister", "buf": 999}, [], "buffer", "buffer 999 is not registered"),
+    # -- sessions and deadlines
+    "no session token": ({"op": "stats", "session": "$DROP"}, [], "session", "'session' must be the 16-byte token"),
+    "session token too short": ({"op": "stats", "session": b"abc"}, [], "session", "16-byte token"),
+    "session token not bytes": ({"op": "stats", "session": "x" * 16}, [], "session", "16-byte token"),
+    "unknown session token": ({"op": "stats", "session": b"\0" * 16}, [], "session", "no open session with this token"),
+    "deadline not a number": ({"op": "stats", "deadline": "soon"}, [], "bad_field", "'deadline' must be a number"),
+    "deadline a bool": ({"op": "stats", "deadline": True}, [], "bad_field", "'deadline' must be a number"),
+    "deadline passed": ({"op": "stats", "deadline": 1.0}, [], "expired", "deadline passed"),
+    "register on the zmq socket": ({"op": "register", "kind": "shm", "name": "x", "size": 4096}, [], "unsupported", "session socket"),
+    "unregister on the zmq socket": ({"op": "unregister", "buf": 1}, [], "unsupported", "session socket"),
     # -- sequences
     "create geometry missing": ({"op": "create", "ns": "t", "seq": "s"}, [], "bad_field", "geometry"),
     "create geometry bad dtype": ({"op": "create", "ns": "t", "seq": "s", "geometry": {**GEOM.to_dict(), "dtype": "int4"}}, [], "bad_field", "dtype 'int4'"),
@@ -172,23 +166,22 @@ def served(module_daemon):
     data = rng.integers(0, 256, (4, 2, STORED_PAGES, BB), dtype=np.uint8)
     client.put(seq, range(4), range(STORED_PAGES), data)
     buf = client.register(BUF_SIZE)
-    small = SharedBuffer(4096)
     raw = RawSocket(d.address)
-    yield d, client, seq, data, buf, raw, small
+    yield d, client, seq, data, buf, raw
     raw.close()
-    small.close()
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_bad_request_gets_an_error_reply(served, case):
-    d, _, seq, _, buf, raw, small = served
+    d, client, seq, _, buf, raw = served
     header, extra, code, pattern = CASES[case]
     if isinstance(header, bytes):
         # Raw frames: the id cannot be read (or the header is refused before decoding).
         frames, req_id = [header], None
     else:
-        ids = {"$SEQ": seq.uid, "$BUF": buf.buf_id, "$SHM": small.name}
-        fields = {k: substitute(v, ids) for k, v in header.items() if v != "$DROP"}
+        ids = {"$SEQ": seq.uid, "$BUF": buf.buf_id}
+        fields = {"session": client.session().token, **header}
+        fields = {k: substitute(v, ids) for k, v in fields.items() if v != "$DROP"}
         req_id = 1000 + list(CASES).index(case)
         frames = [packed({"v": PROTOCOL_VERSION, "id": req_id, **fields}), *extra]
     reply = raw.request(frames)
@@ -201,7 +194,7 @@ def test_bad_request_gets_an_error_reply(served, case):
 
 
 def test_daemon_serves_normally_after_the_table(served):
-    d, client, seq, data, buf, raw, _ = served
+    d, client, seq, data, buf, raw = served
     assert d.alive()
     blocks = np.array([(l, h, p) for l in range(4) for h in range(2) for p in range(STORED_PAGES)])
     np.testing.assert_array_equal(client.get(seq, blocks), data.reshape(-1, BB))
@@ -215,7 +208,7 @@ def test_daemon_serves_normally_after_the_table(served):
 
 
 def test_unreadable_id_is_answered_with_id_none(served):
-    _, client, _, _, _, raw, _ = served
+    _, client, _, _, _, raw = served
     for frame in (b"\xff\xfe", packed(["v", 1]), packed({"v": 1, "op": "hello", "id": True})):
         reply = raw.request([frame])
         assert reply["id"] is None and reply["ok"] is False

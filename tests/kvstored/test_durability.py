@@ -79,9 +79,7 @@ class Putter(threading.Thread):
         except BaseException as exc:  # reported by the test, not swallowed
             self.error = exc
         finally:
-            # Not close(): that would try to unregister buffers with a daemon that is gone.
-            self.client._sock.close(linger=0)
-            self.client._ctx.term()
+            self.client.close()  # talks to no daemon: it closes the session socket and frees the buffers
 
 
 def read_back(client: StoreClient, seq, page: int, seed: int) -> str:
