@@ -142,6 +142,7 @@ CASES = {
     "get repeated frame": ({**GET, "frames": ["blocks", "blocks"]}, [GOOD_BLOCK, GOOD_BLOCK], "bad_field", "repeated"),
     "get seqs length mismatch": ({**GET, "frames": ["blocks", "seqs"]}, [i32((0, 0, 0), (0, 0, 1)), i64(0)], "bad_message", "'seqs' has 1 uids for 2 blocks"),
     "get seqs negative": ({**GET, "frames": ["blocks", "seqs"]}, [GOOD_BLOCK, i64(-1)], "out_of_range", "negative uid"),
+    "get seqs too many sequences": ({**GET, "frames": ["blocks", "seqs"]}, [i32(*[(0, 0, 0)] * (MAX_SEQS_PER_GET + 1)), i64(*range(MAX_SEQS_PER_GET + 1))], "too_large", f"names {MAX_SEQS_PER_GET + 1} sequences, limit {MAX_SEQS_PER_GET}"),
     "get seqs unknown sequence": ({**GET, "frames": ["blocks", "seqs"]}, [GOOD_BLOCK, i64(4242)], "not_found", "no sequence with uid 4242"),
 }
 
