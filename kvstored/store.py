@@ -95,7 +95,6 @@ class _Looked(NamedTuple):
     ssd_off: np.ndarray
     crc: np.ndarray
     dram_off: np.ndarray
-    importance: np.ndarray
     dst: np.ndarray  # where each lands in the client's buffer
 
 
@@ -461,7 +460,8 @@ class Store:
 
         Residents are ranked by importance, then by last use; a candidate displaces the
         lowest-ranked resident only if it ranks higher itself. With ``expect_crc`` (the
-        source is client memory) only copies that verify against it are kept.
+        source is client memory) only copies that verify against it are kept. Without
+        ``importance`` the index's is used.
         """
         bb = entry.geometry.block_bytes
         if not self.dram.capacity or (not replace and not self.dram.has_room(bb)):
@@ -470,6 +470,8 @@ class Store:
             if self.index.get(entry.uid) is not entry:
                 return
             cols = entry.columns(pages)  # under the lock: a put may move the window
+            if importance is None:
+                importance = entry.importance[layers, heads, cols]
             absent = entry.dram_off[layers, heads, cols] < 0
             lin = np.ravel_multi_index((layers, heads, cols), entry.dram_off.shape)
             _, first = np.unique(lin, return_index=True)
@@ -608,7 +610,7 @@ class Store:
                             f"page {pag[i]}) of {entry.ns}/{entry.name}",
                         )
                     found.append(_Looked(entry, lay, hed, pag, col, ssd_off, entry.crc[lay, hed, col],
-                                         entry.dram_off[lay, hed, col], entry.importance[lay, hed, col], dst[at]))
+                                         entry.dram_off[lay, hed, col], dst[at]))
                 tick = next(self._tick)
                 for f in found:
                     f.entry.last_use[f.lay, f.hed, f.col] = tick
@@ -626,7 +628,7 @@ class Store:
             reads, bytes_read = plan.num_reads, plan.bytes_read
             for f, miss in zip(found, misses):
                 if len(miss):
-                    self._admit(f.entry, f.lay[miss], f.hed[miss], f.pag[miss], f.importance[miss], mb.array, f.dst[miss],
+                    self._admit(f.entry, f.lay[miss], f.hed[miss], f.pag[miss], None, mb.array, f.dst[miss],
                                 replace=False, expect_crc=f.crc[miss])
                 n_ssd += len(miss)
         self.counters["gets"] += 1
