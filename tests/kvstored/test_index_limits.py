@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import resource
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-import zmq
 
 from kvdrive.layout.geometry import MAX_PAGES
-from kvdrive_client import Geometry, StoreFullError
-from kvstored.protocol import MAX_SEQS_PER_GET, Op, decode_reply, request_frames
+from kvdrive_client import Geometry, StoreError, StoreFullError
+from kvstored.protocol import MAX_SEQS_PER_GET, ErrorCode
 
 LLAMA = Geometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16", page_size=16)
 # Llama's 256 (layer, head) slots per page with 32-byte blocks: index-heavy, data-light.
@@ -52,69 +52,40 @@ def every_block(geom: Geometry, layers, pages) -> np.ndarray:
     return np.array([(l, h, p) for l in layers for h in range(geom.num_kv_heads) for p in pages])
 
 
-class Raw:
-    """DEALER sockets that send requests without waiting, one per simulated client."""
-
-    def __init__(self, address: str, count: int) -> None:
-        self.ctx = zmq.Context()
-        self.socks = []
-        for _ in range(count):
-            s = self.ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(address)
-            self.socks.append(s)
-
-    def send(self, i: int, op: Op, req_id: int, fields: dict, arrays: dict | None = None) -> None:
-        self.socks[i].send_multipart(request_frames(op, req_id, fields, arrays))
-
-    def reply(self, i: int, timeout_s: float = 30.0) -> dict:
-        assert self.socks[i].poll(int(timeout_s * 1000), zmq.POLLIN), f"no reply on socket {i} within {timeout_s} s"
-        return decode_reply(self.socks[i].recv())
-
-    def close(self) -> None:
-        for s in self.socks:
-            s.close()
-        self.ctx.term()
-
-
-def put_fields(seq, pages, buf, layers=(0,)) -> dict:
-    return {"seq": seq.uid, "layers": list(layers), "pages": list(pages), "buf": buf.buf_id, "offset": 0}
-
-
 def test_a_put_far_past_the_stored_pages_fails_alone_and_the_store_reopens(daemon_factory):
     d = started(daemon_factory)
-    c1, c2 = d.client(), d.client()
+    c1, c2, c3 = d.client(), d.client(), d.client()
     far = c1.create("t", "far", LLAMA)
     c1.put(far, [0], [0], blocks_of(LLAMA, [0], [0], 1))
     near = c2.create("t", "near", LLAMA)
     good = blocks_of(LLAMA, [0], [0], 2)
-    src_bad, src_good = c1.register(1 * MiB), c2.register(1 * MiB)
-    src_bad.array[: good.nbytes] = 7
-    src_good.array[: good.nbytes] = good.reshape(-1)
+    # A 16 MiB put, laid out beforehand, holds the writer while the two small puts queue
+    # behind it: they are gathered into one write group (with it, or after it).
+    holder = c3.create("t", "holder", SMALL)
+    hold_pages = (16 * MiB) // (SMALL.num_layers * SMALL.num_kv_heads * SMALL.block_bytes)
+    hold_src = c3.register(16 * MiB)
+    hold_src.array[:] = 5
     before = memory_kib(d.proc.pid)
-    raw = Raw(d.address, 3)
-    try:
-        # A create queued first holds the writer while both puts queue behind it: one write group.
-        raw.send(0, Op.CREATE, 1, {"ns": "t", "seq": "holder", "geometry": SMALL.to_dict()})
-        raw.send(1, Op.PUT, 2, put_fields(far, [MAX_PAGES - 1], src_bad))
-        raw.send(2, Op.PUT, 3, put_fields(near, [0], src_good))
-        held, bad, ok = raw.reply(0), raw.reply(1), raw.reply(2)
-    finally:
-        raw.close()
-    assert held["ok"], held
-    assert ok["ok"] and ok["blocks"] == LLAMA.num_kv_heads, ok
-    assert not bad["ok"] and bad["code"] == "too_large", bad
-    assert "span" in bad["error"] and "in order" in bad["error"], bad["error"]
+    with ThreadPoolExecutor(3) as pool:
+        held = pool.submit(c3.put_from, holder, range(4), range(hold_pages), hold_src)
+        bad = pool.submit(c1.put, far, [0], [MAX_PAGES - 1], blocks_of(LLAMA, [0], [0], 3))
+        ok = pool.submit(c2.put, near, [0], [0], good)
+        refused = bad.exception(30)
+        assert ok.result(30) == LLAMA.num_kv_heads and held.result(30) == 4 * 2 * hold_pages
+    assert isinstance(refused, StoreError) and refused.code is ErrorCode.TOO_LARGE, refused
+    assert "span" in str(refused) and "in order" in str(refused), refused
     grown = memory_kib(d.proc.pid)["VmHWM"] - before["VmHWM"]
-    assert grown < 64 * 1024, f"the daemon's peak RSS grew by {grown} KiB"
+    assert grown < 128 * 1024, f"the daemon's peak RSS grew by {grown} KiB"
     np.testing.assert_array_equal(c2.get(near, every_block(LLAMA, [0], [0])), good.reshape(-1, LLAMA.block_bytes))
 
     assert d.stop() == 0
     d.start()
     c = d.client()
-    assert c.open("t", "near").complete_pages == 0  # layer 0 only
-    np.testing.assert_array_equal(c.get(c.open("t", "near"), every_block(LLAMA, [0], [0])), good.reshape(-1, LLAMA.block_bytes))
+    near = c.open("t", "near")
+    assert near.num_blocks == LLAMA.num_kv_heads
+    np.testing.assert_array_equal(c.get(near, every_block(LLAMA, [0], [0])), good.reshape(-1, LLAMA.block_bytes))
     assert c.open("t", "far").num_blocks == LLAMA.num_kv_heads
+    assert c.open("t", "holder").complete_pages == hold_pages
 
 
 def test_a_lone_put_far_out_costs_its_own_pages_only(daemon_factory):
@@ -182,28 +153,23 @@ def test_the_index_budget_refuses_with_full_and_frees_on_delete(daemon_factory):
 
 def test_a_get_naming_too_many_sequences_is_refused_at_once(daemon_factory):
     d = started(daemon_factory)
-    c = d.client()
+    c, other = d.client(), d.client()
     seq = c.create("t", "one", SMALL)
     c.put(seq, [0], [0], blocks_of(SMALL, [0], [0], 9))
     buf = c.register(1 * MiB)
     n = 50_000
-    blocks = np.zeros((n, 3), dtype=np.int32)
-    raw = Raw(d.address, 2)
-    try:
-        t0 = time.monotonic()
-        raw.send(0, Op.GET, 1, {"seq": seq.uid, "buf": buf.buf_id, "offset": 0},
-                 {"blocks": blocks, "seqs": np.arange(n, dtype=np.int64)})
-        raw.send(1, Op.HELLO, 2, {})
-        hello = raw.reply(1)
-        hello_s = time.monotonic() - t0
-        refused = raw.reply(0)
-        refused_s = time.monotonic() - t0
-    finally:
-        raw.close()
-    assert hello["ok"] and hello_s < 1.0, f"hello waited {hello_s:.2f} s behind a get naming {n} sequences"
-    assert not refused["ok"] and refused["code"] == "too_large", (refused, f"answered in {refused_s:.2f} s")
+    t0 = time.monotonic()
+    pending = c.get_async(seq, np.zeros((n, 3), dtype=np.int32), buf, dst=np.zeros(n, dtype=np.int64),
+                          seqs=np.arange(n, dtype=np.int64))
+    assert other.stats()["pid"] == d.proc.pid
+    stats_s = time.monotonic() - t0
+    with pytest.raises(StoreError) as refused:
+        pending.wait(30)
+    refused_s = time.monotonic() - t0
+    assert stats_s < 1.0, f"another client's stats waited {stats_s:.2f} s behind a get naming {n} sequences"
+    assert refused.value.code is ErrorCode.TOO_LARGE, (refused.value, f"answered in {refused_s:.2f} s")
+    assert f"names {n} sequences, limit {MAX_SEQS_PER_GET}" in str(refused.value)
     assert refused_s < 1.0, f"the refusal took {refused_s:.2f} s"
-    assert f"names {n} sequences, limit {MAX_SEQS_PER_GET}" in refused["error"]
 
 
 @pytest.mark.parametrize("dram", ["64M", "0"])
