@@ -23,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssd", required=True, metavar="DIR", help="directory of the SSD tier (data file, LMDB metadata)")
     p.add_argument("--dram", required=True, metavar="SIZE", help="DRAM tier size, e.g. 512M or 96G (K/M/G/T = powers of 1024)")
     p.add_argument("--ssd-max", default="1T", metavar="SIZE", help="cap on the SSD tier; puts past it get a 'full' error")
+    p.add_argument("--index-max", default="4G", metavar="SIZE",
+                   help="cap on the in-memory block index (32 bytes per (layer, head, page) of each sequence's page "
+                        "window); puts and creates past it get a 'full' error")
     p.add_argument(
         "--listen", default="", metavar="ADDR",
         help=f"ipc://PATH or tcp://127.0.0.1:PORT (default ipc://{default_runtime_dir()}/kvstored.sock)",
@@ -62,6 +65,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         ssd_dir=args.ssd,
         dram_bytes=parse_size(args.dram),
         ssd_max_bytes=parse_size(args.ssd_max),
+        index_max_bytes=parse_size(args.index_max),
         address=args.listen,
         io_threads=args.io_threads,
         get_workers=args.get_workers,

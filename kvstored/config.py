@@ -98,6 +98,8 @@ class DaemonConfig:
     direct_io: bool = True
     max_message_bytes: int = 64 << 20
     max_blocks_per_request: int = 1 << 22
+    # Cap on the in-memory block index (kvstored.index): puts and creates past it get 'full'.
+    index_max_bytes: int = 4 << 30
     lmdb_map_bytes: int = 64 << 30
     engine: str = "auto"
     # Stop when this process is no longer our parent (a private daemon outliving a crashed client).
@@ -125,6 +127,8 @@ class DaemonConfig:
             raise ValueError(f"--max-gap must be >= 0, got {self.max_gap_bytes}")
         if self.max_io_bytes < 4096:
             raise ValueError(f"--max-io must be >= 4K, got {self.max_io_bytes}")
+        if self.index_max_bytes < 1 << 20:
+            raise ValueError(f"--index-max must be at least 1M, got {self.index_max_bytes}")
         if self.sync not in SyncPolicy.ALL:
             raise ValueError(f"--sync must be one of {', '.join(SyncPolicy.ALL)}, got {self.sync!r}")
         if self.engine not in ENGINES:

@@ -2,20 +2,72 @@
 
 LMDB holds the durable copy (see catalog.py); this index is rebuilt from it at
 start-up and answers a sparse get's lookups with a few vectorised numpy gathers.
-Per sequence it keeps ``[layers, heads, pages]`` arrays, grown by doubling along
-the page axis as decode appends pages.
+Per sequence it keeps dense ``[layers, heads, window]`` arrays over a window of
+pages ``[first_page, first_page + capacity)``, grown by doubling as decode
+appends pages.
+
+Memory, and the two limits that keep it proportional to what is stored:
+
+- A new sequence holds no arrays at all; the first put allocates its window, which
+  starts at that put's lowest page (a sequence that stores pages 400.. after a shared
+  prefix pays nothing for pages 0..399).
+- The page span: the window may cover at most
+  ``PAGE_SPAN_FACTOR * (pages stored + the put's pages) + PAGE_SPAN_SLACK`` pages, so a
+  put far past the stored pages (page 2^24 - 1 after page 0) is refused
+  (:class:`PageSpanError`) instead of asking for gigabytes. Dense use, in order
+  from any first page, never comes near it.
+- The byte budget: all windows together, at :data:`SLOT_BYTES` per
+  (layer, head, page) slot plus :data:`ENTRY_BYTES` per sequence, stay within
+  ``max_bytes`` (``--index-max``); past it a put or create is refused
+  (:class:`IndexFullError`).
+
+Life cycle of a growth, on the writer thread: :meth:`BlockIndex.plan_growth` checks
+both limits and says what the window becomes (nothing changes); :meth:`BlockIndex.grow`
+allocates the new arrays (the one step that can fail, with MemoryError) and swaps them
+in under the lock. Both run in ``Store.prepare_put``, before anything is committed, so
+publishing a committed put is assignments into arrays that already exist.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from kvdrive.layout.geometry import Geometry
+from kvstored.config import format_size
 
 ABSENT = -1
+# Bytes per (layer, head, page) slot: ssd_off int64, crc uint32, dram_off int64,
+# importance float32, last_use int64.
+SLOT_BYTES = 8 + 4 + 8 + 4 + 8
+# What a sequence costs before it stores a block (its entry, names, dict slots).
+ENTRY_BYTES = 1024
+PAGE_SPAN_FACTOR = 2
+PAGE_SPAN_SLACK = 1024
+
+
+class IndexLimitError(Exception):
+    """A put or create the index refuses: it would grow past a documented limit."""
+
+
+class PageSpanError(IndexLimitError):
+    """The put's pages lie too far from the pages the sequence stores."""
+
+
+class IndexFullError(IndexLimitError):
+    """The put or create would take the index past its byte budget."""
+
+
+class Growth(NamedTuple):
+    """What a sequence's window becomes for one put (see :meth:`BlockIndex.plan_growth`)."""
+
+    first_page: int
+    capacity: int
+    lo: int  # the pages reserved: [lo, hi)
+    hi: int
 
 
 @dataclass
@@ -31,65 +83,95 @@ class SeqEntry:
     dram_off: np.ndarray = field(init=False)
     importance: np.ndarray = field(init=False)
     last_use: np.ndarray = field(init=False)
+    # Whether any block of page first_page + i is stored, and how many pages are.
+    has_page: np.ndarray = field(init=False)
+    num_pages: int = 0
     num_blocks: int = 0
+    # Page number of column 0 of the arrays.
+    first_page: int = 0
+    # Pages [lo_page, hi_page) are reserved: stored, or being written by a prepared put.
+    lo_page: int = 0
+    hi_page: int = 0
     # (offset, bytes) of every extent on SSD, so a delete can free them.
     extents: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._alloc(16)
+        self._install(_arrays(self.geometry, 0))
 
-    def _alloc(self, cap: int) -> None:
-        shape = (self.geometry.num_layers, self.geometry.num_kv_heads, cap)
-        self.ssd_off = np.full(shape, ABSENT, dtype=np.int64)
-        self.crc = np.zeros(shape, dtype=np.uint32)
-        self.dram_off = np.full(shape, ABSENT, dtype=np.int64)
-        self.importance = np.zeros(shape, dtype=np.float32)
-        self.last_use = np.zeros(shape, dtype=np.int64)
+    def _install(self, arrays: tuple[np.ndarray, ...]) -> None:
+        self.ssd_off, self.crc, self.dram_off, self.importance, self.last_use, self.has_page = arrays
 
     @property
     def capacity(self) -> int:
         return self.ssd_off.shape[2]
 
-    def ensure_pages(self, num_pages: int) -> None:
-        """Grow the page axis (called by the single writer before it publishes)."""
-        cap = self.capacity
-        if num_pages <= cap:
-            return
-        while cap < num_pages:
-            cap *= 2
-        old = (self.ssd_off, self.crc, self.dram_off, self.importance, self.last_use)
-        n = old[0].shape[2]
-        self._alloc(cap)
-        for new, prev in zip((self.ssd_off, self.crc, self.dram_off, self.importance, self.last_use), old):
-            new[:, :, :n] = prev
+    @property
+    def nbytes(self) -> int:
+        """What this entry counts against the index budget."""
+        return index_bytes(self.geometry, self.capacity)
 
-    def stored_pages(self) -> np.ndarray:
-        """Number of stored pages per (layer, head)."""
-        return (self.ssd_off >= 0).sum(axis=2)
+    def columns(self, pages: np.ndarray) -> np.ndarray:
+        """Array columns of ``pages`` (each must lie in the window)."""
+        return pages - self.first_page
+
+    def inside(self, pages: np.ndarray) -> np.ndarray:
+        """Which of ``pages`` lie in the window."""
+        return (pages >= self.first_page) & (pages < self.first_page + self.capacity)
+
+    @property
+    def complete_pages(self) -> int:
+        """Pages 0..n-1 all of whose blocks are stored (index lock held)."""
+        if self.first_page or not self.capacity:
+            return 0
+        complete = (self.ssd_off >= 0).all(axis=(0, 1))
+        return int(np.argmin(complete)) if not complete.all() else len(complete)
 
     @property
     def bytes(self) -> int:
         return self.num_blocks * self.geometry.block_bytes
 
 
-class BlockIndex:
-    """Sequences by uid and by (owner uid, namespace, name); guarded by one lock for structure."""
+def index_bytes(geometry: Geometry, capacity: int) -> int:
+    return ENTRY_BYTES + capacity * (geometry.num_layers * geometry.num_kv_heads * SLOT_BYTES + 1)
 
-    def __init__(self) -> None:
+
+def _arrays(g: Geometry, cap: int) -> tuple[np.ndarray, ...]:
+    shape = (g.num_layers, g.num_kv_heads, cap)
+    return (
+        np.full(shape, ABSENT, dtype=np.int64), np.zeros(shape, dtype=np.uint32), np.full(shape, ABSENT, dtype=np.int64),
+        np.zeros(shape, dtype=np.float32), np.zeros(shape, dtype=np.int64), np.zeros(cap, dtype=bool),
+    )
+
+
+class BlockIndex:
+    """Sequences by uid and by (owner uid, namespace, name); guarded by one lock for structure.
+
+    ``num_bytes`` (what every entry counts, see :data:`SLOT_BYTES`) changes on the
+    writer thread only: :meth:`add`, :meth:`remove` and :meth:`grow`.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
         self.lock = threading.Lock()
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
         self._by_uid: dict[int, SeqEntry] = {}
         self._by_name: dict[tuple[int, str, str], int] = {}
+
+    def can_add(self) -> bool:
+        return self.num_bytes + ENTRY_BYTES <= self.max_bytes
 
     def add(self, entry: SeqEntry) -> None:
         with self.lock:
             self._by_uid[entry.uid] = entry
             self._by_name[(entry.owner, entry.ns, entry.name)] = entry.uid
+            self.num_bytes += entry.nbytes
 
     def remove(self, uid: int) -> SeqEntry | None:
         with self.lock:
             entry = self._by_uid.pop(uid, None)
             if entry is not None:
                 self._by_name.pop((entry.owner, entry.ns, entry.name), None)
+                self.num_bytes -= entry.nbytes
             return entry
 
     def get(self, uid: int) -> SeqEntry | None:
@@ -102,3 +184,67 @@ class BlockIndex:
     def all(self) -> list[SeqEntry]:
         with self.lock:
             return list(self._by_uid.values())
+
+    # ------------------------------------------------------------ growth (writer thread)
+
+    def plan_growth(self, entry: SeqEntry, pages: np.ndarray, enforce: bool = True) -> Growth:
+        """The window ``entry`` needs to also hold ``pages``; changes nothing.
+
+        With ``enforce`` (every put; not the start-up load of what LMDB holds) a window
+        past the page span or the byte budget raises :class:`IndexLimitError`.
+        """
+        pmin, pmax = int(pages.min()), int(pages.max()) + 1
+        lo, hi = (min(entry.lo_page, pmin), max(entry.hi_page, pmax)) if entry.hi_page > entry.lo_page else (pmin, pmax)
+        span_limit = PAGE_SPAN_FACTOR * (entry.num_pages + len(pages)) + PAGE_SPAN_SLACK
+        if enforce and hi - lo > span_limit:
+            raise PageSpanError(
+                f"pages {lo}..{hi - 1} of {entry.ns}/{entry.name} span {hi - lo} pages for {entry.num_pages} stored "
+                f"and {len(pages)} put; the index holds a window of at most {PAGE_SPAN_FACTOR} x (stored + put) + "
+                f"{PAGE_SPAN_SLACK} pages per sequence: put pages near the stored ones (in order, as decode appends "
+                f"them), or use another sequence for a far range"
+            )
+        cap, first = entry.capacity, entry.first_page
+        if cap and first <= lo and hi <= first + cap:
+            return Growth(first, cap, lo, hi)
+        if not cap:
+            first, need, roomy = lo, hi - lo, hi - lo
+        else:
+            first = min(first, lo)
+            need = max(hi, entry.first_page + cap) - first
+            roomy = max(need, 2 * cap)  # doubling keeps appends amortised O(1)
+        new_cap = roomy
+        if enforce:
+            others = self.num_bytes - entry.nbytes
+            if others + index_bytes(entry.geometry, roomy) > self.max_bytes:
+                new_cap = need
+            if others + index_bytes(entry.geometry, need) > self.max_bytes:
+                raise IndexFullError(
+                    f"block index full: a window of {need} pages for {entry.ns}/{entry.name} needs "
+                    f"{format_size(index_bytes(entry.geometry, need))}, and {format_size(others)} of --index-max "
+                    f"{format_size(self.max_bytes)} are held by other sequences: delete sequences or raise --index-max"
+                )
+        return Growth(first, new_cap, lo, hi)
+
+    def grow(self, entry: SeqEntry, growth: Growth) -> None:
+        """Give ``entry`` the window of ``growth``: allocate (may raise MemoryError, leaving
+        the entry as it was), then copy and swap under the lock (cannot fail)."""
+        if growth.capacity == entry.capacity and growth.first_page == entry.first_page:
+            entry.lo_page, entry.hi_page = growth.lo, growth.hi
+            return
+        arrays = _arrays(entry.geometry, growth.capacity)
+        shift = entry.first_page - growth.first_page
+        with self.lock:
+            old = (entry.ssd_off, entry.crc, entry.dram_off, entry.importance, entry.last_use)
+            for new, prev in zip(arrays, old):
+                new[:, :, shift : shift + prev.shape[2]] = prev
+            arrays[5][shift : shift + entry.capacity] = entry.has_page
+            before = entry.nbytes
+            entry._install(arrays)
+            entry.first_page = growth.first_page
+            entry.lo_page, entry.hi_page = growth.lo, growth.hi
+            self.num_bytes += entry.nbytes - before
+
+    def mark_pages(self, entry: SeqEntry, columns: np.ndarray) -> None:
+        """Count ``columns`` (distinct, of a published put) as stored pages (index lock held)."""
+        entry.num_pages += len(columns) - int(np.count_nonzero(entry.has_page[columns]))
+        entry.has_page[columns] = True

@@ -19,6 +19,7 @@ from the store with the same codes.
 from __future__ import annotations
 
 import enum
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +29,15 @@ import numpy as np
 
 from kvdrive.layout.geometry import MAX_PAGES, Geometry
 
+log = logging.getLogger(__name__)
+
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 64 << 10
 MAX_NAME_BYTES = 256
+MAX_LAYERS_PER_PUT = 1 << 12
+# Distinct sequences one get's 'seqs' may name (a micro-batch's rows); the store groups
+# blocks by sequence and looks each one up, so this bounds a get's per-sequence work.
+MAX_SEQS_PER_GET = 1024
 _NAME_RE = re.compile(r"^[\x21-\x7e]{1,256}$")
 SESSION_TOKEN_BYTES = 16
 # Sequences in one list reply at most (a client pages with 'after').
@@ -252,7 +259,10 @@ class _Fields:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be a list of 1..{max_len} integers")
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must hold integers only")
-        a = np.asarray(v, dtype=np.int64)
+        try:
+            a = np.asarray(v, dtype=np.int64)
+        except OverflowError:  # msgpack reads up to 2^64 - 1
+            raise ProtocolError(ErrorCode.OUT_OF_RANGE, f"field {name!r} has values outside {lo}..{hi}") from None
         if a.min() < lo or a.max() > hi:
             raise ProtocolError(ErrorCode.OUT_OF_RANGE, f"field {name!r} has values outside {lo}..{hi}")
         if len(np.unique(a)) != len(a):
@@ -330,11 +340,16 @@ def parse_request(frames: list, max_message_bytes: int, max_blocks: int) -> Enve
     except ProtocolError as exc:
         exc.req_id = req_id  # type: ignore[attr-defined]
         raise
+    except Exception as exc:  # a field this parser checks too little: still a refusal, with the id
+        log.warning("request %d: unexpected %s while parsing", req_id, exc.__class__.__name__, exc_info=True)
+        err = ProtocolError(ErrorCode.BAD_MESSAGE, f"request could not be parsed: {exc.__class__.__name__}: {exc}"[:500])
+        err.req_id = req_id  # type: ignore[attr-defined]
+        raise err from None
 
 
 def _parse_op(header: dict, frames: list, max_bytes: int, max_blocks: int) -> Request:
     version = header.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:  # True == 1 == 1.0
         raise ProtocolError(ErrorCode.BAD_VERSION, f"protocol version {version!r} is not {PROTOCOL_VERSION}")
     if header.get("op") in ("register", "unregister"):
         raise ProtocolError(
@@ -361,7 +376,7 @@ def _parse_op(header: dict, frames: list, max_bytes: int, max_blocks: int) -> Re
     if op is Op.LIST:
         return ListSeqs(f.name("ns", required=False), f.int("after", 0, 1 << 62, 0), f.int("limit", 1, MAX_LIST, MAX_LIST))
     if op is Op.PUT:
-        layers = f.int_array("layers", 0, 1 << 20, 1 << 12)
+        layers = f.int_array("layers", 0, 1 << 20, MAX_LAYERS_PER_PUT)
         pages = f.int_array("pages", 0, MAX_PAGES - 1, max_blocks)
         arrays = _arrays(header, frames, PUT_ARRAYS, max_bytes)
         return Put(

@@ -313,17 +313,30 @@ class Server:
         self._commit(prepared)
 
     def _commit(self, prepared: list[tuple[bytes, int, PreparedPut]]) -> None:
+        """Commit a write group; every put of it is told what became of it.
+
+        Only the shared commit (fsync, LMDB) fails the whole group, and then none of it is
+        durable; a put the store could not publish is refused alone.
+        """
         if not prepared:
             return
         try:
-            self.store.commit_puts([p for _, _, p in prepared])
+            refused = self.store.commit_puts([p for _, _, p in prepared])
+        except ProtocolError as exc:
+            log.error("commit of %d puts failed: %s", len(prepared), exc)
+            for ident, req_id, _ in prepared:
+                self._send([ident, *error_reply(req_id, exc.code, str(exc))])
+            return
         except Exception as exc:
             log.exception("commit of %d puts failed", len(prepared))
             for ident, req_id, _ in prepared:
-                self._send([ident, *error_reply(req_id, ErrorCode.IO, f"commit failed: {exc}")])
+                self._send([ident, *error_reply(req_id, ErrorCode.INTERNAL, f"commit failed: {exc.__class__.__name__}: {exc}")])
             return
-        for ident, req_id, p in prepared:
-            self._send([ident, *ok_reply(req_id, blocks=len(p.pages))])
+        for i, (ident, req_id, p) in enumerate(prepared):
+            if i in refused:
+                self._send([ident, *error_reply(req_id, refused[i].code, str(refused[i]))])
+            else:
+                self._send([ident, *ok_reply(req_id, blocks=len(p.pages))])
 
 
 def _check_deadline(env: Envelope) -> None:

@@ -5,16 +5,20 @@ Threading contract (the server keeps it):
   the single writer thread, which owns LMDB writes and the SSD allocator.
 - :meth:`get`, :meth:`open`, :meth:`list`, :meth:`stats` run on any thread.
 
+A put is two-phase: ``prepare_put`` checks the request (the index's page window and
+byte budget included, see index.py), allocates extents, writes the blocks to the data
+file and grows the index arrays the put will land in; ``commit_puts`` makes a group of
+prepared puts durable (one fdatasync, one LMDB commit) and only then publishes them to
+the index (assignments into those arrays) and the DRAM tier (a cache: a block it does
+not take is read from the SSD). Everything that can fail for one put fails in its
+prepare, so it is refused alone; only the shared commit fails a whole group, and then
+none of it is durable. A put that fails in either phase leaves no blocks behind: its
+extents are unreferenced space that the allocator takes back.
+
 Every sequence belongs to the uid that created it: lookups by name take the caller's
 uid, and a request naming another owner's sequence by uid is told it does not exist
 (the same words as for a uid never used), so uids say nothing about other tenants.
 Buffers are looked up in the calling session's registry only.
-
-A put is two-phase: ``prepare_put`` checks the request, allocates extents and
-writes the blocks to the data file; ``commit_puts`` makes a group of prepared puts
-durable (one fdatasync, one LMDB commit) and only then publishes them to the
-index and the DRAM tier. A put that fails in either phase leaves nothing behind:
-its extents are unreferenced space that the allocator takes back.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+import lmdb
 import numpy as np
 
 from kvdrive.layout import ALIGN, ReadPlan, SpaceError, align_up, packing_order, plan_reads
@@ -41,10 +46,10 @@ from kvstored.checksum import block_crcs, verify_scatter
 from kvstored.copy import address_tags, gather_scatter
 from kvstored.dram import DramTier
 from kvstored.gate import ReclaimGate
-from kvstored.index import BlockIndex, SeqEntry
+from kvstored.index import BlockIndex, Growth, IndexFullError, PageSpanError, SeqEntry
 from kvstored.io_engine import AlignedScratch, choose_engine
 from kvstored.ssd import SsdTier
-from kvstored.protocol import Create, Delete, ErrorCode, Get, ListSeqs, OpenSeq, ProtocolError, Put
+from kvstored.protocol import MAX_SEQS_PER_GET, Create, Delete, ErrorCode, Get, ListSeqs, OpenSeq, ProtocolError, Put
 from kvstored.sessions import Session
 
 log = logging.getLogger(__name__)
@@ -74,6 +79,8 @@ class PreparedPut:
     pages: np.ndarray
     importance: np.ndarray
     crc: np.ndarray
+    ssd_off: np.ndarray  # where each block lies in the data file
+    page_ids: np.ndarray  # the put's distinct pages
     counts: Counter = field(default_factory=Counter)
 
     def release(self) -> None:
@@ -88,6 +95,7 @@ class _Looked(NamedTuple):
     lay: np.ndarray
     hed: np.ndarray
     pag: np.ndarray
+    col: np.ndarray  # the page's column in the entry's arrays
     ssd_off: np.ndarray
     crc: np.ndarray
     dram_off: np.ndarray
@@ -105,7 +113,7 @@ class Store:
         self.engine = choose_engine(cfg.engine, cfg.io_threads, str(self.ssd.path), self.ssd.direct)
         self._scratch = AlignedScratch()  # per get worker: where its SSD reads land
         self.dram = DramTier(cfg.dram_bytes)
-        self.index = BlockIndex()
+        self.index = BlockIndex(cfg.index_max_bytes)
         self.gate = ReclaimGate()
         self.counters: Counter[str] = Counter()
         self._tick = itertools.count(1)
@@ -122,21 +130,33 @@ class Store:
     def _load(self) -> None:
         for rec in self.catalog.sequences():
             self.index.add(SeqEntry(rec.uid, rec.ns, rec.name, rec.geometry, rec.created))
-        used = []
+        by_uid: dict[int, list[ExtentRecord]] = {}
         for ext in self.catalog.iter_extents():
-            entry = self.index.get(ext.uid)
-            if entry is None:
+            if self.index.get(ext.uid) is None:
                 raise RuntimeError(f"extent {ext.extent_id} belongs to unknown sequence {ext.uid}: catalog damaged")
+            by_uid.setdefault(ext.uid, []).append(ext)
+        used = []
+        for uid, exts in by_uid.items():
+            entry = self.index.get(uid)
             bb = entry.geometry.block_bytes
-            entry.ensure_pages(int(ext.pages.max()) + 1)
-            slots = np.arange(len(ext.pages), dtype=np.int64)
-            entry.ssd_off[ext.layer, ext.head, ext.pages] = ext.offset + slots * bb
-            entry.crc[ext.layer, ext.head, ext.pages] = ext.crc
-            entry.importance[ext.layer, ext.head, ext.pages] = ext.importance
-            entry.extents.append((ext.offset, len(ext.pages) * bb))
-            entry.num_blocks += len(ext.pages)
-            used.append((ext.offset, len(ext.pages) * bb))
+            # One window for everything stored: what LMDB holds is loaded whatever the limits.
+            ends = np.array([(int(e.pages.min()), int(e.pages.max())) for e in exts])
+            self.index.grow(entry, self.index.plan_growth(entry, np.array([ends[:, 0].min(), ends[:, 1].max()]), enforce=False))
+            for ext in exts:
+                cols = entry.columns(ext.pages.astype(np.int64))
+                slots = np.arange(len(ext.pages), dtype=np.int64)
+                entry.ssd_off[ext.layer, ext.head, cols] = ext.offset + slots * bb
+                entry.crc[ext.layer, ext.head, cols] = ext.crc
+                entry.importance[ext.layer, ext.head, cols] = ext.importance
+                entry.has_page[cols] = True
+                entry.extents.append((ext.offset, len(ext.pages) * bb))
+                entry.num_blocks += len(ext.pages)
+                used.append((ext.offset, len(ext.pages) * bb))
+            entry.num_pages = int(np.count_nonzero(entry.has_page))
         self.ssd.load(used)
+        if self.index.num_bytes > self.index.max_bytes:
+            log.warning("the block index holds %s, past --index-max %s: puts that grow it are refused until sequences "
+                        "are deleted", format_size(self.index.num_bytes), format_size(self.index.max_bytes))
 
     # ------------------------------------------------------------ catalog ops
 
@@ -162,12 +182,20 @@ class Store:
                 ErrorCode.EXISTS,
                 f"sequence {req.ns}/{req.seq} exists" + ("" if found.geometry == req.geometry else " with another geometry"),
             )
+        if not self.index.can_add():
+            raise ProtocolError(
+                ErrorCode.FULL,
+                f"block index full: {format_size(self.index.num_bytes)} of --index-max "
+                f"{format_size(self.index.max_bytes)}; delete sequences or raise --index-max",
+            )
         uid = self.catalog.next_uid
-        self.catalog.next_uid += 1
         rec = SeqRecord(uid, req.ns, req.seq, req.geometry, time.time())
+        # The entry holds no arrays until its first put; made before the commit, so nothing
+        # that can fail is left once the sequence is durable.
+        entry = SeqEntry(uid, req.ns, req.seq, req.geometry, rec.created, owner=owner)
+        self.catalog.next_uid += 1
         with self.catalog.begin() as txn:
             self.catalog.add_sequence(txn, rec)
-        entry = SeqEntry(uid, req.ns, req.seq, req.geometry, rec.created, owner=owner)
         self.index.add(entry)
         log.info("created %s/%s (uid %d, %d B blocks)", req.ns, req.seq, uid, req.geometry.block_bytes)
         return self._describe(entry)
@@ -189,9 +217,7 @@ class Store:
 
     def _describe(self, entry: SeqEntry) -> dict:
         with self.index.lock:
-            stored = entry.ssd_off >= 0
-            complete = stored.all(axis=(0, 1))
-            prefix = int(np.argmin(complete)) if not complete.all() else len(complete)
+            prefix = entry.complete_pages
             dram_blocks = int((entry.dram_off >= 0).sum())
         return {
             "ns": entry.ns, "seq": entry.name, "uid": entry.uid, "geometry": entry.geometry.to_dict(),
@@ -228,6 +254,11 @@ class Store:
             raise ProtocolError(ErrorCode.OUT_OF_RANGE, f"layer {int(layers.max())} >= num_layers {g.num_layers}")
         num_l, num_h, num_p = len(layers), g.num_kv_heads, len(pages)
         total = num_l * num_h * num_p
+        if total > self.cfg.max_blocks_per_request:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"put of {num_l} layers x {num_h} heads x {num_p} pages = {total} blocks, limit {self.cfg.max_blocks_per_request}",
+            )
         for name, arr in (("cluster", req.cluster), ("order", req.order), ("importance", req.importance)):
             if arr is not None and len(arr) != total:
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, f"'{name}' has {len(arr)} values for {total} blocks")
@@ -236,6 +267,7 @@ class Store:
         mb = session.buffers.lookup(req.buf)
         _check_span(mb, req.offset, total * bb, "source")
         self._check_new_pages(entry, layers, pages)
+        growth = self._plan_growth(entry, pages)
 
         cluster = (req.cluster if req.cluster is not None else np.zeros(total, np.int32)).reshape(num_l, num_h, num_p)
         order = req.order.reshape(num_l, num_h, num_p) if req.order is not None else None
@@ -289,6 +321,19 @@ class Store:
             # frames hold some) keep it exported, and closing it now would raise BufferError.
             code = ErrorCode.FULL if exc.errno == 28 else ErrorCode.IO
             raise ProtocolError(code, f"writing blocks failed: {exc}") from None
+        try:
+            # The index grows now, so that publishing after the commit cannot fail.
+            self.index.grow(entry, growth)
+        except MemoryError:
+            for off in offsets:
+                self.ssd.allocator.free(off, ext_bytes)
+            raise ProtocolError(
+                ErrorCode.FULL,
+                f"no memory for the block index of {entry.ns}/{entry.name} ({growth.capacity} pages); lower --index-max "
+                f"to what this host can hold, or delete sequences",
+            ) from None
+        slot = np.arange(num_p, dtype=np.int64) * bb
+        ssd_off = (np.asarray(offsets, dtype=np.int64)[:, None] + slot).ravel()
         k = 0
         for li in range(num_l):
             for h in range(num_h):
@@ -302,8 +347,18 @@ class Store:
             self._inflight.setdefault((entry.uid, int(layers[li])), []).append(pages)
         return PreparedPut(
             entry, records, [(o, num_p * bb) for o in offsets], staging, staging_map, stage_offs.ravel(),
-            lay.ravel().copy(), hed.ravel().copy(), slot_pages.ravel(), slot_imp.ravel(), crc.ravel(),
+            lay.ravel().copy(), hed.ravel().copy(), slot_pages.ravel(), slot_imp.ravel(), crc.ravel(), ssd_off, pages,
         )
+
+    def _plan_growth(self, entry: SeqEntry, pages: np.ndarray) -> Growth:
+        try:
+            return self.index.plan_growth(entry, pages)
+        except PageSpanError as exc:
+            self.counters["puts_refused_span"] += 1
+            raise ProtocolError(ErrorCode.TOO_LARGE, str(exc)) from None
+        except IndexFullError as exc:
+            self.counters["puts_refused_index"] += 1
+            raise ProtocolError(ErrorCode.FULL, str(exc)) from None
 
     def _write_extents(self, offsets: list[int], staging: np.ndarray, ext_bytes: int) -> None:
         # Extents allocated back to back become one write.
@@ -316,10 +371,10 @@ class Store:
             i = j
 
     def _check_new_pages(self, entry: SeqEntry, layers: np.ndarray, pages: np.ndarray) -> None:
-        cap = entry.capacity
-        inside = pages[pages < cap]
+        inside = pages[entry.inside(pages)]
         if len(inside):
-            stored = entry.ssd_off[layers][:, :, inside] >= 0
+            # Columns first: indexing the layers first would copy every page of them.
+            stored = entry.ssd_off[:, :, entry.columns(inside)][layers] >= 0
             if stored.any():
                 li, h, pi = np.argwhere(stored)[0]
                 raise ProtocolError(
@@ -339,10 +394,16 @@ class Store:
             p.release()
         self._inflight.clear()
 
-    def commit_puts(self, prepared: list[PreparedPut]) -> None:
-        """Make prepared puts durable, then visible. Raises OSError / lmdb.Error on failure."""
+    def commit_puts(self, prepared: list[PreparedPut]) -> dict[int, ProtocolError]:
+        """Make prepared puts durable (one fdatasync, one LMDB commit), then visible.
+
+        A failure of the shared commit raises: ProtocolError(IO) for an I/O error, and
+        then no put of the group is durable. After the commit, publishing a put is
+        assignments into index arrays its prepare grew; should one fail all the same
+        (a bug), only that put is refused: the returned map holds its position.
+        """
         if not prepared:
-            return
+            return {}
         try:
             if self.cfg.sync == SyncPolicy.DURABLE:
                 self.ssd.sync()
@@ -350,29 +411,51 @@ class Store:
                 for p in prepared:
                     for rec in p.records:
                         self.catalog.add_extent(txn, rec)
+        except (OSError, lmdb.Error) as exc:
+            self.abort_puts(prepared)
+            self.counters["commits_failed"] += 1
+            raise ProtocolError(ErrorCode.IO, f"commit failed: {exc.__class__.__name__}: {exc}") from None
         except BaseException:
             self.abort_puts(prepared)
             raise
         self._inflight.clear()
+        self.counters["put_commits"] += 1
         tick = next(self._tick)
-        for p in prepared:
-            entry = p.entry
-            bb = entry.geometry.block_bytes
-            with self.index.lock:
-                entry.ensure_pages(int(p.pages.max()) + 1)
-                base = np.repeat(np.asarray([o for o, _ in p.extents], dtype=np.int64), len(p.pages) // len(p.extents))
-                slot = np.tile(np.arange(len(p.pages) // len(p.extents), dtype=np.int64), len(p.extents))
-                entry.ssd_off[p.layers, p.heads, p.pages] = base + slot * bb
-                entry.crc[p.layers, p.heads, p.pages] = p.crc
-                entry.importance[p.layers, p.heads, p.pages] = p.importance
-                entry.last_use[p.layers, p.heads, p.pages] = tick
-                entry.extents.extend(p.extents)
-                entry.num_blocks += len(p.pages)
-            self._admit(entry, p.layers, p.heads, p.pages, p.importance, p.staging, p.stage_offs, replace=True)
-            self.counters["puts"] += 1
-            self.counters["blocks_put"] += len(p.pages)
-            self.counters["bytes_put"] += len(p.pages) * bb
+        refused: dict[int, ProtocolError] = {}
+        for i, p in enumerate(prepared):
+            try:
+                self._publish(p, tick)
+            except Exception as exc:
+                log.exception("publishing a committed put to %s/%s failed", p.entry.ns, p.entry.name)
+                self.counters["publish_failed"] += 1
+                refused[i] = ProtocolError(
+                    ErrorCode.INTERNAL,
+                    f"the put is durable but not visible until kvstored restarts: {exc.__class__.__name__}: {exc}",
+                )
+            else:
+                try:
+                    self._admit(p.entry, p.layers, p.heads, p.pages, p.importance, p.staging, p.stage_offs, replace=True)
+                except Exception:  # DRAM is a cache: a block it does not take is read from the SSD
+                    log.exception("admitting a put of %s/%s to DRAM failed", p.entry.ns, p.entry.name)
+                    self.counters["dram_admit_failed"] += 1
             p.release()
+        return refused
+
+    def _publish(self, p: PreparedPut, tick: int) -> None:
+        entry = p.entry
+        with self.index.lock:
+            cols = entry.columns(p.pages)
+            entry.ssd_off[p.layers, p.heads, cols] = p.ssd_off
+            entry.crc[p.layers, p.heads, cols] = p.crc
+            entry.importance[p.layers, p.heads, cols] = p.importance
+            entry.last_use[p.layers, p.heads, cols] = tick
+            self.index.mark_pages(entry, entry.columns(p.page_ids))
+            entry.extents.extend(p.extents)
+            entry.num_blocks += len(p.pages)
+        bb = entry.geometry.block_bytes
+        self.counters["puts"] += 1
+        self.counters["blocks_put"] += len(p.pages)
+        self.counters["bytes_put"] += len(p.pages) * bb
 
     def sync(self) -> None:
         self.ssd.sync()
@@ -386,7 +469,8 @@ class Store:
 
         Residents are ranked by importance, then by last use; a candidate displaces the
         lowest-ranked resident only if it ranks higher itself. With ``expect_crc`` (the
-        source is client memory) only copies that verify against it are kept.
+        source is client memory) only copies that verify against it are kept. Without
+        ``importance`` the index's is used.
         """
         bb = entry.geometry.block_bytes
         if not self.dram.capacity or (not replace and not self.dram.has_room(bb)):
@@ -394,8 +478,11 @@ class Store:
         with self.index.lock:
             if self.index.get(entry.uid) is not entry:
                 return
-            absent = entry.dram_off[layers, heads, pages] < 0
-            lin = np.ravel_multi_index((layers, heads, pages), entry.dram_off.shape)
+            cols = entry.columns(pages)  # under the lock: a put may move the window
+            if importance is None:
+                importance = entry.importance[layers, heads, cols]
+            absent = entry.dram_off[layers, heads, cols] < 0
+            lin = np.ravel_multi_index((layers, heads, cols), entry.dram_off.shape)
             _, first = np.unique(lin, return_index=True)
             keep = np.zeros(len(lin), dtype=bool)
             keep[first] = True
@@ -419,7 +506,7 @@ class Store:
                     self.dram.release(bb, slots[~good])
                     self.counters["dram_admit_refused"] += int((~good).sum())
                     sel, slots = sel[good], slots[good]
-            entry.dram_off[layers[sel], heads[sel], pages[sel]] = slots
+            entry.dram_off[layers[sel], heads[sel], cols[sel]] = slots
             self.counters["dram_admitted"] += len(sel)
 
     def _evict_for(self, bb: int, cand_importance: np.ndarray, now: int) -> int:
@@ -470,12 +557,20 @@ class Store:
 
     @staticmethod
     def _seq_groups(req: Get) -> list[tuple[int, np.ndarray | slice]]:
-        """A get's sequence uids and which of its blocks each holds (every block of ``uid``
-        without ``seqs``)."""
+        """A get's sequence uids, ascending, and which of its blocks each holds (every block
+        of ``uid`` without ``seqs``): one sort, O(N log N). More than
+        :data:`MAX_SEQS_PER_GET` sequences are refused before any is looked up."""
         if req.seqs is None:
             return [(req.uid, slice(None))]
-        uids, inverse = np.unique(req.seqs, return_inverse=True)
-        return [(int(u), np.flatnonzero(inverse == i)) for i, u in enumerate(uids)]
+        order = np.argsort(req.seqs, kind="stable")
+        ranked = req.seqs[order]
+        starts = np.flatnonzero(np.concatenate(([True], ranked[1:] != ranked[:-1])))
+        if len(starts) > MAX_SEQS_PER_GET:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"'seqs' names {len(starts)} sequences, limit {MAX_SEQS_PER_GET} per get: split the get",
+            )
+        return list(zip(ranked[starts].tolist(), np.split(order, starts[1:])))
 
     def _get_parts(self, req: Get, owner: int) -> list[tuple[SeqEntry, np.ndarray | slice]]:
         """:meth:`_seq_groups` with each sequence's entry. Every sequence must exist and
@@ -511,9 +606,10 @@ class Store:
             with self.index.lock:  # every sequence's blocks checked before any is copied
                 for entry, at in parts:
                     lay, hed, pag = blocks[at, 0], blocks[at, 1], blocks[at, 2]
-                    inside = pag < entry.capacity
+                    col = entry.columns(pag)
+                    inside = (col >= 0) & (col < entry.capacity)
                     ssd_off = np.full(len(lay), -1, dtype=np.int64)
-                    ssd_off[inside] = entry.ssd_off[lay[inside], hed[inside], pag[inside]]
+                    ssd_off[inside] = entry.ssd_off[lay[inside], hed[inside], col[inside]]
                     missing = np.flatnonzero(ssd_off < 0)
                     if len(missing):
                         i = int(missing[0])
@@ -522,11 +618,11 @@ class Store:
                             f"{len(missing)} of {n} blocks are not stored, first (layer {lay[i]}, head {hed[i]}, "
                             f"page {pag[i]}) of {entry.ns}/{entry.name}",
                         )
-                    found.append(_Looked(entry, lay, hed, pag, ssd_off, entry.crc[lay, hed, pag],
-                                         entry.dram_off[lay, hed, pag], dst[at]))
+                    found.append(_Looked(entry, lay, hed, pag, col, ssd_off, entry.crc[lay, hed, col],
+                                         entry.dram_off[lay, hed, col], dst[at]))
                 tick = next(self._tick)
                 for f in found:
-                    f.entry.last_use[f.lay, f.hed, f.pag] = tick
+                    f.entry.last_use[f.lay, f.hed, f.col] = tick
             misses = []
             for f in found:
                 hit = f.dram_off >= 0
@@ -541,8 +637,7 @@ class Store:
             reads, bytes_read = plan.num_reads, plan.bytes_read
             for f, miss in zip(found, misses):
                 if len(miss):
-                    lay, hed, pag = f.lay[miss], f.hed[miss], f.pag[miss]
-                    self._admit(f.entry, lay, hed, pag, f.entry.importance[lay, hed, pag], mb.array, f.dst[miss],
+                    self._admit(f.entry, f.lay[miss], f.hed[miss], f.pag[miss], None, mb.array, f.dst[miss],
                                 replace=False, expect_crc=f.crc[miss])
                 n_ssd += len(miss)
         self.counters["gets"] += 1
@@ -561,23 +656,34 @@ class Store:
         sends the get to the SSD for those blocks."""
         if not len(req.blocks):
             return False
-        total = 0
+        # The sequences of a get share a block size (or it is refused): the first one's
+        # sizes the get before its sequences are grouped, so a large get costs this thread nothing.
+        first = self.index.get(req.uid if req.seqs is None else int(req.seqs[0]))
+        if first is None or len(req.blocks) * first.geometry.block_bytes > max_bytes:
+            return False
+        if req.seqs is not None and len(req.seqs) > 1 and not (req.seqs == req.seqs[0]).all():
+            try:
+                groups = self._seq_groups(req)
+            except ProtocolError:
+                return False
+        else:
+            groups = [(first.uid, slice(None))]
         looked = []
-        for uid, at in self._seq_groups(req):
+        for uid, at in groups:
             entry = self.index.get(uid)
-            if entry is None or entry.owner != session.uid:
+            if entry is None or entry.owner != session.uid or entry.geometry.block_bytes != first.geometry.block_bytes:
                 return False
             blocks = req.blocks[at]
-            total += len(blocks) * entry.geometry.block_bytes
             lay, hed, pag = (blocks[:, i] for i in range(3))
-            off = entry.dram_off
-            if lay.max() >= off.shape[0] or hed.max() >= off.shape[1] or pag.max() >= off.shape[2]:
-                return False
             looked.append((entry, lay, hed, pag))
-        if total > max_bytes:
-            return False
         with self.index.lock:
-            return all(bool((entry.dram_off[lay, hed, pag] >= 0).all()) for entry, lay, hed, pag in looked)
+            for entry, lay, hed, pag in looked:
+                g, col = entry.geometry, entry.columns(pag)
+                if lay.max() >= g.num_layers or hed.max() >= g.num_kv_heads or col.min() < 0 or col.max() >= entry.capacity:
+                    return False
+                if not (entry.dram_off[lay, hed, col] >= 0).all():
+                    return False
+            return True
 
     def _read_ssd(self, entries, part, lay, hed, pag, ssd_off, crc, dst_array, dst) -> ReadPlan:
         """Read blocks from the SSD into ``dst_array`` at ``dst``, each checked against its CRC.
@@ -648,6 +754,8 @@ class Store:
             "dram_blocks": self.dram.num_blocks,
             "ssd_used_bytes": self.ssd.allocator.used_bytes,
             "ssd_file_bytes": self.ssd.allocator.end,
+            "index_bytes": self.index.num_bytes,
+            "index_max_bytes": self.index.max_bytes,
             "counters": dict(self.counters),
         }
 

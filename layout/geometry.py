@@ -34,12 +34,14 @@ class Geometry:
     page_size: int
 
     def __post_init__(self) -> None:
-        if isinstance(self.dtype, str):
+        if not isinstance(self.dtype, DType):
+            names = ", ".join(d.value for d in DType)
+            if not isinstance(self.dtype, str):
+                raise ValueError(f"dtype must be a string, one of {names}; got {type(self.dtype).__name__}")
             try:
                 object.__setattr__(self, "dtype", DType(self.dtype))
             except ValueError:
-                names = ", ".join(d.value for d in DType)
-                raise ValueError(f"dtype {self.dtype!r} is not one of {names}") from None
+                raise ValueError(f"dtype {self.dtype!r:.64} is not one of {names}") from None
         limits = {
             "num_layers": MAX_LAYERS,
             "num_kv_heads": MAX_KV_HEADS,

@@ -12,7 +12,8 @@ import zmq
 
 from kvdrive.layout.geometry import MAX_PAGES
 from kvdrive_client import Geometry, StoreError
-from kvstored.protocol import PROTOCOL_VERSION
+from kvstored import protocol
+from kvstored.protocol import MAX_SEQS_PER_GET, PROTOCOL_VERSION, ErrorCode, ProtocolError, parse_request
 
 GEOM = Geometry(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", page_size=16)
 BB = GEOM.block_bytes
@@ -55,6 +56,8 @@ CASES = {
     # -- version and op
     "wrong version": ({"v": 2, "op": "hello"}, [], "bad_version", "version 2"),
     "no version": ({"v": None, "op": "hello"}, [], "bad_version", "version None"),
+    "version is true": ({"v": True, "op": "hello"}, [], "bad_version", "version True"),
+    "version is a float": ({"v": 1.0, "op": "hello"}, [], "bad_version", "version 1.0"),
     "unknown op": ({"op": "frobnicate"}, [], "unknown_op", "frobnicate"),
     "op missing": ({}, [], "unknown_op", "unknown op None"),
     "op not a string": ({"op": 3}, [], "unknown_op", "unknown op 3"),
@@ -71,6 +74,9 @@ CASES = {
     # -- sequences
     "create geometry missing": ({"op": "create", "ns": "t", "seq": "s"}, [], "bad_field", "geometry"),
     "create geometry bad dtype": ({"op": "create", "ns": "t", "seq": "s", "geometry": {**GEOM.to_dict(), "dtype": "int4"}}, [], "bad_field", "dtype 'int4'"),
+    "create geometry dtype an integer": ({"op": "create", "ns": "t", "seq": "s", "geometry": {**GEOM.to_dict(), "dtype": 5}}, [], "bad_field", "dtype must be a string"),
+    "create geometry dtype a list": ({"op": "create", "ns": "t", "seq": "s", "geometry": {**GEOM.to_dict(), "dtype": ["float16"]}}, [], "bad_field", "dtype must be a string"),
+    "create geometry layers past 2^63": ({"op": "create", "ns": "t", "seq": "s", "geometry": {**GEOM.to_dict(), "num_layers": 1 << 63}}, [], "bad_field", "num_layers"),
     "create geometry zero layers": ({"op": "create", "ns": "t", "seq": "s", "geometry": {**GEOM.to_dict(), "num_layers": 0}}, [], "bad_field", "num_layers"),
     "create geometry extra field": ({"op": "create", "ns": "t", "seq": "s", "geometry": {**GEOM.to_dict(), "rope": 1}}, [], "bad_field", "unknown \\['rope'\\]"),
     "create name with space": ({"op": "create", "ns": "t", "seq": "a b", "geometry": GEOM.to_dict()}, [], "bad_field", "'seq' must be"),
@@ -89,6 +95,9 @@ CASES = {
     "put layers repeat": ({**PUT, "layers": [1, 1]}, [], "bad_field", "'layers' repeats"),
     "put negative page": ({**PUT, "pages": [-1]}, [], "out_of_range", "'pages' has values outside"),
     "put page past the limit": ({**PUT, "pages": [MAX_PAGES]}, [], "out_of_range", "'pages' has values outside"),
+    "put page past 2^63": ({**PUT, "pages": [1 << 63]}, [], "out_of_range", "'pages' has values outside"),
+    "put page 2^64 - 1": ({**PUT, "pages": [3, (1 << 64) - 1]}, [], "out_of_range", "'pages' has values outside"),
+    "put layer past 2^63": ({**PUT, "layers": [1 << 63]}, [], "out_of_range", "'layers' has values outside"),
     "put layer past geometry": ({**PUT, "layers": [4]}, [], "out_of_range", "layer 4 >= num_layers 4"),
     "put seq is a string": ({**PUT, "seq": "abc"}, [], "bad_field", "'seq' must be an integer"),
     "put negative offset": ({**PUT, "offset": -8}, [], "out_of_range", "'offset' = -8"),
@@ -127,6 +136,7 @@ CASES = {
     "get repeated frame": ({**GET, "frames": ["blocks", "blocks"]}, [GOOD_BLOCK, GOOD_BLOCK], "bad_field", "repeated"),
     "get seqs length mismatch": ({**GET, "frames": ["blocks", "seqs"]}, [i32((0, 0, 0), (0, 0, 1)), i64(0)], "bad_message", "'seqs' has 1 uids for 2 blocks"),
     "get seqs negative": ({**GET, "frames": ["blocks", "seqs"]}, [GOOD_BLOCK, i64(-1)], "out_of_range", "negative uid"),
+    "get seqs too many sequences": ({**GET, "frames": ["blocks", "seqs"]}, [i32(*[(0, 0, 0)] * (MAX_SEQS_PER_GET + 1)), i64(*range(MAX_SEQS_PER_GET + 1))], "too_large", f"names {MAX_SEQS_PER_GET + 1} sequences, limit {MAX_SEQS_PER_GET}"),
     "get seqs unknown sequence": ({**GET, "frames": ["blocks", "seqs"]}, [GOOD_BLOCK, i64(4242)], "not_found", "no sequence with uid 4242"),
 }
 
@@ -217,3 +227,14 @@ def test_unreadable_id_is_answered_with_id_none(served):
     with pytest.raises(StoreError, match=r"\[bad_message\] header is not msgpack"):
         client.stats()
     assert client.stats()["sequences"] >= 1
+
+
+def test_an_unexpected_parser_exception_is_bad_message_with_the_id(monkeypatch):
+    def broken(*_):
+        raise KeyError("a gap in the parser")
+
+    monkeypatch.setattr(protocol, "_parse_op", broken)
+    with pytest.raises(ProtocolError) as err:
+        parse_request([packed({"v": PROTOCOL_VERSION, "op": "hello", "id": 77})], 1 << 20, 1 << 10)
+    assert err.value.code is ErrorCode.BAD_MESSAGE and err.value.req_id == 77
+    assert "KeyError" in str(err.value)
