@@ -75,11 +75,36 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = Server(cfg)
     except Exception as exc:  # start-up failures are reported plainly, not as a traceback
-        log.error("cannot start: %s", exc)
+        log.error("cannot start: %s", startup_reason(exc))
+        log.debug("cannot start", exc_info=True)
         return 1
     install_signal_handlers(server)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    except Exception as exc:
+        if hasattr(server, "router"):  # it was serving: a failure worth its traceback
+            raise
+        log.error("cannot start: %s", startup_reason(exc))
+        log.debug("cannot start", exc_info=True)
+        server.store.close()
+        return 1
     return 0
+
+
+def startup_reason(exc: BaseException) -> str:
+    """One sentence for why the daemon could not start."""
+    from kvstored.files import StoreOpenError  # noqa: PLC0415 - keep --help fast
+
+    if isinstance(exc, StoreOpenError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}" + (f": {exc.filename}" if exc.filename else "")
+    text = str(exc)
+    if type(exc).__name__ == "ZMQError":
+        return f"cannot listen: {text}"
+    if isinstance(exc, RuntimeError) and text:
+        return text
+    return f"unexpected {type(exc).__name__} ({text or 'no message'}); --log-level DEBUG shows where"
 
 
 if __name__ == "__main__":

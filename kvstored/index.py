@@ -25,6 +25,7 @@ class SeqEntry:
     name: str
     geometry: Geometry
     created: float
+    owner: int = 0
     ssd_off: np.ndarray = field(init=False)
     crc: np.ndarray = field(init=False)
     dram_off: np.ndarray = field(init=False)

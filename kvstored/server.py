@@ -241,8 +241,9 @@ class Server:
             self.store.commit_puts([p for _, _, p in prepared])
         except Exception as exc:
             log.exception("commit of %d puts failed", len(prepared))
+            code = exc.code if isinstance(exc, ProtocolError) else ErrorCode.IO
             for ident, req_id, _ in prepared:
-                self._send([ident, *error_reply(req_id, ErrorCode.IO, f"commit failed: {exc}")])
+                self._send([ident, *error_reply(req_id, code, f"commit failed: {exc}")])
             return
         for ident, req_id, p in prepared:
             self._send([ident, *ok_reply(req_id, blocks=len(p.pages))])

@@ -14,6 +14,7 @@ its extents are unreferenced space that the allocator takes back.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import itertools
 import logging
@@ -21,20 +22,23 @@ import mmap
 import os
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
+import lmdb
 import numpy as np
 
 from kvdrive.layout import ALIGN, ReadPlan, SpaceError, align_up, packing_order, plan_reads
 from kvdrive.layout.format import DATA_FILE, FORMAT_VERSION, META_DIR
 from kvstored.buffers import BufferRegistry, MappedBuffer
-from kvstored.catalog import Catalog, ExtentRecord, SeqRecord
+from kvstored.catalog import RESERVE_MIN_BYTES, Catalog, CatalogDamagedError, ExtentRecord, SeqRecord
 from kvstored.config import DaemonConfig, SyncPolicy, format_size
 from kvstored.checksum import block_crcs, verify_scatter
 from kvstored.copy import address_tags, gather_scatter
 from kvstored.dram import DramTier
+from kvstored.files import StoreBusyError, StoreOpenError, lock_exclusive, punch_hole
 from kvstored.gate import ReclaimGate
 from kvstored.index import BlockIndex, SeqEntry
 from kvstored.io_engine import AlignedScratch, choose_engine
@@ -44,10 +48,6 @@ from kvstored.protocol import BufferKind, Create, Delete, ErrorCode, Get, ListSe
 log = logging.getLogger(__name__)
 
 READ_CHUNK_BYTES = 16 << 20  # SSD reads of a get checked at once; the scratch buffer per get worker
-
-
-class StoreBusyError(RuntimeError):
-    """Another kvstored already serves this directory."""
 
 
 class ChecksumError(ProtocolError):
@@ -89,13 +89,34 @@ class _Looked(NamedTuple):
 
 
 class Store:
+    """Opening refuses, with a :class:`StoreOpenError` that says what to do, a store that
+    another kvstored serves or whose catalog is missing or damaged; whatever fails, a
+    store that did not open holds nothing open."""
+
     def __init__(self, cfg: DaemonConfig) -> None:
         self.cfg = cfg
+        self._short = False  # the disk cannot hold the catalog's reserve: creates and puts are refused
+        try:
+            self._open(cfg)
+        except BaseException as exc:
+            self.close()
+            if isinstance(exc, lmdb.Error):
+                raise CatalogDamagedError(cfg.ssd_dir / META_DIR, [f"reading it failed: {exc}"]) from None
+            if isinstance(exc, OSError) and not isinstance(exc, StoreOpenError):
+                raise StoreOpenError(f"cannot open the store in {cfg.ssd_dir}: {exc.strerror or exc}"
+                                     + (f" ({exc.filename})" if exc.filename else "")) from None
+            raise
+
+    def _open(self, cfg: DaemonConfig) -> None:
         cfg.ssd_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock_fd = _lock_directory(cfg.ssd_dir)
         t0 = time.monotonic()
-        self.catalog = Catalog(cfg.ssd_dir / META_DIR, cfg.lmdb_map_bytes, durable=cfg.sync == SyncPolicy.DURABLE)
+        data = cfg.ssd_dir / DATA_FILE
+        self.catalog = Catalog(cfg.ssd_dir / META_DIR, cfg.lmdb_map_bytes, durable=cfg.sync == SyncPolicy.DURABLE,
+                               data_bytes=data.stat().st_size if data.exists() else 0, migrate_owner=os.geteuid())
         self.ssd = _open_ssd(cfg)
+        # Held on the open file, which an unlink of kvstored.lock leaves in force.
+        lock_exclusive(self.ssd.fd, self.ssd.path, cfg.ssd_dir)
         self.engine = choose_engine(cfg.engine, cfg.io_threads, str(self.ssd.path), self.ssd.direct)
         self._scratch = AlignedScratch()  # per get worker: where its SSD reads land
         self.dram = DramTier(cfg.dram_bytes)
@@ -106,6 +127,7 @@ class Store:
         self._tick = itertools.count(1)
         self._inflight: dict[tuple[int, int], list[np.ndarray]] = {}
         self._load()
+        self._keep_reserve()
         log.info(
             "store at %s: format %d, %d sequences, %s on SSD (cap %s), DRAM tier %s pre-faulted, opened in %.2f s",
             cfg.ssd_dir, FORMAT_VERSION, len(self.index.all()), format_size(self.ssd.allocator.used_bytes),
@@ -115,13 +137,13 @@ class Store:
     # ------------------------------------------------------------ start-up
 
     def _load(self) -> None:
-        for rec in self.catalog.sequences():
-            self.index.add(SeqEntry(rec.uid, rec.ns, rec.name, rec.geometry, rec.created))
+        contents = self.catalog.load(os.fstat(self.ssd.fd).st_size)
+        for rec in contents.sequences:
+            self.index.add(SeqEntry(rec.uid, rec.ns, rec.name, rec.geometry, rec.created, rec.owner))
         used = []
-        for ext in self.catalog.iter_extents():
+        for ext in contents.extents:
             entry = self.index.get(ext.uid)
-            if entry is None:
-                raise RuntimeError(f"extent {ext.extent_id} belongs to unknown sequence {ext.uid}: catalog damaged")
+            assert entry is not None, "Catalog.load checks that every extent's sequence exists"
             bb = entry.geometry.block_bytes
             entry.ensure_pages(int(ext.pages.max()) + 1)
             slots = np.arange(len(ext.pages), dtype=np.int64)
@@ -132,6 +154,72 @@ class Store:
             entry.num_blocks += len(ext.pages)
             used.append((ext.offset, len(ext.pages) * bb))
         self.ssd.load(used)
+
+    # ------------------------------------------------------------ disk space
+
+    def _keep_reserve(self) -> None:
+        """Top up the catalog's reserve; on a disk that cannot hold it, hand free data-file
+        space back to the filesystem and try once more."""
+        was_short = self._short
+        self._short = not self.catalog.ensure_reserve()
+        if self._short and not was_short:
+            freed = self._punch([*self.ssd.allocator.holes,
+                                 (self.ssd.allocator.end, max(0, os.fstat(self.ssd.fd).st_size - self.ssd.allocator.end))])
+            self._short = not self.catalog.ensure_reserve()
+            if self._short:
+                log.warning("disk full under %s: creates and puts are refused until deletes free space "
+                            "(%s of free data-file space handed back to the filesystem)", self.cfg.ssd_dir, format_size(freed))
+        if was_short and not self._short:
+            log.info("disk space for the catalog's reserve is back: creates and puts are accepted again")
+
+    def _check_room(self, what: str) -> None:
+        self._keep_reserve()
+        if self._short:
+            self.counters["refused_disk_full"] += 1
+            raise ProtocolError(
+                ErrorCode.FULL,
+                f"{what} refused: the disk under {self.cfg.ssd_dir} is full, and the space kept for deletes "
+                "cannot grow; delete sequences to make room",
+            )
+
+    def _punch(self, ranges: list[tuple[int, int]]) -> int:
+        done = 0
+        for off, nbytes in ranges:
+            if nbytes > 0 and punch_hole(self.ssd.fd, off, nbytes):
+                done += nbytes
+        return done
+
+    def _release_extents(self, extents: list[tuple[int, int]]) -> None:
+        # Runs once no reader can still read them; on a full disk their blocks go back to
+        # the filesystem, so the reserve can grow again.
+        if self._short:
+            self._punch([(o, align_up(n)) for o, n in extents])
+        for o, n in extents:
+            self.ssd.queue_free(o, n)
+
+    @contextmanager
+    def _catalog_write(self, what: str) -> Iterator[lmdb.Transaction]:
+        """A catalog write transaction whose LMDB errors become typed replies."""
+        try:
+            with self.catalog.begin() as txn:
+                yield txn
+        except lmdb.MapFullError:
+            raise ProtocolError(ErrorCode.FULL, f"{what}: the catalog filled its {format_size(self.cfg.lmdb_map_bytes)} "
+                                "LMDB map; delete sequences to make room") from None
+        except (lmdb.CorruptedError, lmdb.PanicError, lmdb.PageNotFoundError) as exc:
+            log.error("%s: the catalog cannot be written: %s", what, exc)
+            raise ProtocolError(ErrorCode.IO, f"{what}: the catalog cannot be written ({exc}); restart kvstored, "
+                                "which checks the catalog at open") from None
+        except lmdb.Error as exc:
+            if isinstance(exc, lmdb.DiskError) or self._disk_nearly_full():
+                self._short = True
+                raise ProtocolError(ErrorCode.FULL, f"{what}: no disk space left for the catalog under "
+                                    f"{self.cfg.ssd_dir} ({exc}); delete sequences to make room") from None
+            raise ProtocolError(ErrorCode.IO, f"{what}: writing the catalog failed ({exc})") from None
+
+    def _disk_nearly_full(self) -> bool:
+        st = os.statvfs(self.cfg.ssd_dir / META_DIR)
+        return st.f_bavail * st.f_frsize < RESERVE_MIN_BYTES
 
     # ------------------------------------------------------------ catalog ops
 
@@ -148,7 +236,9 @@ class Store:
             "get_seqs": True,  # a get may name each block's sequence (the 'seqs' array)
         }
 
-    def create(self, req: Create) -> dict:
+    def create(self, req: Create, owner: int | None = None) -> dict:
+        """Create ``req``'s sequence, owned by OS user ``owner`` (this process's euid if None)."""
+        owner = os.geteuid() if owner is None else owner
         found = self.index.find(req.ns, req.seq)
         if found is not None:
             if req.exist_ok and found.geometry == req.geometry:
@@ -157,12 +247,13 @@ class Store:
                 ErrorCode.EXISTS,
                 f"sequence {req.ns}/{req.seq} exists" + ("" if found.geometry == req.geometry else " with another geometry"),
             )
+        self._check_room("create")
         uid = self.catalog.next_uid
         self.catalog.next_uid += 1
-        rec = SeqRecord(uid, req.ns, req.seq, req.geometry, time.time())
-        with self.catalog.begin() as txn:
+        rec = SeqRecord(uid, req.ns, req.seq, req.geometry, time.time(), owner)
+        with self._catalog_write("create") as txn:
             self.catalog.add_sequence(txn, rec)
-        entry = SeqEntry(uid, req.ns, req.seq, req.geometry, rec.created)
+        entry = SeqEntry(uid, req.ns, req.seq, req.geometry, rec.created, owner)
         self.index.add(entry)
         log.info("created %s/%s (uid %d, %d B blocks)", req.ns, req.seq, uid, req.geometry.block_bytes)
         return self._describe(entry)
@@ -192,8 +283,9 @@ class Store:
         entry = self.index.find(req.ns, req.seq)
         if entry is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no sequence {req.ns}/{req.seq}")
-        rec = SeqRecord(entry.uid, entry.ns, entry.name, entry.geometry, entry.created)
-        with self.catalog.begin() as txn:
+        rec = SeqRecord(entry.uid, entry.ns, entry.name, entry.geometry, entry.created, entry.owner)
+        # Never refused for want of space: the catalog's reserve is kept for this.
+        with self._catalog_write("delete") as txn:
             self.catalog.delete_sequence(txn, rec)
         self.index.remove(entry.uid)
         with self.index.lock:
@@ -202,7 +294,8 @@ class Store:
         bb = entry.geometry.block_bytes
         extents = list(entry.extents)
         self.gate.retire(lambda: self.dram.release(bb, slots))
-        self.gate.retire(lambda: [self.ssd.queue_free(o, n) for o, n in extents])
+        self.gate.retire(lambda: self._release_extents(extents))
+        self._keep_reserve()
         log.info("deleted %s/%s (%s)", entry.ns, entry.name, format_size(entry.bytes))
         return {"freed_bytes": entry.bytes}
 
@@ -225,6 +318,7 @@ class Store:
         mb = self._buffer(req.buf)
         _check_span(mb, req.offset, total * bb, "source")
         self._check_new_pages(entry, layers, pages)
+        self._check_room("put")
 
         cluster = (req.cluster if req.cluster is not None else np.zeros(total, np.int32)).reshape(num_l, num_h, num_p)
         order = req.order.reshape(num_l, num_h, num_p) if req.order is not None else None
@@ -276,7 +370,7 @@ class Store:
                 self.ssd.allocator.free(off, ext_bytes)
             # The staging map is left to the garbage collector: views of it (the traceback's
             # frames hold some) keep it exported, and closing it now would raise BufferError.
-            code = ErrorCode.FULL if exc.errno == 28 else ErrorCode.IO
+            code = ErrorCode.FULL if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ErrorCode.IO
             raise ProtocolError(code, f"writing blocks failed: {exc}") from None
         k = 0
         for li in range(num_l):
@@ -329,20 +423,20 @@ class Store:
         self._inflight.clear()
 
     def commit_puts(self, prepared: list[PreparedPut]) -> None:
-        """Make prepared puts durable, then visible. Raises OSError / lmdb.Error on failure."""
+        """Make prepared puts durable, then visible. Raises OSError, or a ProtocolError
+        (``full``, ``io``) when the catalog cannot be written."""
         if not prepared:
             return
         try:
             if self.cfg.sync == SyncPolicy.DURABLE:
                 self.ssd.sync()
-            with self.catalog.begin() as txn:
-                for p in prepared:
-                    for rec in p.records:
-                        self.catalog.add_extent(txn, rec)
+            with self._catalog_write("put") as txn:
+                self.catalog.add_extents(txn, [rec for p in prepared for rec in p.records])
         except BaseException:
             self.abort_puts(prepared)
             raise
         self._inflight.clear()
+        self._keep_reserve()
         tick = next(self._tick)
         for p in prepared:
             entry = p.entry
@@ -650,12 +744,14 @@ class Store:
         }
 
     def close(self) -> None:
-        self.engine.close()
-        self.buffers.close()
-        self.catalog.close()
-        self.ssd.close()
-        self.dram.close()
-        os.close(self._lock_fd)
+        """Close what is open (all of it once the store opened; what there is after a failed open)."""
+        for name in ("engine", "buffers", "catalog", "ssd", "dram"):
+            part = self.__dict__.pop(name, None)
+            if part is not None:
+                part.close()
+        fd = self.__dict__.pop("_lock_fd", None)
+        if fd is not None:
+            os.close(fd)
 
 
 def _check_span(mb: MappedBuffer, offset: int, nbytes: int, what: str) -> None:
@@ -667,13 +763,15 @@ def _check_span(mb: MappedBuffer, offset: int, nbytes: int, what: str) -> None:
 
 
 def _lock_directory(path: Path) -> int:
+    """Lock ``kvstored.lock``, which names the serving daemon's pid. Being unlinkable, it
+    is not the only lock: the data file and data.mdb are flocked too."""
     fd = os.open(path / "kvstored.lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         other = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
-        raise StoreBusyError(f"another kvstored (pid {other or '?'}) serves {path}") from None
+        raise StoreBusyError(f"another kvstored (pid {other or 'unknown'}) serves {path}") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
