@@ -29,7 +29,7 @@ import numpy as np
 from kvdrive.layout.allocator import ExtentAllocator
 from kvdrive.layout.format import DATA_FILE, FORMAT_VERSION, META_DIR
 from kvdrive.layout.geometry import Geometry
-from kvstored.catalog import Catalog, CatalogDamagedError, ExtentRecord, SeqRecord, StoreOpenError
+from kvstored.catalog import Catalog, CatalogDamagedError, CatalogMissingError, ExtentRecord, SeqRecord, StoreOpenError
 from kvstored.config import DaemonConfig, format_size, parse_size
 
 PROG = "kvstore-inspect"
@@ -89,13 +89,13 @@ def open_layout(ssd_dir: Path) -> Layout:
         raise InspectError(f"{ssd_dir}: no such directory")
     if not ssd_dir.is_dir():
         raise InspectError(f"{ssd_dir} is not a directory (give the daemon's --ssd directory)")
-    if not (ssd_dir / META_DIR / "data.mdb").is_file() or not (ssd_dir / DATA_FILE).is_file():
+    if not (ssd_dir / DATA_FILE).is_file():  # a missing catalog beside the data file is the catalog's to explain
         raise InspectError(f"{ssd_dir} is not a KVDrive store (no {META_DIR}/ catalog and {DATA_FILE} data file)")
     file_bytes = os.stat(ssd_dir / DATA_FILE).st_size
     # The daemon's own checks, before LMDB maps the file (a damaged one raises CatalogDamagedError).
     try:
         catalog = Catalog(ssd_dir / META_DIR, DaemonConfig.lmdb_map_bytes, durable=False, readonly=True, data_bytes=file_bytes)
-    except CatalogDamagedError:
+    except (CatalogDamagedError, CatalogMissingError):
         raise
     except StoreOpenError as exc:
         raise InspectError(str(exc)) from None
@@ -203,10 +203,13 @@ def ssd_report(layout: Layout | None, live: Live | None, cap: int | None) -> dic
         s = live.stats  # type: ignore[union-attr]
         return {"used_bytes": s["ssd_used_bytes"], "extent_end": s["ssd_file_bytes"], "cap_bytes": cap,
                 "free_bytes": max(0, cap - s["ssd_used_bytes"]) if cap else None}
-    try:
-        alloc = ExtentAllocator.from_used(cap or UNBOUNDED, layout.used_ranges())
-    except ValueError as exc:
-        raise InspectError(f"{layout.ssd_dir}: catalog damaged: {exc}") from None
+    # Overlapping extents are catalog damage (reported as such); count the first of each overlap.
+    ranges, reach = [], 0
+    for start, nbytes in sorted(layout.used_ranges()):
+        if start >= reach:
+            ranges.append((start, nbytes))
+            reach = start + nbytes
+    alloc = ExtentAllocator.from_used(cap or UNBOUNDED, ranges)
     holes = alloc.holes
     hole_bytes = sum(n for _, n in holes)
     tail = max(0, layout.file_bytes - alloc.end)
@@ -569,7 +572,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{PROG}: note: the daemon at {live.address} serves {served}, not {args.dir}", file=sys.stderr)
     try:
         layout = open_layout(ssd_dir) if ssd_dir is not None else None
-    except CatalogDamagedError as exc:
+    except (CatalogDamagedError, CatalogMissingError) as exc:
         if not args.verify:
             raise InspectError(str(exc)) from None
         return _damaged_catalog(args, exc)
@@ -623,15 +626,16 @@ def _report(args: argparse.Namespace, layout: Layout | None, live: Live | None, 
     return exit_code
 
 
-def _damaged_catalog(args: argparse.Namespace, exc: CatalogDamagedError) -> int:
+def _damaged_catalog(args: argparse.Namespace, exc: CatalogDamagedError | CatalogMissingError) -> int:
     """--verify of a catalog that cannot be read at all: its damage is the finding (exit 1)."""
+    problems = getattr(exc, "problems", [str(exc)])
     if args.json:
-        json.dump({"verify": {"catalog_problems": exc.problems, "bad": [], "blocks": 0}}, sys.stdout, indent=1)
+        json.dump({"verify": {"catalog_problems": problems, "bad": [], "blocks": 0}}, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
-        for problem in exc.problems:
+        for problem in problems:
             print(f"catalog damaged: {problem}")
-        print(f"verify: the catalog cannot be read; no block was checked. {str(exc).split('. ', 1)[-1]}")
+        print(f"verify: the catalog cannot be read, so no block was checked ({exc})")
     return 1
 
 
