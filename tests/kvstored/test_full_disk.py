@@ -53,6 +53,14 @@ def test_a_full_disk_refuses_writes_while_deletes_free_space(daemon_factory, sma
             c.put(seqs[i], range(GEOM.num_layers), range(stored[i], stored[i] + PAGES_PER_PUT), pages_of(i, stored[i]))
             stored[i] += PAGES_PER_PUT
     assert sum(stored) * 8 * BB > 8 << 20, "the disk filled before much was stored"
+    # Whatever room the failed put left goes too, so the catalog has no page more to grow into.
+    fd = os.open(small_disk / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            while os.write(fd, b"\0" * 4096):
+                pass
+    finally:
+        os.close(fd)
     try:  # a create on a full disk is either still taken or refused as 'full', never an internal error
         c.create("t", "late", GEOM)
     except StoreFullError:
