@@ -5,17 +5,30 @@ single writer thread owns every write transaction. Free space is not stored: it
 is the complement of the extents, derived at open, so it can never disagree with
 the extent map after a crash.
 
-Records:
-- ``meta``: ``format`` -> FORMAT_VERSION, ``next_uid``, ``next_extent``.
-- ``seqs``: ``n:<ns>\\0<name>`` -> {uid, geometry, created}; ``u:<uid>`` -> name key.
+Records (format 3). Every value but ``format`` ends in a CRC-32C (4 bytes,
+little-endian) of the record's key and the rest of its value:
+- ``meta``: ``format`` -> FORMAT_VERSION in ASCII (left bare so that any kvstored can
+  read it and refuse a store it does not know); ``counts`` -> {seqs, extents,
+  next_uid, next_extent}, rewritten by every write transaction.
+- ``seqs``: ``n:<owner u64 BE><ns>\\0<name>`` -> {uid, geometry, created};
+  ``u:<uid u64 BE>`` -> the name key.
 - ``extents``: ``>QIIQ (uid, layer, head, extent_id)`` -> {off, pages, crc, cluster, importance}
   where ``pages`` lists the extent's pages in slot order (int32 bytes) and ``crc``
   each slot's checksum (uint32 bytes, address-tagged).
+
+:meth:`Catalog.read` checks every record, the counts and the cross references in one
+read transaction; :meth:`Catalog.load` raises :class:`CatalogDamagedError` on any
+problem. A format-2 catalog (no record checksums, no owners) is migrated in place at
+the first writable open, in one write transaction.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -24,15 +37,45 @@ import lmdb
 import msgpack
 import numpy as np
 
-from kvdrive.layout.format import FORMAT_VERSION
+from kvdrive.layout.format import DATA_FILE, FORMAT_VERSION, META_DIR
 from kvdrive.layout.geometry import Geometry
+from kvstored.checksum import block_crcs
+from kvstored.config import format_size
+from kvstored.files import CatalogFileError, StoreBusyError, StoreOpenError, lock_exclusive, read_lmdb_meta, reserve
+
+log = logging.getLogger(__name__)
 
 EXTENT_KEY = struct.Struct(">QIIQ")
 UID_KEY = struct.Struct(">Q")
+CRC = struct.Struct("<I")
+MIGRATES_FROM = 2  # the format this kvstored rewrites in place; older ones are refused
+MAX_SHOWN = 5  # problems named in a CatalogDamagedError's message
+# Disk space kept allocated in data.mdb past LMDB's last page, so that a delete commits on
+# a full filesystem: a delete copies each page it changes, at most the pages in use.
+RESERVE_MIN_BYTES = 4 << 20
+RESERVE_SHARE = 4  # and at least a quarter of the pages in use
+
+__all__ = ["Catalog", "CatalogDamagedError", "CatalogMissingError", "FormatError", "StoreBusyError", "StoreOpenError"]
 
 
-class FormatError(RuntimeError):
+class FormatError(StoreOpenError):
     """The store on disk was written by an incompatible version."""
+
+
+class CatalogMissingError(StoreOpenError):
+    """The data file holds blocks but the catalog that says where they are is missing or empty."""
+
+
+class CatalogDamagedError(StoreOpenError):
+    """The catalog's records or LMDB file fail their checks; ``problems`` names each."""
+
+    def __init__(self, meta_dir: Path, problems: list[str]) -> None:
+        self.problems = problems
+        more = f" (and {len(problems) - MAX_SHOWN} more)" if len(problems) > MAX_SHOWN else ""
+        super().__init__(
+            f"the catalog in {meta_dir} is damaged: {'; '.join(problems[:MAX_SHOWN])}{more}. "
+            f"Restore {meta_dir.name}/ from a backup, or move {meta_dir.parent} away to start an empty store"
+        )
 
 
 @dataclass(frozen=True)
@@ -42,6 +85,11 @@ class SeqRecord:
     name: str
     geometry: Geometry
     created: float
+    owner: int  # the OS user (uid) the sequence belongs to
+
+    @property
+    def key(self) -> bytes:
+        return name_key(self.owner, self.ns, self.name)
 
 
 @dataclass(frozen=True)
@@ -57,6 +105,7 @@ class ExtentRecord:
     importance: np.ndarray
 
     def encode(self) -> tuple[bytes, bytes]:
+        """Key and payload (the value without its checksum)."""
         key = EXTENT_KEY.pack(self.uid, self.layer, self.head, self.extent_id)
         value = msgpack.packb(
             {
@@ -71,87 +120,479 @@ class ExtentRecord:
         return key, value
 
     @classmethod
-    def decode(cls, key: bytes, value: bytes) -> "ExtentRecord":
+    def decode(cls, key: bytes, payload: bytes) -> "ExtentRecord":
+        """From a key and payload; ValueError names what does not fit."""
+        if len(key) != EXTENT_KEY.size:
+            raise ValueError(f"key of {len(key)} bytes, not {EXTENT_KEY.size}")
         uid, layer, head, extent_id = EXTENT_KEY.unpack(key)
-        v = msgpack.unpackb(value, raw=False)
-        return cls(
-            uid, layer, head, extent_id, v["off"],
-            np.frombuffer(v["pages"], "<i4"), np.frombuffer(v["crc"], "<u4"),
-            np.frombuffer(v["cluster"], "<i4"), np.frombuffer(v["imp"], "<f4"),
-        )
+        v = _unpack_map(payload, ("off", "pages", "crc", "cluster", "imp"))
+        arrays = [np.frombuffer(v[k], t) for k, t in (("pages", "<i4"), ("crc", "<u4"), ("cluster", "<i4"), ("imp", "<f4"))]
+        if not isinstance(v["off"], int) or v["off"] < 0:
+            raise ValueError(f"offset {v['off']!r}")
+        if len({len(a) for a in arrays}) != 1 or not len(arrays[0]):
+            raise ValueError(f"pages, crc, cluster and importance hold {[len(a) for a in arrays]} values")
+        if arrays[0].min() < 0:
+            raise ValueError(f"page {int(arrays[0].min())}")
+        return cls(uid, layer, head, extent_id, v["off"], *arrays)
+
+    def describe(self) -> str:
+        return f"extent {self.extent_id} (uid {self.uid}, layer {self.layer}, head {self.head})"
 
 
-def _name_key(ns: str, name: str) -> bytes:
-    return b"n:" + ns.encode() + b"\0" + name.encode()
+@dataclass
+class Contents:
+    """What :meth:`Catalog.read` found: the intact records and every problem, in words."""
+
+    sequences: list[SeqRecord]
+    extents: list[ExtentRecord]
+    problems: list[str]
+
+
+def name_key(owner: int, ns: str, name: str) -> bytes:
+    return b"n:" + UID_KEY.pack(owner) + ns.encode() + b"\0" + name.encode()
+
+
+def uid_key(uid: int) -> bytes:
+    return b"u:" + UID_KEY.pack(uid)
+
+
+def seal(key: bytes, payload: bytes) -> bytes:
+    return payload + CRC.pack(crc_of([key + payload])[0])
+
+
+def unseal(key: bytes, value: bytes) -> bytes | None:
+    """The payload of a sealed value, or None if its checksum does not match."""
+    return unseal_many([(key, value)])[0]
+
+
+def crc_of(items: list[bytes]) -> list[int]:
+    """CRC-32C of each item; items of one length share one compiled pass."""
+    out = [0] * len(items)
+    by_len: dict[int, list[int]] = {}
+    for i, item in enumerate(items):
+        by_len.setdefault(len(item), []).append(i)
+    for n, idx in by_len.items():
+        if n == 0:
+            continue  # the CRC of nothing is 0
+        buf = np.frombuffer(b"".join(items[i] for i in idx), dtype=np.uint8)
+        for i, c in zip(idx, block_crcs(buf, np.arange(len(idx), dtype=np.int64) * n, n).tolist()):
+            out[i] = c
+    return out
+
+
+def unseal_many(rows: list[tuple[bytes, bytes]]) -> list[bytes | None]:
+    bodies = [k + v[:-CRC.size] for k, v in rows]
+    crcs = crc_of(bodies)
+    return [
+        v[:-CRC.size] if len(v) >= CRC.size and CRC.unpack(v[-CRC.size:])[0] == c else None
+        for (k, v), c in zip(rows, crcs)
+    ]
+
+
+def show_key(key: bytes) -> str:
+    """A record key in words, for messages."""
+    if key.startswith(b"n:") and len(key) >= 10:
+        rest = key[10:].decode("utf-8", "backslashreplace").replace("\0", "/", 1)
+        return f"sequence record {rest!r} of owner {UID_KEY.unpack(key[2:10])[0]}"
+    if key.startswith(b"u:") and len(key) == 10:
+        return f"uid record {UID_KEY.unpack(key[2:])[0]}"
+    if len(key) == EXTENT_KEY.size:
+        uid, layer, head, ext = EXTENT_KEY.unpack(key)
+        return f"extent {ext} (uid {uid}, layer {layer}, head {head})"
+    return f"record {key!r}"
+
+
+def _unpack_map(payload: bytes, fields: tuple[str, ...]) -> dict:
+    try:
+        v = msgpack.unpackb(payload, raw=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise ValueError(f"its value is not msgpack ({exc})") from None
+    if not isinstance(v, dict):
+        raise ValueError("its value is not a map")
+    missing = [f for f in fields if f not in v]
+    if missing:
+        raise ValueError(f"its value lacks {', '.join(repr(m) for m in missing)}")
+    return v
+
+
+def _decode_seq(key: bytes, payload: bytes) -> SeqRecord:
+    if len(key) < 11 or b"\0" not in key[10:]:
+        raise ValueError("its key is not owner + namespace + NUL + name")
+    ns, name = key[10:].decode().split("\0", 1)
+    v = _unpack_map(payload, ("uid", "geometry", "created"))
+    if not isinstance(v["uid"], int) or v["uid"] <= 0:
+        raise ValueError(f"uid {v['uid']!r}")
+    return SeqRecord(v["uid"], ns, name, Geometry.from_dict(v["geometry"]), float(v["created"]), UID_KEY.unpack(key[2:10])[0])
 
 
 class Catalog:
-    def __init__(self, path: Path, map_size: int, durable: bool, readonly: bool = False) -> None:
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.env = lmdb.open(
-            str(path), map_size=map_size, max_dbs=4, subdir=True,
-            # Readers take a slot in the lock file too: a reader without one is invisible to a
-            # live writer, which may then recycle the pages under its snapshot.
-            sync=durable, metasync=durable, readonly=readonly, lock=True,
+    """The LMDB environment under ``meta/``.
+
+    ``data_bytes`` is the size of the data file beside it: when it holds bytes, a
+    missing, empty or format-less catalog is refused rather than started anew. A
+    writable catalog holds an exclusive ``flock`` on ``data.mdb`` while open.
+    """
+
+    def __init__(self, path: Path, map_size: int, durable: bool, readonly: bool = False,
+                 data_bytes: int = 0, migrate_owner: int | None = None) -> None:
+        self.path = path
+        self._lock_fd: int | None = None
+        self.env: lmdb.Environment | None = None
+        self.num_seqs = self.num_extents = 0
+        self._reserved = 0
+        self.next_uid = self.next_extent = 1
+        data_mdb = path / "data.mdb"
+        try:
+            meta = read_lmdb_meta(data_mdb)
+        except CatalogFileError as exc:
+            raise CatalogDamagedError(path, [str(exc)]) from None
+        except OSError as exc:
+            raise StoreOpenError(f"cannot read {data_mdb}: {exc.strerror}") from None
+        if meta is None and (readonly or data_bytes):
+            self._refuse_missing(data_mdb, data_bytes, "is missing" if not data_mdb.exists() else "is empty")
+        try:
+            if not readonly:
+                path.mkdir(parents=True, exist_ok=True, mode=0o700)
+                self._lock_fd = os.open(data_mdb, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+                lock_exclusive(self._lock_fd, data_mdb, path.parent)
+            self.env = lmdb.open(
+                str(path), map_size=map_size, max_dbs=4, subdir=True,
+                # Readers take a slot in the lock file too: a reader without one is invisible to a
+                # live writer, which may then recycle the pages under its snapshot.
+                sync=durable, metasync=durable, readonly=readonly, lock=True,
+            )
+            self.page_size = self.env.stat()["psize"]
+            self._open_databases(readonly, data_bytes, migrate_owner)
+        except BaseException as exc:
+            self.close()
+            if isinstance(exc, lmdb.Error):
+                raise CatalogDamagedError(path, [f"LMDB cannot open it: {exc}"]) from None
+            raise
+
+    def _refuse_missing(self, data_mdb: Path, data_bytes: int, what: str) -> None:
+        if not data_bytes:
+            raise FormatError(f"{self.path.parent} holds no KVDrive catalog ({data_mdb} {what})")
+        data = self.path.parent / DATA_FILE
+        raise CatalogMissingError(
+            f"{data} holds {data_bytes} bytes of blocks but the catalog {data_mdb} {what}; "
+            f"restore {META_DIR}/ from a backup, or move {data} away to start an empty store"
         )
-        self.meta = self.env.open_db(b"meta", create=not readonly)
-        self.seqs = self.env.open_db(b"seqs", create=not readonly)
-        self.extents = self.env.open_db(b"extents", create=not readonly)
+
+    def _open_databases(self, readonly: bool, data_bytes: int, migrate_owner: int | None) -> None:
+        if readonly:
+            # Handles opened inside a read transaction close with it.
+            try:
+                self.meta, self.seqs, self.extents = (self.env.open_db(n, create=False) for n in (b"meta", b"seqs", b"extents"))
+            except lmdb.NotFoundError:
+                self._refuse_missing(self.path / "data.mdb", data_bytes, "has no format record")
         with self.env.begin(write=not readonly) as txn:
-            found = txn.get(b"format", db=self.meta)
+            try:
+                if not readonly:
+                    self.meta = self.env.open_db(b"meta", txn=txn, create=False)
+                found = txn.get(b"format", db=self.meta)
+            except lmdb.NotFoundError:
+                found = None
             if found is None:
-                if readonly:
-                    raise FormatError(f"{path} holds no KVDrive catalog")
-                txn.put(b"format", str(FORMAT_VERSION).encode(), db=self.meta)
-            elif int(found) != FORMAT_VERSION:
-                raise FormatError(f"store format {int(found)} at {path}; this kvstored reads format {FORMAT_VERSION}")
-            self.next_uid = int(txn.get(b"next_uid", b"1", db=self.meta))
-            self.next_extent = int(txn.get(b"next_extent", b"1", db=self.meta))
+                if readonly or data_bytes or self.env.stat()["entries"]:
+                    self._refuse_missing(self.path / "data.mdb", data_bytes or 0, "has no format record")
+                self._create(txn)
+                return
+            try:
+                version = int(found)
+            except ValueError:
+                raise CatalogDamagedError(self.path, [f"the format record holds {found!r}"]) from None
+            if not readonly:
+                try:
+                    self.seqs = self.env.open_db(b"seqs", txn=txn, create=False)
+                    self.extents = self.env.open_db(b"extents", txn=txn, create=False)
+                except lmdb.NotFoundError:
+                    raise CatalogDamagedError(self.path, ["the seqs or extents database is missing"]) from None
+            if version == MIGRATES_FROM and not readonly:
+                _migrate(self, txn, os.geteuid() if migrate_owner is None else migrate_owner)
+            elif version == MIGRATES_FROM:
+                raise FormatError(
+                    f"store format {version} at {self.path}: start kvstored (format {FORMAT_VERSION}) on it once "
+                    "to migrate it in place"
+                )
+            elif version != FORMAT_VERSION:
+                raise FormatError(
+                    f"store format {version} at {self.path}; this kvstored reads format {FORMAT_VERSION} "
+                    f"(and migrates format {MIGRATES_FROM})"
+                )
+            self._read_counts(txn)
+
+    def _create(self, txn: lmdb.Transaction) -> None:
+        self.meta = self.env.open_db(b"meta", txn=txn)
+        self.seqs = self.env.open_db(b"seqs", txn=txn)
+        self.extents = self.env.open_db(b"extents", txn=txn)
+        txn.put(b"format", str(FORMAT_VERSION).encode(), db=self.meta)
+        self._put_counts(txn)
+
+    def _read_counts(self, txn: lmdb.Transaction) -> None:
+        v = self.counts(txn)
+        if isinstance(v, str):
+            raise CatalogDamagedError(self.path, [v])
+        self.num_seqs, self.num_extents = v["seqs"], v["extents"]
+        self.next_uid, self.next_extent = v["next_uid"], v["next_extent"]
+
+    def counts(self, txn: lmdb.Transaction) -> dict | str:
+        """The counts record as of ``txn``, or what is wrong with it."""
+        value = txn.get(b"counts", db=self.meta)
+        if value is None:
+            return "the counts record is missing"
+        payload = unseal(b"counts", value)
+        if payload is None:
+            return "the counts record: checksum mismatch"
+        try:
+            v = _unpack_map(payload, ("seqs", "extents", "next_uid", "next_extent"))
+        except ValueError as exc:
+            return f"the counts record: {exc}"
+        if not all(isinstance(v[k], int) and v[k] >= 0 for k in v):
+            return f"the counts record holds {v}"
+        return v
+
+    def _put_counts(self, txn: lmdb.Transaction) -> None:
+        payload = msgpack.packb({"seqs": self.num_seqs, "extents": self.num_extents,
+                                 "next_uid": self.next_uid, "next_extent": self.next_extent})
+        txn.put(b"counts", seal(b"counts", payload), db=self.meta)
+
+    # ------------------------------------------------------------ reading
+
+    def read(self, data_bytes: int | None = None) -> Contents:
+        """Every intact record, checked, in one read transaction; ``problems`` names the rest.
+
+        ``data_bytes`` (the data file's size), when known, bounds every extent.
+        """
+        with self.env.begin() as txn:
+            return _check(self, txn, data_bytes)
+
+    def load(self, data_bytes: int | None = None) -> Contents:
+        """:meth:`read`, refusing a catalog with any problem."""
+        contents = self.read(data_bytes)
+        if contents.problems:
+            raise CatalogDamagedError(self.path, contents.problems)
+        return contents
 
     def sequences(self) -> list[SeqRecord]:
-        out = []
-        with self.env.begin() as txn:
-            for key, value in txn.cursor(db=self.seqs):
-                if not key.startswith(b"n:"):
-                    continue
-                ns, name = key[2:].decode().split("\0", 1)
-                v = msgpack.unpackb(value, raw=False)
-                out.append(SeqRecord(v["uid"], ns, name, Geometry.from_dict(v["geometry"]), v["created"]))
-        return out
+        return self.read().sequences
 
     def iter_extents(self) -> Iterator[ExtentRecord]:
-        with self.env.begin() as txn:
-            for key, value in txn.cursor(db=self.extents):
-                yield ExtentRecord.decode(key, value)
+        yield from self.read().extents
+
+    def extent_offset(self, txn: lmdb.Transaction, rec: ExtentRecord) -> int | None:
+        """The offset an extent's record holds now (None if it is gone or damaged)."""
+        key = EXTENT_KEY.pack(rec.uid, rec.layer, rec.head, rec.extent_id)
+        value = txn.get(key, db=self.extents)
+        payload = None if value is None else unseal(key, value)
+        try:
+            return None if payload is None else ExtentRecord.decode(key, payload).offset
+        except ValueError:
+            return None
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of data.mdb that LMDB's pages use (it never shrinks the file)."""
+        return (self.env.info()["last_pgno"] + 1) * self.page_size
 
     # ------------------------------------------------------------ writer only
 
-    def begin(self) -> lmdb.Transaction:
-        return self.env.begin(write=True)
+    def ensure_reserve(self) -> bool:
+        """Keep disk space for deletes allocated in data.mdb ahead of LMDB's pages; False
+        if the filesystem cannot give it (creates and puts are then refused).
+
+        LMDB never truncates its file, so blocks allocated here stay allocated until
+        LMDB writes pages into them.
+        """
+        used = self.used_bytes
+        step = max(RESERVE_MIN_BYTES, used // RESERVE_SHARE)
+        if self._reserved >= used + step:
+            return True
+        for size in (used + 2 * step, used + step):  # grow with slack, so not at every commit
+            try:
+                if reserve(self._lock_fd, size):
+                    self._reserved = size
+                    return True
+            except OSError as exc:
+                if exc.errno != errno.EFBIG:
+                    raise
+                # A file size limit, not a full disk: nothing to refuse puts for, no reserve to keep.
+                log.warning("a file size limit keeps %s from holding a %s reserve for deletes", self.path, format_size(size))
+                self._reserved = size
+                return True
+        return False
+
+    @contextmanager
+    def begin(self) -> Iterator[lmdb.Transaction]:
+        """A write transaction that also rewrites the counts record; the counts roll back if it fails."""
+        saved = (self.num_seqs, self.num_extents)
+        try:
+            with self.env.begin(write=True) as txn:
+                yield txn
+                self._put_counts(txn)
+        except BaseException:
+            self.num_seqs, self.num_extents = saved
+            raise
 
     def add_sequence(self, txn: lmdb.Transaction, rec: SeqRecord) -> None:
         value = msgpack.packb({"uid": rec.uid, "geometry": rec.geometry.to_dict(), "created": rec.created})
-        txn.put(_name_key(rec.ns, rec.name), value, db=self.seqs)
-        txn.put(b"u:" + UID_KEY.pack(rec.uid), _name_key(rec.ns, rec.name), db=self.seqs)
-        txn.put(b"next_uid", str(self.next_uid).encode(), db=self.meta)
+        key = rec.key
+        txn.put(key, seal(key, value), db=self.seqs)
+        txn.put(uid_key(rec.uid), seal(uid_key(rec.uid), key), db=self.seqs)
+        self.num_seqs += 1
 
     def delete_sequence(self, txn: lmdb.Transaction, rec: SeqRecord) -> None:
-        txn.delete(_name_key(rec.ns, rec.name), db=self.seqs)
-        txn.delete(b"u:" + UID_KEY.pack(rec.uid), db=self.seqs)
+        if txn.delete(rec.key, db=self.seqs):
+            self.num_seqs -= 1
+        txn.delete(uid_key(rec.uid), db=self.seqs)
         cursor = txn.cursor(db=self.extents)
         prefix = UID_KEY.pack(rec.uid)
         if cursor.set_range(prefix):
             while cursor.key().startswith(prefix):
                 if not cursor.delete():
                     break
+                self.num_extents -= 1
+
+    def add_extents(self, txn: lmdb.Transaction, records: list[ExtentRecord]) -> None:
+        encoded = [r.encode() for r in records]
+        for (key, payload), crc in zip(encoded, crc_of([k + p for k, p in encoded])):
+            txn.put(key, payload + CRC.pack(crc), db=self.extents)
+        self.num_extents += len(records)
 
     def add_extent(self, txn: lmdb.Transaction, rec: ExtentRecord) -> None:
-        key, value = rec.encode()
-        txn.put(key, value, db=self.extents)
-        txn.put(b"next_extent", str(self.next_extent).encode(), db=self.meta)
+        self.add_extents(txn, [rec])
 
     def sync(self) -> None:
         self.env.sync(True)
 
     def close(self) -> None:
-        self.env.close()
+        if self.env is not None:
+            self.env.close()
+            self.env = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def _check(cat: Catalog, txn: lmdb.Transaction, data_bytes: int | None) -> Contents:
+    problems: list[str] = []
+    by_key: dict[bytes, SeqRecord] = {}
+    uid_refs: dict[int, bytes] = {}
+    rows = list(txn.cursor(db=cat.seqs))
+    for (key, value), payload in zip(rows, unseal_many(rows)):
+        if payload is None:
+            problems.append(f"{show_key(key)}: checksum mismatch")
+        elif key.startswith(b"n:"):
+            try:
+                by_key[key] = _decode_seq(key, payload)
+            except (ValueError, TypeError, UnicodeDecodeError) as exc:
+                problems.append(f"{show_key(key)}: {exc}")
+        elif key.startswith(b"u:") and len(key) == 10:
+            uid_refs[UID_KEY.unpack(key[2:])[0]] = payload
+        else:
+            problems.append(f"{show_key(key)}: not a sequence or uid record")
+    by_uid: dict[int, SeqRecord] = {}
+    for key, rec in by_key.items():
+        where = f"sequence {rec.ns}/{rec.name} (uid {rec.uid})"
+        if rec.uid in by_uid:
+            problems.append(f"{where} shares its uid with {by_uid[rec.uid].ns}/{by_uid[rec.uid].name}")
+        ref = uid_refs.get(rec.uid)
+        if ref is None:
+            problems.append(f"{where} has no uid record")
+        elif ref != key:
+            problems.append(f"{where}: uid record {rec.uid} names {show_key(ref)} instead")
+        by_uid.setdefault(rec.uid, rec)
+    for uid, ref in uid_refs.items():
+        if ref not in by_key:
+            problems.append(f"uid record {uid} names {show_key(ref)}, which does not exist")
+    extents: list[ExtentRecord] = []
+    num_ext_records = 0
+    rows = list(txn.cursor(db=cat.extents))
+    for (key, value), payload in zip(rows, unseal_many(rows)):
+        num_ext_records += 1
+        if payload is None:
+            problems.append(f"{show_key(key)}: checksum mismatch")
+            continue
+        try:
+            ext = ExtentRecord.decode(key, payload)
+        except (ValueError, TypeError) as exc:
+            problems.append(f"{show_key(key)}: {exc}")
+            continue
+        seq = by_uid.get(ext.uid)
+        if seq is None:
+            problems.append(f"{ext.describe()} belongs to no known sequence")
+            continue
+        g = seq.geometry
+        if ext.layer >= g.num_layers or ext.head >= g.num_kv_heads:
+            problems.append(f"{ext.describe()} lies outside {seq.ns}/{seq.name}'s {g.num_layers} layers x {g.num_kv_heads} heads")
+            continue
+        end = ext.offset + len(ext.pages) * g.block_bytes
+        if data_bytes is not None and end > data_bytes:
+            problems.append(f"{ext.describe()} ends at byte {end}, past the end of the {data_bytes}-byte data file")
+        extents.append(ext)
+    problems.extend(_overlaps(extents, by_uid))
+    counts = cat.counts(txn)
+    if isinstance(counts, str):
+        problems.append(counts)
+    else:
+        if (counts["seqs"], counts["extents"]) != (len(by_key), num_ext_records):
+            problems.append(f"the counts record says {counts['seqs']} sequences and {counts['extents']} extents, "
+                            f"the catalog holds {len(by_key)} and {num_ext_records}")
+        if by_uid and max(by_uid) >= counts["next_uid"]:
+            problems.append(f"the next uid to hand out ({counts['next_uid']}) is already taken")
+        # next_extent is the last extent id handed out (the writer increments it first).
+        if extents and max(e.extent_id for e in extents) > counts["next_extent"]:
+            problems.append(f"extent id {max(e.extent_id for e in extents)} is past the last one handed out "
+                            f"({counts['next_extent']})")
+    return Contents(sorted(by_key.values(), key=lambda s: (s.ns, s.name, s.owner)), extents, problems)
+
+
+def _overlaps(extents: list[ExtentRecord], by_uid: dict[int, SeqRecord]) -> list[str]:
+    spans = sorted((e.offset, e.offset + len(e.pages) * by_uid[e.uid].geometry.block_bytes, e) for e in extents)
+    out = []
+    reach, last = -1, None
+    for start, end, ext in spans:
+        if start < reach:
+            out.append(f"{ext.describe()} at [{start}, {end}) overlaps {last.describe()}")
+        if end > reach:
+            reach, last = end, ext
+    return out
+
+
+def _migrate(cat: Catalog, txn: lmdb.Transaction, owner: int) -> None:
+    """Rewrite a format-2 catalog as format 3 inside ``txn``: checksums on every record,
+    owners in the name keys, one counts record."""
+    seq_rows = list(txn.cursor(db=cat.seqs))
+    ext_rows = list(txn.cursor(db=cat.extents))
+    problems = []
+    names = {k for k, _ in seq_rows if k.startswith(b"n:")}
+    records = []
+    for key, value in seq_rows:
+        if key.startswith(b"u:"):
+            if value not in names:
+                problems.append(f"format-{MIGRATES_FROM} uid record {key[2:].hex()} names {value!r}, which does not exist")
+            continue
+        try:
+            ns, name = key[2:].decode().split("\0", 1)
+            v = _unpack_map(value, ("uid", "geometry", "created"))
+            records.append(SeqRecord(v["uid"], ns, name, Geometry.from_dict(v["geometry"]), float(v["created"]), owner))
+        except (ValueError, TypeError, UnicodeDecodeError) as exc:
+            problems.append(f"format-{MIGRATES_FROM} record {key!r}: {exc}")
+    for key, value in ext_rows:
+        try:
+            ExtentRecord.decode(key, value)
+        except (ValueError, TypeError) as exc:
+            problems.append(f"format-{MIGRATES_FROM} {show_key(key)}: {exc}")
+    if problems:
+        raise CatalogDamagedError(cat.path, [f"cannot migrate it to format {FORMAT_VERSION}: {p}" for p in problems])
+    txn.drop(cat.seqs, delete=False)
+    cat.num_seqs = cat.num_extents = 0
+    for rec in records:
+        cat.add_sequence(txn, rec)
+    crcs = crc_of([k + v for k, v in ext_rows])
+    for (key, value), crc in zip(ext_rows, crcs):
+        txn.put(key, value + CRC.pack(crc), db=cat.extents)
+    cat.num_extents = len(ext_rows)
+    cat.next_uid = int(txn.pop(b"next_uid", db=cat.meta) or b"1")
+    cat.next_extent = int(txn.pop(b"next_extent", db=cat.meta) or b"1")
+    txn.put(b"format", str(FORMAT_VERSION).encode(), db=cat.meta)
+    cat._put_counts(txn)

@@ -97,25 +97,40 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kvstored: {exc}", file=sys.stderr)
         return 2
-    import zmq  # noqa: PLC0415
-
-    from kvstored.config import UnsafeDirectoryError  # noqa: PLC0415
     from kvstored.server import Server, install_signal_handlers  # noqa: PLC0415 - keep --help fast
 
     try:
         server = Server(cfg)
     except Exception as exc:  # start-up failures are reported plainly, not as a traceback
-        log.error("cannot start: %s", exc)
+        log.error("cannot start: %s", startup_reason(exc))
+        log.debug("cannot start", exc_info=True)
         return 1
     try:
         server.bind()
-    except (UnsafeDirectoryError, RuntimeError, OSError, zmq.ZMQError) as exc:
-        log.error("cannot start: %s", exc)
+    except Exception as exc:  # a socket directory refused, another daemon on the socket, ...
+        log.error("cannot start: %s", startup_reason(exc))
+        log.debug("cannot start", exc_info=True)
         server.store.close()
         return 1
     install_signal_handlers(server)
     server.serve_forever()
     return 0
+
+
+def startup_reason(exc: BaseException) -> str:
+    """One sentence for why the daemon could not start."""
+    from kvstored.files import StoreOpenError  # noqa: PLC0415 - keep --help fast
+
+    if isinstance(exc, StoreOpenError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}" + (f": {exc.filename}" if exc.filename else "")
+    text = str(exc)
+    if type(exc).__name__ == "ZMQError":
+        return f"cannot listen: {text}"
+    if isinstance(exc, RuntimeError) and text:
+        return text
+    return f"unexpected {type(exc).__name__} ({text or 'no message'}); --log-level DEBUG shows where"
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ Buffers are looked up in the calling session's registry only.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import itertools
 import logging
@@ -30,9 +31,10 @@ import mmap
 import os
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import lmdb
 import numpy as np
@@ -40,11 +42,12 @@ import numpy as np
 from kvdrive.layout import ALIGN, ReadPlan, SpaceError, align_up, packing_order, plan_reads
 from kvdrive.layout.format import DATA_FILE, FORMAT_VERSION, META_DIR
 from kvstored.buffers import MappedBuffer
-from kvstored.catalog import Catalog, ExtentRecord, SeqRecord
+from kvstored.catalog import RESERVE_MIN_BYTES, Catalog, CatalogDamagedError, ExtentRecord, SeqRecord
 from kvstored.config import DaemonConfig, SyncPolicy, format_size
 from kvstored.checksum import block_crcs, verify_scatter
 from kvstored.copy import address_tags, gather_scatter
 from kvstored.dram import DramTier
+from kvstored.files import StoreBusyError, StoreOpenError, lock_exclusive, punch_hole
 from kvstored.gate import ReclaimGate
 from kvstored.index import BlockIndex, Growth, IndexFullError, PageSpanError, SeqEntry
 from kvstored.io_engine import AlignedScratch, choose_engine
@@ -55,10 +58,6 @@ from kvstored.sessions import Session
 log = logging.getLogger(__name__)
 
 READ_CHUNK_BYTES = 16 << 20  # SSD reads of a get checked at once; the scratch buffer per get worker
-
-
-class StoreBusyError(RuntimeError):
-    """Another kvstored already serves this directory."""
 
 
 class ChecksumError(ProtocolError):
@@ -103,13 +102,34 @@ class _Looked(NamedTuple):
 
 
 class Store:
+    """Opening refuses, with a :class:`StoreOpenError` that says what to do, a store that
+    another kvstored serves or whose catalog is missing or damaged; whatever fails, a
+    store that did not open holds nothing open."""
+
     def __init__(self, cfg: DaemonConfig) -> None:
         self.cfg = cfg
+        self._short = False  # the disk cannot hold the catalog's reserve: creates and puts are refused
+        try:
+            self._open(cfg)
+        except BaseException as exc:
+            self.close()
+            if isinstance(exc, lmdb.Error):
+                raise CatalogDamagedError(cfg.ssd_dir / META_DIR, [f"reading it failed: {exc}"]) from None
+            if isinstance(exc, OSError) and not isinstance(exc, StoreOpenError):
+                raise StoreOpenError(f"cannot open the store in {cfg.ssd_dir}: {exc.strerror or exc}"
+                                     + (f" ({exc.filename})" if exc.filename else "")) from None
+            raise
+
+    def _open(self, cfg: DaemonConfig) -> None:
         cfg.ssd_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock_fd = _lock_directory(cfg.ssd_dir)
         t0 = time.monotonic()
-        self.catalog = Catalog(cfg.ssd_dir / META_DIR, cfg.lmdb_map_bytes, durable=cfg.sync == SyncPolicy.DURABLE)
+        data = cfg.ssd_dir / DATA_FILE
+        self.catalog = Catalog(cfg.ssd_dir / META_DIR, cfg.lmdb_map_bytes, durable=cfg.sync == SyncPolicy.DURABLE,
+                               data_bytes=data.stat().st_size if data.exists() else 0, migrate_owner=os.geteuid())
         self.ssd = _open_ssd(cfg)
+        # Held on the open file, which an unlink of kvstored.lock leaves in force.
+        lock_exclusive(self.ssd.fd, self.ssd.path, cfg.ssd_dir)
         self.engine = choose_engine(cfg.engine, cfg.io_threads, str(self.ssd.path), self.ssd.direct)
         self._scratch = AlignedScratch()  # per get worker: where its SSD reads land
         self.dram = DramTier(cfg.dram_bytes)
@@ -119,6 +139,7 @@ class Store:
         self._tick = itertools.count(1)
         self._inflight: dict[tuple[int, int], list[np.ndarray]] = {}
         self._load()
+        self._keep_reserve()
         log.info(
             "store at %s: format %d, %d sequences, %s on SSD (cap %s), DRAM tier %s pre-faulted, opened in %.2f s",
             cfg.ssd_dir, FORMAT_VERSION, len(self.index.all()), format_size(self.ssd.allocator.used_bytes),
@@ -128,12 +149,12 @@ class Store:
     # ------------------------------------------------------------ start-up
 
     def _load(self) -> None:
-        for rec in self.catalog.sequences():
-            self.index.add(SeqEntry(rec.uid, rec.ns, rec.name, rec.geometry, rec.created))
+        contents = self.catalog.load(os.fstat(self.ssd.fd).st_size)
+        for rec in contents.sequences:
+            self.index.add(SeqEntry(rec.uid, rec.ns, rec.name, rec.geometry, rec.created, rec.owner))
         by_uid: dict[int, list[ExtentRecord]] = {}
-        for ext in self.catalog.iter_extents():
-            if self.index.get(ext.uid) is None:
-                raise RuntimeError(f"extent {ext.extent_id} belongs to unknown sequence {ext.uid}: catalog damaged")
+        for ext in contents.extents:
+            assert self.index.get(ext.uid) is not None, "Catalog.load checks that every extent's sequence exists"
             by_uid.setdefault(ext.uid, []).append(ext)
         used = []
         for uid, exts in by_uid.items():
@@ -158,6 +179,72 @@ class Store:
             log.warning("the block index holds %s, past --index-max %s: puts that grow it are refused until sequences "
                         "are deleted", format_size(self.index.num_bytes), format_size(self.index.max_bytes))
 
+    # ------------------------------------------------------------ disk space
+
+    def _keep_reserve(self) -> None:
+        """Top up the catalog's reserve; on a disk that cannot hold it, hand free data-file
+        space back to the filesystem and try once more."""
+        was_short = self._short
+        self._short = not self.catalog.ensure_reserve()
+        if self._short and not was_short:
+            freed = self._punch([*self.ssd.allocator.holes,
+                                 (self.ssd.allocator.end, max(0, os.fstat(self.ssd.fd).st_size - self.ssd.allocator.end))])
+            self._short = not self.catalog.ensure_reserve()
+            if self._short:
+                log.warning("disk full under %s: creates and puts are refused until deletes free space "
+                            "(%s of free data-file space handed back to the filesystem)", self.cfg.ssd_dir, format_size(freed))
+        if was_short and not self._short:
+            log.info("disk space for the catalog's reserve is back: creates and puts are accepted again")
+
+    def _check_room(self, what: str) -> None:
+        self._keep_reserve()
+        if self._short:
+            self.counters["refused_disk_full"] += 1
+            raise ProtocolError(
+                ErrorCode.FULL,
+                f"{what} refused: the disk under {self.cfg.ssd_dir} is full, and the space kept for deletes "
+                "cannot grow; delete sequences to make room",
+            )
+
+    def _punch(self, ranges: list[tuple[int, int]]) -> int:
+        done = 0
+        for off, nbytes in ranges:
+            if nbytes > 0 and punch_hole(self.ssd.fd, off, nbytes):
+                done += nbytes
+        return done
+
+    def _release_extents(self, extents: list[tuple[int, int]]) -> None:
+        # Runs once no reader can still read them; on a full disk their blocks go back to
+        # the filesystem, so the reserve can grow again.
+        if self._short:
+            self._punch([(o, align_up(n)) for o, n in extents])
+        for o, n in extents:
+            self.ssd.queue_free(o, n)
+
+    @contextmanager
+    def _catalog_write(self, what: str) -> Iterator[lmdb.Transaction]:
+        """A catalog write transaction whose LMDB errors become typed replies."""
+        try:
+            with self.catalog.begin() as txn:
+                yield txn
+        except lmdb.MapFullError:
+            raise ProtocolError(ErrorCode.FULL, f"{what}: the catalog filled its {format_size(self.cfg.lmdb_map_bytes)} "
+                                "LMDB map; delete sequences to make room") from None
+        except (lmdb.CorruptedError, lmdb.PanicError, lmdb.PageNotFoundError) as exc:
+            log.error("%s: the catalog cannot be written: %s", what, exc)
+            raise ProtocolError(ErrorCode.IO, f"{what}: the catalog cannot be written ({exc}); restart kvstored, "
+                                "which checks the catalog at open") from None
+        except lmdb.Error as exc:
+            if isinstance(exc, lmdb.DiskError) or self._disk_nearly_full():
+                self._short = True
+                raise ProtocolError(ErrorCode.FULL, f"{what}: no disk space left for the catalog under "
+                                    f"{self.cfg.ssd_dir} ({exc}); delete sequences to make room") from None
+            raise ProtocolError(ErrorCode.IO, f"{what}: writing the catalog failed ({exc})") from None
+
+    def _disk_nearly_full(self) -> bool:
+        st = os.statvfs(self.cfg.ssd_dir / META_DIR)
+        return st.f_bavail * st.f_frsize < RESERVE_MIN_BYTES
+
     # ------------------------------------------------------------ catalog ops
 
     def hello(self) -> dict:
@@ -174,6 +261,7 @@ class Store:
         }
 
     def create(self, req: Create, owner: int) -> dict:
+        """Create ``req``'s sequence, owned by OS user ``owner``."""
         found = self.index.find(owner, req.ns, req.seq)
         if found is not None:
             if req.exist_ok and found.geometry == req.geometry:
@@ -188,13 +276,14 @@ class Store:
                 f"block index full: {format_size(self.index.num_bytes)} of --index-max "
                 f"{format_size(self.index.max_bytes)}; delete sequences or raise --index-max",
             )
+        self._check_room("create")
         uid = self.catalog.next_uid
-        rec = SeqRecord(uid, req.ns, req.seq, req.geometry, time.time())
+        rec = SeqRecord(uid, req.ns, req.seq, req.geometry, time.time(), owner)
         # The entry holds no arrays until its first put; made before the commit, so nothing
         # that can fail is left once the sequence is durable.
-        entry = SeqEntry(uid, req.ns, req.seq, req.geometry, rec.created, owner=owner)
+        entry = SeqEntry(uid, req.ns, req.seq, req.geometry, rec.created, owner)
         self.catalog.next_uid += 1
-        with self.catalog.begin() as txn:
+        with self._catalog_write("create") as txn:
             self.catalog.add_sequence(txn, rec)
         self.index.add(entry)
         log.info("created %s/%s (uid %d, %d B blocks)", req.ns, req.seq, uid, req.geometry.block_bytes)
@@ -229,8 +318,9 @@ class Store:
         entry = self.index.find(owner, req.ns, req.seq)
         if entry is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no sequence {req.ns}/{req.seq}")
-        rec = SeqRecord(entry.uid, entry.ns, entry.name, entry.geometry, entry.created)
-        with self.catalog.begin() as txn:
+        rec = SeqRecord(entry.uid, entry.ns, entry.name, entry.geometry, entry.created, entry.owner)
+        # Never refused for want of space: the catalog's reserve is kept for this.
+        with self._catalog_write("delete") as txn:
             self.catalog.delete_sequence(txn, rec)
         self.index.remove(entry.uid)
         with self.index.lock:
@@ -239,7 +329,8 @@ class Store:
         bb = entry.geometry.block_bytes
         extents = list(entry.extents)
         self.gate.retire(lambda: self.dram.release(bb, slots))
-        self.gate.retire(lambda: [self.ssd.queue_free(o, n) for o, n in extents])
+        self.gate.retire(lambda: self._release_extents(extents))
+        self._keep_reserve()
         log.info("deleted %s/%s (%s)", entry.ns, entry.name, format_size(entry.bytes))
         return {"freed_bytes": entry.bytes}
 
@@ -268,6 +359,7 @@ class Store:
         _check_span(mb, req.offset, total * bb, "source")
         self._check_new_pages(entry, layers, pages)
         growth = self._plan_growth(entry, pages)
+        self._check_room("put")
 
         cluster = (req.cluster if req.cluster is not None else np.zeros(total, np.int32)).reshape(num_l, num_h, num_p)
         order = req.order.reshape(num_l, num_h, num_p) if req.order is not None else None
@@ -319,7 +411,7 @@ class Store:
                 self.ssd.allocator.free(off, ext_bytes)
             # The staging map is left to the garbage collector: views of it (the traceback's
             # frames hold some) keep it exported, and closing it now would raise BufferError.
-            code = ErrorCode.FULL if exc.errno == 28 else ErrorCode.IO
+            code = ErrorCode.FULL if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ErrorCode.IO
             raise ProtocolError(code, f"writing blocks failed: {exc}") from None
         try:
             # The index grows now, so that publishing after the commit cannot fail.
@@ -407,19 +499,22 @@ class Store:
         try:
             if self.cfg.sync == SyncPolicy.DURABLE:
                 self.ssd.sync()
-            with self.catalog.begin() as txn:
-                for p in prepared:
-                    for rec in p.records:
-                        self.catalog.add_extent(txn, rec)
-        except (OSError, lmdb.Error) as exc:
+            with self._catalog_write("put") as txn:
+                self.catalog.add_extents(txn, [rec for p in prepared for rec in p.records])
+        except OSError as exc:
             self.abort_puts(prepared)
             self.counters["commits_failed"] += 1
             raise ProtocolError(ErrorCode.IO, f"commit failed: {exc.__class__.__name__}: {exc}") from None
+        except ProtocolError:
+            self.abort_puts(prepared)
+            self.counters["commits_failed"] += 1
+            raise
         except BaseException:
             self.abort_puts(prepared)
             raise
         self._inflight.clear()
         self.counters["put_commits"] += 1
+        self._keep_reserve()
         tick = next(self._tick)
         refused: dict[int, ProtocolError] = {}
         for i, p in enumerate(prepared):
@@ -760,11 +855,14 @@ class Store:
         }
 
     def close(self) -> None:
-        self.engine.close()
-        self.catalog.close()
-        self.ssd.close()
-        self.dram.close()
-        os.close(self._lock_fd)
+        """Close what is open (all of it once the store opened; what there is after a failed open)."""
+        for name in ("engine", "catalog", "ssd", "dram"):
+            part = self.__dict__.pop(name, None)
+            if part is not None:
+                part.close()
+        fd = self.__dict__.pop("_lock_fd", None)
+        if fd is not None:
+            os.close(fd)
 
 
 def _check_span(mb: MappedBuffer, offset: int, nbytes: int, what: str) -> None:
@@ -776,13 +874,15 @@ def _check_span(mb: MappedBuffer, offset: int, nbytes: int, what: str) -> None:
 
 
 def _lock_directory(path: Path) -> int:
+    """Lock ``kvstored.lock``, which names the serving daemon's pid. Being unlinkable, it
+    is not the only lock: the data file and data.mdb are flocked too."""
     fd = os.open(path / "kvstored.lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         other = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
-        raise StoreBusyError(f"another kvstored (pid {other or '?'}) serves {path}") from None
+        raise StoreBusyError(f"another kvstored (pid {other or 'unknown'}) serves {path}") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd

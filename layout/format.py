@@ -2,7 +2,10 @@
 
 # Bumped whenever the data file or the LMDB records change shape; a store written
 # with another version is refused at open rather than misread.
-FORMAT_VERSION = 2  # 2: block checksums are CRC-32C (1 used zlib's CRC-32)
+# 2: block checksums are CRC-32C (1 used zlib's CRC-32).
+# 3: every catalog record carries a CRC-32C, a counts record, sequences keyed by owner
+#    (kvstored migrates a format-2 catalog in place).
+FORMAT_VERSION = 3
 
 # Every extent starts and ends on this boundary so it can be read with O_DIRECT.
 ALIGN = 4096

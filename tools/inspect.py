@@ -17,19 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pwd
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import lmdb
-import msgpack
 import numpy as np
 
 from kvdrive.layout.allocator import ExtentAllocator
 from kvdrive.layout.format import DATA_FILE, FORMAT_VERSION, META_DIR
 from kvdrive.layout.geometry import Geometry
-from kvstored.catalog import EXTENT_KEY, Catalog, ExtentRecord, FormatError, SeqRecord
+from kvstored.catalog import Catalog, CatalogDamagedError, CatalogMissingError, ExtentRecord, SeqRecord, StoreOpenError
 from kvstored.config import DaemonConfig, format_size, parse_size
 
 PROG = "kvstore-inspect"
@@ -72,7 +72,7 @@ class Layout:
     catalog: Catalog
     sequences: list[SeqRecord]
     partitions: dict[tuple[int, int, int], Partition]
-    orphans: list[ExtentRecord]
+    problems: list[str]  # the catalog's damage, in words (its damaged records are left out)
     file_bytes: int
 
     @property
@@ -80,7 +80,7 @@ class Layout:
         return self.ssd_dir / DATA_FILE
 
     def used_ranges(self) -> list[tuple[int, int]]:
-        # Orphan extents have no geometry, hence no known length: their space counts as free.
+        # Damaged extent records are left out: their space counts as free.
         return [(e.offset, len(e.pages) * p.seq.geometry.block_bytes) for p in self.partitions.values() for e in p.extents]
 
 
@@ -89,49 +89,31 @@ def open_layout(ssd_dir: Path) -> Layout:
         raise InspectError(f"{ssd_dir}: no such directory")
     if not ssd_dir.is_dir():
         raise InspectError(f"{ssd_dir} is not a directory (give the daemon's --ssd directory)")
-    if not (ssd_dir / META_DIR / "data.mdb").is_file() or not (ssd_dir / DATA_FILE).is_file():
+    if not (ssd_dir / DATA_FILE).is_file():  # a missing catalog beside the data file is the catalog's to explain
         raise InspectError(f"{ssd_dir} is not a KVDrive store (no {META_DIR}/ catalog and {DATA_FILE} data file)")
+    file_bytes = os.stat(ssd_dir / DATA_FILE).st_size
+    # The daemon's own checks, before LMDB maps the file (a damaged one raises CatalogDamagedError).
     try:
-        catalog = Catalog(ssd_dir / META_DIR, DaemonConfig.lmdb_map_bytes, durable=False, readonly=True)
-    except FormatError as exc:
+        catalog = Catalog(ssd_dir / META_DIR, DaemonConfig.lmdb_map_bytes, durable=False, readonly=True, data_bytes=file_bytes)
+    except (CatalogDamagedError, CatalogMissingError):
+        raise
+    except StoreOpenError as exc:
         raise InspectError(str(exc)) from None
-    except lmdb.Error as exc:
-        raise InspectError(f"{ssd_dir}: cannot read the catalog: {exc}") from None
     try:
-        sequences, extents = _read_catalog(catalog)
-    except (lmdb.Error, ValueError, KeyError, TypeError) as exc:
+        # One read transaction: a daemon writing meanwhile cannot show us extents without
+        # their sequence or a sequence without its extents.
+        contents = catalog.read(file_bytes)
+    except lmdb.Error as exc:
         catalog.close()
-        raise InspectError(f"{ssd_dir}: catalog damaged: {exc}") from None
-    by_uid = {s.uid: s for s in sequences}
+        raise CatalogDamagedError(ssd_dir / META_DIR, [f"reading it failed: {exc}"]) from None
+    by_uid = {s.uid: s for s in contents.sequences}
     partitions: dict[tuple[int, int, int], Partition] = {}
-    orphans = []
-    for ext in extents:
-        seq = by_uid.get(ext.uid)
-        if seq is None:
-            orphans.append(ext)
-            continue
+    for ext in contents.extents:
         key = (ext.uid, ext.layer, ext.head)
-        partitions.setdefault(key, Partition(seq, ext.layer, ext.head)).extents.append(ext)
+        partitions.setdefault(key, Partition(by_uid[ext.uid], ext.layer, ext.head)).extents.append(ext)
     for part in partitions.values():
         part.extents.sort(key=lambda e: e.offset)
-    file_bytes = os.stat(ssd_dir / DATA_FILE).st_size
-    sequences.sort(key=lambda s: (s.ns, s.name))
-    return Layout(ssd_dir, catalog, sequences, partitions, orphans, file_bytes)
-
-
-def _read_catalog(catalog: Catalog) -> tuple[list[SeqRecord], list[ExtentRecord]]:
-    # One read transaction: a daemon writing meanwhile cannot show us extents without
-    # their sequence or a sequence without its extents.
-    sequences, extents = [], []
-    with catalog.env.begin() as txn:
-        for key, value in txn.cursor(db=catalog.seqs):
-            if key.startswith(b"n:"):
-                ns, name = key[2:].decode().split("\0", 1)
-                v = msgpack.unpackb(value, raw=False)
-                sequences.append(SeqRecord(v["uid"], ns, name, Geometry.from_dict(v["geometry"]), v["created"]))
-        for key, value in txn.cursor(db=catalog.extents):
-            extents.append(ExtentRecord.decode(key, value))
-    return sequences, extents
+    return Layout(ssd_dir, catalog, contents.sequences, partitions, contents.problems, file_bytes)
 
 
 @dataclass
@@ -164,6 +146,13 @@ def query_daemon(address: str, timeout: float) -> Live:
 
 def _name(seq: SeqRecord) -> dict:
     return {"ns": seq.ns, "id": seq.name, "uid": seq.uid}
+
+
+def _user(uid: int) -> str | None:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
 
 
 def _runs(cluster: np.ndarray) -> int:
@@ -214,18 +203,21 @@ def ssd_report(layout: Layout | None, live: Live | None, cap: int | None) -> dic
         s = live.stats  # type: ignore[union-attr]
         return {"used_bytes": s["ssd_used_bytes"], "extent_end": s["ssd_file_bytes"], "cap_bytes": cap,
                 "free_bytes": max(0, cap - s["ssd_used_bytes"]) if cap else None}
-    try:
-        alloc = ExtentAllocator.from_used(cap or UNBOUNDED, layout.used_ranges())
-    except ValueError as exc:
-        raise InspectError(f"{layout.ssd_dir}: catalog damaged: {exc}") from None
+    # Overlapping extents are catalog damage (reported as such); count the first of each overlap.
+    ranges, reach = [], 0
+    for start, nbytes in sorted(layout.used_ranges()):
+        if start >= reach:
+            ranges.append((start, nbytes))
+            reach = start + nbytes
+    alloc = ExtentAllocator.from_used(cap or UNBOUNDED, ranges)
     holes = alloc.holes
     hole_bytes = sum(n for _, n in holes)
     tail = max(0, layout.file_bytes - alloc.end)
     return {
         "used_bytes": alloc.used_bytes, "file_bytes": layout.file_bytes, "extent_end": alloc.end,
         "cap_bytes": cap, "free_bytes": max(0, alloc.capacity - alloc.used_bytes) if cap else None,
-        "extents": sum(len(p.extents) for p in layout.partitions.values()) + len(layout.orphans),
-        "orphan_extents": len(layout.orphans), "num_holes": len(holes),
+        "extents": sum(len(p.extents) for p in layout.partitions.values()),
+        "catalog_problems": layout.problems, "num_holes": len(holes),
         "largest_hole_bytes": max((n for _, n in holes), default=0), "hole_bytes": hole_bytes,
         "tail_bytes": tail, "free_in_file_bytes": hole_bytes + tail, "holes": [list(h) for h in holes],
     }
@@ -238,7 +230,8 @@ def live_sequence_reports(live: Live, ns_id: str | None) -> list[dict]:
         rows = [d for d in rows if f"{d['ns']}/{d['seq']}" == ns_id]
         if not rows:
             raise InspectError(f"no sequence {ns_id} at {live.address}")
-    return [{"ns": d["ns"], "id": d["seq"], "uid": d["uid"], "geometry": d["geometry"], "complete_pages": d["complete_pages"],
+    return [{"ns": d["ns"], "id": d["seq"], "uid": d["uid"], "owner": d.get("owner"), "user": None,
+             "geometry": d["geometry"], "complete_pages": d["complete_pages"],
              "blocks": d["num_blocks"], "bytes": d["bytes"], "dram_blocks": d["dram_blocks"]} for d in rows]
 
 
@@ -255,7 +248,8 @@ def sequence_reports(selected: list[SeqRecord], partitions: list[Partition], liv
         blocks = sum(p["pages"] for p in parts)
         runs = sum(p["runs"] for p in parts)
         out.append({
-            **_name(seq), "geometry": g.to_dict(), "block_bytes": g.block_bytes, "created": seq.created,
+            **_name(seq), "owner": seq.owner, "user": _user(seq.owner),
+            "geometry": g.to_dict(), "block_bytes": g.block_bytes, "created": seq.created,
             "complete_pages": _complete_pages(g, mine), "blocks": blocks, "bytes": blocks * g.block_bytes,
             "partitions": len(parts), "extents": sum(p["extents"] for p in parts), "runs": runs,
             "mean_run": _ratio(blocks, runs), "page_runs": sum(p["page_runs"] for p in parts),
@@ -388,10 +382,8 @@ def _changed_since(layout: Layout, bad: list[BadBlock]) -> set[int]:
     gone = set()
     with layout.catalog.env.begin() as txn:
         for b in bad:
-            e = b.ext
-            value = txn.get(EXTENT_KEY.pack(e.uid, e.layer, e.head, e.extent_id), db=layout.catalog.extents)
-            if value is None or msgpack.unpackb(value, raw=False)["off"] != e.offset:
-                gone.add(id(e))
+            if layout.catalog.extent_offset(txn, b.ext) != b.ext.offset:
+                gone.add(id(b.ext))
     return gone
 
 
@@ -441,7 +433,13 @@ def draw_partition(part: Partition, path: Path) -> None:
 # ---------------------------------------------------------------- text output
 
 
-TEXT_COLUMNS = {"NS/ID", "GEOMETRY"}
+TEXT_COLUMNS = {"NS/ID", "OWNER", "GEOMETRY"}
+
+
+def _owner(s: dict) -> str | None:
+    if s.get("owner") is None:
+        return None
+    return f"{s['owner']} ({s['user']})" if s.get("user") else str(s["owner"])
 
 
 def _table(headers: list[str], rows: list[list]) -> str:
@@ -471,17 +469,16 @@ def print_text(report: dict, show_partitions: bool) -> None:
         print(f"SSD    used {fs(ssd['used_bytes'])} in {ssd['extents']} extents; file {fs(ssd['file_bytes'])}; {cap}")
         print(f"       holes: {ssd['num_holes']} (largest {fs(ssd['largest_hole_bytes'])}, {fs(ssd['hole_bytes'])} in all) "
               f"+ {fs(ssd['tail_bytes'])} past the last extent = {fs(ssd['free_in_file_bytes'])} free inside the file")
-        if ssd["orphan_extents"]:
-            print(f"       warning: {ssd['orphan_extents']} extents belong to no sequence (catalog damaged); "
-                  "their space counts as free here")
+        for problem in ssd["catalog_problems"]:
+            print(f"       warning: catalog damaged: {problem} (left out here; its space counts as free)")
     else:
         print(f"SSD    used {fs(ssd['used_bytes'])}, extents end at {fs(ssd['extent_end'])}; {cap}")
     if dram is not None:
         print(f"DRAM   used {fs(dram['used_bytes'])} of {fs(dram['cap_bytes'])} ({dram['blocks']} blocks)")
     print()
     live = st["address"] is not None
-    headers = ["NS/ID", "UID", "GEOMETRY", "COMPLETE PAGES", "BLOCKS", "BYTES", "EXTENTS", "RUNS", "MEAN RUN"] + (["DRAM"] if live else [])
-    rows = [[f"{s['ns']}/{s['id']}", s["uid"], _geometry(s["geometry"]), s["complete_pages"], s["blocks"], fs(s["bytes"]),
+    headers = ["NS/ID", "UID", "OWNER", "GEOMETRY", "COMPLETE PAGES", "BLOCKS", "BYTES", "EXTENTS", "RUNS", "MEAN RUN"] + (["DRAM"] if live else [])
+    rows = [[f"{s['ns']}/{s['id']}", s["uid"], _owner(s), _geometry(s["geometry"]), s["complete_pages"], s["blocks"], fs(s["bytes"]),
              s.get("extents"), s.get("runs"), s.get("mean_run")] + ([s["dram_blocks"]] if live else [])
             for s in report["sequences"]]
     print(_table(headers, rows) if rows else "no sequences")
@@ -500,9 +497,13 @@ def print_text(report: dict, show_partitions: bool) -> None:
     if "verify" in report:
         v = report["verify"]
         print()
+        for problem in v["catalog_problems"]:
+            print(f"catalog damaged: {problem}")
         for b in v["bad_lines"]:
             print(b)
         verdict = f"{len(v['bad'])} bad of {v['blocks']} blocks" if v["bad"] else f"all {v['blocks']} blocks intact"
+        if v["catalog_problems"]:
+            verdict += f", but the catalog has {len(v['catalog_problems'])} problem(s)"
         skipped = f"; {v['skipped_changed']} skipped (deleted while verifying)" if v["skipped_changed"] else ""
         print(f"verify: {verdict} ({fs(v['bytes'])} read in {v['seconds']:.2f} s{skipped})")
     if "png" in report:
@@ -529,7 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
         "so it is safe whether or not kvstored runs on it; "
         "--address asks a running kvstored for its live figures (DRAM tier, SSD cap) and, when it reports a "
         "directory readable here, shows that store's layout as well.",
-        epilog="Exit status: 0 success; 1 --verify found damaged blocks; 2 usage or store errors "
+        epilog="Exit status: 0 success; 1 --verify found damaged blocks or a damaged catalog; 2 usage or store errors "
         "(not a store, another format version, unknown sequence or partition, no daemon at the address).",
     )
     p.add_argument("dir", nargs="?", type=Path, metavar="DIR", help="store directory (kvstored --ssd DIR)")
@@ -541,8 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partitions", action="store_true", help="add the per-partition table (in --json: a 'partitions' list)")
     p.add_argument("--partition", metavar="NS/ID:LAYER:HEAD", help="list one partition's extents (offset, pages, clusters, runs)")
     p.add_argument("--png", type=Path, metavar="FILE", help="draw --partition's slots coloured by cluster id (needs matplotlib)")
-    p.add_argument("--verify", action="store_true", help="re-read every block (of --sequence, if given) and check its "
-                   "checksum as the daemon does; print each bad one as 'NS/ID layer L head H page P at offset O' "
+    p.add_argument("--verify", action="store_true", help="check the catalog as the daemon does at open (record "
+                   "checksums, counts, cross references; each problem printed as 'catalog damaged: ...'), re-read every "
+                   "block (of --sequence, if given) and check its checksum as the daemon does; print each bad one as 'NS/ID layer L head H page P at offset O' "
                    "and exit 1 if any (blocks of a sequence deleted meanwhile are skipped)")
     p.add_argument("--progress", action="store_true", help="show --verify progress on stderr even when it is not a terminal")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
@@ -568,7 +570,12 @@ def run(args: argparse.Namespace) -> int:
         served = live.stats.get("ssd_dir")
         if args.dir is not None and served and Path(served) != args.dir.resolve():
             print(f"{PROG}: note: the daemon at {live.address} serves {served}, not {args.dir}", file=sys.stderr)
-    layout = open_layout(ssd_dir) if ssd_dir is not None else None
+    try:
+        layout = open_layout(ssd_dir) if ssd_dir is not None else None
+    except (CatalogDamagedError, CatalogMissingError) as exc:
+        if not args.verify:
+            raise InspectError(str(exc)) from None
+        return _damaged_catalog(args, exc)
     if layout is None and (args.verify or args.partitions or args.partition):
         raise InspectError("--verify, --partitions and --partition need the store directory: give DIR")
     try:
@@ -607,8 +614,9 @@ def _report(args: argparse.Namespace, layout: Layout | None, live: Live | None, 
     if layout is not None and args.verify:
         v = verify(layout, selected, args.progress or sys.stderr.isatty())
         bad = v.pop("bad")
-        report["verify"] = {**v, "bad": [b.to_dict() for b in bad], "bad_lines": [b.line() for b in bad]}
-        exit_code = 1 if bad else 0
+        report["verify"] = {**v, "bad": [b.to_dict() for b in bad], "bad_lines": [b.line() for b in bad],
+                            "catalog_problems": layout.problems}
+        exit_code = 1 if bad or layout.problems else 0
     if args.json:
         report.get("verify", {}).pop("bad_lines", None)
         json.dump(report, sys.stdout, indent=1)
@@ -616,6 +624,19 @@ def _report(args: argparse.Namespace, layout: Layout | None, live: Live | None, 
     else:
         print_text(report, args.partitions)
     return exit_code
+
+
+def _damaged_catalog(args: argparse.Namespace, exc: CatalogDamagedError | CatalogMissingError) -> int:
+    """--verify of a catalog that cannot be read at all: its damage is the finding (exit 1)."""
+    problems = getattr(exc, "problems", [str(exc)])
+    if args.json:
+        json.dump({"verify": {"catalog_problems": problems, "bad": [], "blocks": 0}}, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        for problem in problems:
+            print(f"catalog damaged: {problem}")
+        print(f"verify: the catalog cannot be read, so no block was checked ({exc})")
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -127,6 +127,26 @@ def test_verify_names_exactly_the_damaged_block(stopped):
     assert f"1 bad of {2 * 3 * PAGES} blocks" in damaged.stdout
 
 
+def test_verify_checks_the_catalog_as_the_daemon_does(stopped):
+    d, _ = stopped
+    env = lmdb.open(str(d.ssd / META_DIR), max_dbs=4)
+    with env.begin(write=True) as txn:  # one flipped byte in t/prompt's name key, below the catalog's encoding
+        seqs = env.open_db(b"seqs", txn=txn, create=False)
+        key, value = next((k, v) for k, v in txn.cursor(db=seqs) if k.startswith(b"n:") and k.endswith(b"prompt"))
+        txn.delete(key, db=seqs)
+        txn.put(key[:-1] + b"X", value, db=seqs)
+    env.close()
+    checked = inspect(d.ssd, "--verify")
+    assert checked.returncode == 1, checked
+    damage = [line for line in checked.stdout.splitlines() if line.startswith("catalog damaged: ")]
+    assert damage and "'t/prompX'" in damage[0] and "checksum mismatch" in damage[0], checked.stdout
+    doc = json.loads(inspect(d.ssd, "--verify", "--json").stdout)
+    assert any("checksum mismatch" in p for p in doc["verify"]["catalog_problems"])
+    # Without --verify the layout of what is intact is shown, with the damage as a warning.
+    plain = inspect(d.ssd)
+    assert plain.returncode == 0 and "warning: catalog damaged" in plain.stdout, plain
+
+
 def test_live_daemon_by_address(daemon_factory):
     d = daemon_factory().start()
     fill(d)

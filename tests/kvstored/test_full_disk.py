@@ -1,0 +1,103 @@
+"""A full disk under the data file and the catalog: writes are refused, deletes still commit and free space."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import lmdb
+import numpy as np
+import pytest
+
+from kvdrive_client import Geometry, StoreFullError
+
+GEOM = Geometry(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", page_size=16)
+BB = GEOM.block_bytes
+PAGES_PER_PUT = 8  # 256 KiB a put
+NUM_SEQS = 3
+
+
+def pages_of(seq: int, first: int, count: int = PAGES_PER_PUT) -> np.ndarray:
+    rng = np.random.default_rng([seq, first])
+    return rng.integers(0, 256, (GEOM.num_layers, GEOM.num_kv_heads, count, BB), dtype=np.uint8)
+
+
+def blocks(pages) -> np.ndarray:
+    return np.array([(l, h, p) for l in range(GEOM.num_layers) for h in range(GEOM.num_kv_heads) for p in pages])
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 24 MiB filesystem of its own (a tmpfs), so that the test fills a disk, not the host's."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_refuses_writes_while_deletes_free_space(daemon_factory, small_disk):
+    d = daemon_factory(dram="0")  # every get reads the data file
+    d.ssd = small_disk / "ssd"
+    d.start()
+    c = d.client()
+    seqs = [c.create("t", f"s{i}", GEOM) for i in range(NUM_SEQS)]
+    stored = [0] * NUM_SEQS  # pages acknowledged per sequence
+    with pytest.raises(StoreFullError, match=r"\[full\]"):
+        for turn in range(1000):
+            i = turn % NUM_SEQS
+            c.put(seqs[i], range(GEOM.num_layers), range(stored[i], stored[i] + PAGES_PER_PUT), pages_of(i, stored[i]))
+            stored[i] += PAGES_PER_PUT
+    assert sum(stored) * 8 * BB > 8 << 20, "the disk filled before much was stored"
+    # Whatever room the failed put left goes too, so the catalog has no page more to grow into.
+    fd = os.open(small_disk / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            while os.write(fd, b"\0" * 4096):
+                pass
+    finally:
+        os.close(fd)
+    try:  # a create on a full disk is either still taken or refused as 'full', never an internal error
+        c.create("t", "late", GEOM)
+    except StoreFullError:
+        pass
+
+    # It starts on a full disk, and a delete commits from the catalog's reserve.
+    d.stop()
+    d.start()
+    c = d.client()
+    assert c.delete("t", "s0")["freed_bytes"] == stored[0] * 8 * BB
+    d.stop()
+    d.start()
+    c = d.client()
+    seq = c.open("t", "s1")
+    c.put(seq, range(GEOM.num_layers), range(stored[1], stored[1] + PAGES_PER_PUT), pages_of(1, stored[1]))
+    stored[1] += PAGES_PER_PUT
+    for i in (1, 2):
+        seq = c.open("t", f"s{i}")
+        got = c.get(seq, blocks(range(stored[i])))
+        expect = np.concatenate([pages_of(i, first) for first in range(0, stored[i], PAGES_PER_PUT)], axis=2)
+        np.testing.assert_array_equal(got, expect.reshape(-1, BB))
+    assert sorted(s["seq"] for s in c.list("t") if s["seq"].startswith("s")) == ["s1", "s2"]
+
+
+def test_lmdb_keeps_a_preallocated_file(tmp_path):
+    """The catalog's reserve relies on LMDB never truncating data.mdb."""
+    env = lmdb.open(str(tmp_path), map_size=1 << 30)
+    with env.begin(write=True) as txn:
+        txn.put(b"k", b"v")
+    env.close()
+    fd = os.open(tmp_path / "data.mdb", os.O_RDWR)
+    os.posix_fallocate(fd, 0, 4 << 20)
+    os.close(fd)
+    env = lmdb.open(str(tmp_path), map_size=1 << 30)
+    with env.begin(write=True) as txn:
+        for i in range(500):
+            txn.put(b"%d" % i, os.urandom(200))
+    env.close()
+    st = os.stat(tmp_path / "data.mdb")
+    assert st.st_size == 4 << 20 and st.st_blocks * 512 >= 4 << 20
