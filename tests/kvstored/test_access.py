@@ -257,16 +257,22 @@ def fake_daemon(sock_dir: Path) -> Callable[[], dict]:
     return run
 
 
+def refused_by_client(sock_dir: Path, words: str) -> None:
+    client = StoreClient(f"ipc://{sock_dir / 'kvstored.sock'}", timeout=5)
+    try:
+        with pytest.raises(UnsafeStoreError, match=words):
+            client.session()
+    finally:
+        client.close()
+
+
 @needs_root
 def test_a_client_refuses_a_socket_directory_another_user_made(shared_root):
     """Another user made the directory first (as with /tmp/kvdrive-UID) and serves a fake daemon in it."""
     hijacked = Path(tempfile.mktemp(prefix="kvdrive-hijack-", dir="/tmp"))
     server = as_other_user(fake_daemon(hijacked))["server"]
     try:
-        client = StoreClient(f"ipc://{hijacked / 'kvstored.sock'}", timeout=5)
-        with pytest.raises(UnsafeStoreError, match="another user may have made it"):
-            client.session()
-        client.close()
+        refused_by_client(hijacked, "another user may have made it")
     finally:
         os.kill(server, 9)
         shutil.rmtree(hijacked, ignore_errors=True)
@@ -281,9 +287,6 @@ def test_a_client_refuses_a_socket_directory_others_can_write(shared_root):
     listener.bind(str(sock_dir / "kvstored.sock.session"))
     listener.listen(1)
     try:
-        client = StoreClient(f"ipc://{sock_dir / 'kvstored.sock'}", timeout=5)
-        with pytest.raises(UnsafeStoreError, match="writable by group or others"):
-            client.session()
-        client.close()
+        refused_by_client(sock_dir, "writable by group or others")
     finally:
         listener.close()
