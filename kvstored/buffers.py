@@ -52,8 +52,9 @@ class BufferRegistry:
     """One session's buffers. ``register``/``unregister`` run on the session thread,
     ``lookup`` on any thread."""
 
-    def __init__(self, limits: BufferLimits, budget: "MappedBudget") -> None:
+    def __init__(self, limits: BufferLimits, budget: "MappedBudget", uid: int) -> None:
         self._lock = threading.Lock()
+        self.uid = uid
         self._next = 1
         self._buffers: dict[int, MappedBuffer] = {}
         self.limits = limits
@@ -81,11 +82,11 @@ class BufferRegistry:
                     ErrorCode.BUFFER,
                     f"this session's buffers would map {held + size} bytes, limit {self.limits.max_bytes} per session",
                 )
-            self._budget.take(size)
+            self._budget.take(self.uid, size)
         try:
             array, m = _map_sealed(fd, size)
         except BaseException:
-            self._budget.give_back(size)
+            self._budget.give_back(self.uid, size)
             raise
         with self._lock:
             buf_id = self._next
@@ -120,19 +121,29 @@ class BufferRegistry:
             mb.owner.close()
         except BufferError:
             log.debug("buffer %d still referenced; unmapped at exit", mb.buf_id)
-        self._budget.give_back(mb.size)
+        self._budget.give_back(self.uid, mb.size)
 
 
 class MappedBudget:
-    """Bytes of client memory all sessions together may map (the daemon's address space)."""
+    """Bytes of client memory all sessions together may map (the daemon's address space),
+    and one user's share of it: a quarter, so no user can lock the others out."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
+        self.max_per_uid = max_bytes // 4
         self._lock = threading.Lock()
         self.used = 0
+        self._by_uid: dict[int, int] = {}
 
-    def take(self, nbytes: int) -> None:
+    def take(self, uid: int, nbytes: int) -> None:
         with self._lock:
+            mine = self._by_uid.get(uid, 0)
+            if mine + nbytes > self.max_per_uid:
+                raise ProtocolError(
+                    ErrorCode.BUFFER,
+                    f"uid {uid}'s sessions map {mine} bytes of buffers; {nbytes} more would pass a user's share of "
+                    f"{self.max_per_uid} (a quarter of --max-mapped)",
+                )
             if self.used + nbytes > self.max_bytes:
                 raise ProtocolError(
                     ErrorCode.BUFFER,
@@ -140,11 +151,17 @@ class MappedBudget:
                     f"{self.max_bytes} (--max-mapped)",
                 )
             self.used += nbytes
+            self._by_uid[uid] = mine + nbytes
 
-    def give_back(self, nbytes: int) -> None:
+    def give_back(self, uid: int, nbytes: int) -> None:
         with self._lock:
             self.used -= nbytes
-            assert self.used >= 0
+            left = self._by_uid[uid] - nbytes
+            assert self.used >= 0 and left >= 0
+            if left:
+                self._by_uid[uid] = left
+            else:
+                del self._by_uid[uid]
 
 
 def _map_sealed(fd: int, size: int) -> tuple[np.ndarray, mmap.mmap]:

@@ -105,7 +105,7 @@ class SessionTable:
                 raise ProtocolError(
                     ErrorCode.BUSY, f"uid {uid} has {mine} sessions open (limit {self.limits.max_sessions_per_uid} per user)",
                 )
-            session = Session(secrets.token_bytes(16), pid, uid, gid, BufferRegistry(self.limits.buffers, self.budget))
+            session = Session(secrets.token_bytes(16), pid, uid, gid, BufferRegistry(self.limits.buffers, self.budget, uid))
             self._by_token[session.token] = session
         log.info("session opened: pid %d uid %d", pid, uid)
         return session

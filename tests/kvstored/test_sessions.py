@@ -232,7 +232,7 @@ def test_a_dead_clients_buffers_are_unmapped(daemon):
 
 
 def test_per_session_buffer_limits_leave_room_for_others(daemon_factory):
-    d = daemon_factory(extra=["--max-client-buffers", "64M", "--max-mapped", "96M"]).start()
+    d = daemon_factory(extra=["--max-client-buffers", "64M", "--max-mapped", "384M"]).start()
     greedy, modest = d.client(), d.client()
     held = [greedy.register(1 << 20) for _ in range(63)]
     with pytest.raises(BufferError_, match="limit 64 per session|already has 64 buffers"):
@@ -246,9 +246,10 @@ def test_per_session_buffer_limits_leave_room_for_others(daemon_factory):
         fcntl.fcntl(big, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
         with pytest.raises(BufferError_, match="limit 67108864 per session"):
             modest.session()._call({"op": "register", "kind": "memfd", "size": 1 << 40}, [big])
-        # and past the daemon-wide cap: greedy holds 64 MiB, modest may add 32 MiB, not more
+        # and past one user's share of the daemon-wide cap (a quarter of 384 MiB): this
+        # user's sessions hold 64 MiB, so 32 MiB more fit, and not a byte past that
         modest.session()._call({"op": "register", "kind": "memfd", "size": 32 << 20}, [big])
-        with pytest.raises(BufferError_, match="--max-mapped"):
+        with pytest.raises(BufferError_, match="a user's share of 100663296"):
             modest.session()._call({"op": "register", "kind": "memfd", "size": 1 << 20}, [big])
     finally:
         os.close(big)
