@@ -1,4 +1,9 @@
-"""A full disk under the data file and the catalog: writes are refused, deletes still commit and free space."""
+"""A full disk under the data file and the catalog: writes are refused, deletes still commit and free space.
+
+The disk fills either by the data file's own puts or by another file just after the catalog
+outgrew the free pages LMDB can reuse; in both, the catalog commits deletes into the space
+kept allocated in data.mdb, also after a restart on the full disk.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,9 @@ GEOM = Geometry(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", page
 BB = GEOM.block_bytes
 PAGES_PER_PUT = 8  # 256 KiB a put
 NUM_SEQS = 3
+NUM_PUTS = 48  # 12 MiB of blocks, half the disk
+NUM_SMALL = 150  # about 50 such creates outgrow the free pages LMDB can reuse
+LONG_NAME = "x" * 200  # so that a create takes about 600 bytes of the catalog
 
 
 def pages_of(seq: int, first: int, count: int = PAGES_PER_PUT) -> np.ndarray:
@@ -40,6 +48,17 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+def fill(path) -> None:
+    """Write ``path`` until the filesystem has no byte left."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            while os.write(fd, b"\0" * 4096):
+                pass
+    finally:
+        os.close(fd)
+
+
 def test_a_full_disk_refuses_writes_while_deletes_free_space(daemon_factory, small_disk):
     d = daemon_factory(dram="0")  # every get reads the data file
     d.ssd = small_disk / "ssd"
@@ -54,13 +73,7 @@ def test_a_full_disk_refuses_writes_while_deletes_free_space(daemon_factory, sma
             stored[i] += PAGES_PER_PUT
     assert sum(stored) * 8 * BB > 8 << 20, "the disk filled before much was stored"
     # Whatever room the failed put left goes too, so the catalog has no page more to grow into.
-    fd = os.open(small_disk / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        with pytest.raises(OSError, match="No space left"):
-            while os.write(fd, b"\0" * 4096):
-                pass
-    finally:
-        os.close(fd)
+    fill(small_disk / "filler")
     try:  # a create on a full disk is either still taken or refused as 'full', never an internal error
         c.create("t", "late", GEOM)
     except StoreFullError:
@@ -83,6 +96,57 @@ def test_a_full_disk_refuses_writes_while_deletes_free_space(daemon_factory, sma
         expect = np.concatenate([pages_of(i, first) for first in range(0, stored[i], PAGES_PER_PUT)], axis=2)
         np.testing.assert_array_equal(got, expect.reshape(-1, BB))
     assert sorted(s["seq"] for s in c.list("t") if s["seq"].startswith("s")) == ["s1", "s2"]
+
+
+@pytest.mark.parametrize("left", [0, 4096], ids=["no-byte-left", "one-page-left"])
+def test_a_disk_filled_after_the_catalog_grew_still_deletes(daemon_factory, small_disk, left):
+    """Another file takes the disk just after the catalog outgrew the free pages LMDB can reuse,
+    so that what the catalog commits next lands past LMDB's last page. With one page left, a
+    commit needing more is a short write, which LMDB reports as an I/O error."""
+    d = daemon_factory(dram="0")
+    d.ssd = small_disk / "ssd"
+    d.start()
+    c = d.client()
+    num_seqs = 4
+    seqs = [c.create("t", f"s{i}", GEOM) for i in range(num_seqs)]
+    stored = [0] * num_seqs
+
+    def put_next(seq, i: int) -> None:
+        c.put(seq, range(GEOM.num_layers), range(stored[i], stored[i] + PAGES_PER_PUT), pages_of(i, stored[i]))
+        stored[i] += PAGES_PER_PUT
+
+    for turn in range(NUM_PUTS):
+        put_next(seqs[turn % num_seqs], turn % num_seqs)
+    for k in range(NUM_SMALL):
+        c.create("small", f"{k:04d}-{LONG_NAME}", GEOM)
+    filler = small_disk / "filler"
+    fill(filler)
+
+    with pytest.raises(StoreFullError, match=r"\[full\]"):  # the data file cannot grow by a put
+        put_next(seqs[3], 3)
+    # With a page free again, a commit that needs more pages is cut short.
+    os.truncate(filler, filler.stat().st_size - left)
+    try:  # taken from the catalog's reserve, or refused as 'full', never an internal error
+        c.create("t", "late", GEOM)
+    except StoreFullError:
+        pass
+    assert c.delete("t", "s0")["freed_bytes"] == stored[0] * 8 * BB
+
+    # Still full after a restart: a delete commits, and a put reuses the space deletes freed.
+    d.stop()
+    d.start()
+    c = d.client()
+    assert c.delete("t", "s1")["freed_bytes"] == stored[1] * 8 * BB
+    put_next(c.open("t", "s2"), 2)
+    d.stop()
+    d.start()
+    c = d.client()
+    for i in (2, 3):
+        got = c.get(c.open("t", f"s{i}"), blocks(range(stored[i])))
+        expect = np.concatenate([pages_of(i, first) for first in range(0, stored[i], PAGES_PER_PUT)], axis=2)
+        np.testing.assert_array_equal(got, expect.reshape(-1, BB))
+    assert sorted(s["seq"] for s in c.list("t") if s["seq"].startswith("s")) == ["s2", "s3"]
+    assert len(c.list("small")) == NUM_SMALL
 
 
 def test_lmdb_keeps_a_preallocated_file(tmp_path):
