@@ -96,6 +96,22 @@ def daemon_factory(tmp_path):
 
 
 @pytest.fixture
+def daemon_at():
+    """Like ``daemon_factory``, over a directory the test chose (one other users can reach, say)."""
+    made: list[DaemonProcess] = []
+
+    def make(root: Path, **kwargs) -> DaemonProcess:
+        d = DaemonProcess(root, **kwargs)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        if d.alive():
+            d.kill9()
+
+
+@pytest.fixture
 def daemon(daemon_factory) -> DaemonProcess:
     return daemon_factory().start()
 

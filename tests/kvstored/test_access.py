@@ -26,7 +26,6 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import DaemonProcess
 from kvdrive_client import Geometry, NotFoundError, StoreClient
 from kvdrive_client.errors import BufferError_, RequestError, SessionLostError, UnsafeStoreError
 from kvstored.protocol import PROTOCOL_VERSION
@@ -149,8 +148,8 @@ def check_attack(out: dict, victim_uid: int) -> None:
 
 
 @needs_root
-def test_another_user_cannot_see_read_write_or_delete_a_tenants_data(shared_root):
-    d = DaemonProcess(shared_root, extra=["--socket-mode", "0666"]).start()
+def test_another_user_cannot_see_read_write_or_delete_a_tenants_data(shared_root, daemon_at):
+    d = daemon_at(shared_root, extra=["--socket-mode", "0666"]).start()
     try:
         owner = d.client()
         seq = owner.create("tenant", "prompt-42", GEOM)
@@ -172,12 +171,12 @@ def test_another_user_cannot_see_read_write_or_delete_a_tenants_data(shared_root
 
 
 @needs_root
-def test_the_tcp_socket_serves_nothing_without_a_session(shared_root):
+def test_the_tcp_socket_serves_nothing_without_a_session(shared_root, daemon_at):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     address = f"tcp://127.0.0.1:{port}"
-    d = DaemonProcess(shared_root, extra=["--socket-mode", "0666", "--session-socket", str(shared_root / "kvstored.session")])
+    d = daemon_at(shared_root, extra=["--socket-mode", "0666", "--session-socket", str(shared_root / "kvstored.session")])
     d.address = address  # the daemon listens where its address says
     d.start()
     try:
