@@ -93,6 +93,8 @@ class Server:
             os.chmod(self.address[len("ipc://"):], self.cfg.socket_mode)
         self.done = self.ctx.socket(zmq.PULL)
         self.done.bind(_DONE)
+        self._identity = {"instance": self.sessions.instance, "session_socket": str(session_path),
+                          "max_message_bytes": self.cfg.max_message_bytes}
         self._session_server = SessionServer(session_path, self.sessions, self.cfg.socket_mode)
         self._session_server.start()
         log.info("kvstored %d serving %s, sessions on %s (instance %s)", os.getpid(), self.address,
@@ -173,14 +175,16 @@ class Server:
 
     def _serve_round(self) -> None:
         """One request from each connection that has one waiting and room in flight."""
-        for ident in list(self._queues):
+        idents = list(self._queues)
+        for ident in idents:
             q = self._queues[ident]
             if self._in_flight[ident] >= MAX_IN_FLIGHT:
                 continue
             self._handle(ident, q.popleft())
             if not q:
                 del self._queues[ident]
-            self._drain_replies()
+            if len(idents) > 1:
+                self._drain_replies()  # others' finished work leaves between requests, not after a round
 
     def _drain_replies(self) -> None:
         while True:
@@ -229,9 +233,7 @@ class Server:
             self.router.send_multipart([ident, *error_reply(req_id, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")])
 
     def _hello(self) -> dict:
-        return {**self.store.hello(), "instance": self.sessions.instance,
-                "session_socket": str(self.cfg.session_socket_path),
-                "max_message_bytes": self.cfg.max_message_bytes}
+        return {**self.store.hello(), **self._identity}
 
     def _inline(self, req: object, session: Session) -> dict:
         if isinstance(req, Stats):

@@ -108,6 +108,7 @@ class Store:
 
     def __init__(self, cfg: DaemonConfig) -> None:
         self.cfg = cfg
+        self._ssd_dir = str(cfg.ssd_dir.resolve())
         self._short = False  # the disk cannot hold the catalog's reserve: creates and puts are refused
         try:
             self._open(cfg)
@@ -256,7 +257,7 @@ class Store:
             "ssd_max_bytes": self.ssd.allocator.capacity,
             "sync": self.cfg.sync,
             "pid": os.getpid(),
-            "ssd_dir": str(self.cfg.ssd_dir.resolve()),
+            "ssd_dir": self._ssd_dir,
             "get_seqs": True,  # a get may name each block's sequence (the 'seqs' array)
         }
 
