@@ -122,8 +122,14 @@ def _model_shape(model) -> ModelShape:
     missing = [f for f in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads") if getattr(config, f, None) is None]
     if missing:
         raise UnsupportedModelError(f"model config lacks {', '.join(missing)}")
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) and model_type == "mistral":
-        raise UnsupportedModelError("sliding-window attention layers are not supported; use a full-attention model")
+    sliding = _sliding_layers(config)
+    if sliding:
+        raise UnsupportedModelError(
+            f"layer(s) {', '.join(map(str, sliding[:8]))}{' ...' if len(sliding) > 8 else ''} of this {model_type} model use "
+            f"sliding-window attention (window {getattr(config, 'sliding_window', None)}); KVDrive decodes every layer with "
+            f"attention over the whole context, which would change those layers' output: use a model whose layers all "
+            f"attend globally"
+        )
     layers = _attention_modules(model)
     if len(layers) != config.num_hidden_layers:
         raise UnsupportedModelError(f"found {len(layers)} attention modules with layer_idx, config says {config.num_hidden_layers}")
@@ -133,6 +139,17 @@ def _model_shape(model) -> ModelShape:
         raise UnsupportedModelError(f"parameter dtype {dtype} is not float16, bfloat16 or float32")
     return ModelShape(config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads, head_dim, dtype,
                       layers[0].scaling)
+
+
+def _sliding_layers(config) -> list[int]:
+    """Layers that attend over a sliding window: by ``layer_types`` where the config has it
+    (hybrid models mix both kinds), else every layer when the config turns a window on."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return list(range(config.num_hidden_layers))
+    return []
 
 
 def _attention_modules(model) -> list:
