@@ -80,12 +80,19 @@ class AttachConfig:
                 except ValueError:
                     choices = ", ".join(e.value for e in enum_type)
                     raise ValueError(f"{name}={value!r}: choose one of {choices}") from None
+        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
+            raise ValueError(f"budget must be a number (a fraction in (0, 1] or a token count), got {self.budget!r}")
         if not (self.budget > 0 and math.isfinite(self.budget)):
             raise ValueError(f"budget must be a fraction in (0, 1] or a token count > 1, got {self.budget}")
         if self.budget > 1 and self.budget != int(self.budget):
             raise ValueError(f"a budget above 1 is a token count and must be whole, got {self.budget}")
         if not 1 <= self.page_size <= 4096:
             raise ValueError(f"page_size must be in 1..4096, got {self.page_size}")
+        if 1 < self.budget < self.page_size:
+            raise ValueError(
+                f"budget={self.budget:g} reads as {self.budget:g} tokens, less than one page of {self.page_size}; "
+                f"give a fraction in (0, 1] (budget=1 attends every page) or at least {self.page_size} tokens"
+            )
         if self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
         if self.local_tokens < self.page_size:

@@ -31,6 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvdrive_client.config import AttachConfig
+from kvdrive_client.errors import StoreError
 from kvdrive_client.session import ModelShape, Session
 from kvdrive_client.store import StoreClient, connect
 
@@ -169,21 +170,29 @@ class Handle:
         self._stats: Counter = Counter()
         self.active: Session | None = None
         self._warned_dense = False
-        self._original_attn = model.config._attn_implementation
         self._modules = _attention_modules(model)
+        self._store_counters: dict = {}
         self._attached = False
         self._print: bytes | None = None
 
     def _attach(self) -> None:
+        # Every handle on a model is listed on it: the first one saves the model's own
+        # attention implementation, the last one detached restores it, and detaching a
+        # handle in any order leaves the others working.
+        handles = self.model.__dict__.setdefault(_HANDLES, [])
+        if not handles:
+            self.model.__dict__[_ORIGINAL_ATTN] = self.model.config._attn_implementation
+            self.model.set_attn_implementation(ATTN_NAME)
+        handles.append(self)
         for m in self._modules:
             m._kvdrive_handle = self
-        self.model.set_attn_implementation(ATTN_NAME)
-        original = self.model.generate
+        original = functools.partial(type(self.model).generate, self.model)
 
-        @functools.wraps(original)
+        @functools.wraps(type(self.model).generate)
         def generate(*args: Any, **kwargs: Any):
             if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
                 return original(*args, **kwargs)
+            _refuse_batch_expansion(self.model, kwargs)
             batch = _batch_size(args, kwargs)
             cache = self.new_cache(batch)
             if self.cfg.reuse:
@@ -194,6 +203,7 @@ class Handle:
                 cache.close()
                 self.active = None
 
+        self._generate = generate
         self.model.generate = generate
         self._attached = True
 
@@ -244,7 +254,8 @@ class Handle:
         if self.active is not None:
             s["index_bytes"] = self.active.index_bytes()
             s["device_cache_bytes"] = self.active.cache_bytes()
-        s["store"] = self.store.stats().get("counters", {})
+        # After detach() a store attach() started is gone: its last counters stand.
+        s["store"] = self.store.stats().get("counters", {}) if self._attached or not self._owns_store else self._store_counters
         return s
 
     def detach(self) -> None:
@@ -253,15 +264,46 @@ class Handle:
         if self.active is not None:
             self.active.close()
             self.active = None
-        if "generate" in self.model.__dict__:
-            del self.model.generate
-        self.model.set_attn_implementation(self._original_attn)
-        for m in self._modules:
-            if hasattr(m, "_kvdrive_handle"):
-                del m._kvdrive_handle
+        handles = self.model.__dict__.get(_HANDLES, [])
+        if self in handles:
+            handles.remove(self)
+        if handles:
+            last = handles[-1]
+            self.model.generate = last._generate
+            for m in self._modules:
+                m._kvdrive_handle = last
+        else:
+            self.model.__dict__.pop("generate", None)
+            self.model.__dict__.pop(_HANDLES, None)
+            self.model.set_attn_implementation(self.model.__dict__.pop(_ORIGINAL_ATTN))
+            for m in self._modules:
+                if hasattr(m, "_kvdrive_handle"):
+                    del m._kvdrive_handle
         if self._owns_store:
+            try:
+                self._store_counters = self.store.stats().get("counters", {})
+            except StoreError as exc:  # a daemon already gone has no counters to give
+                log.info("store counters unavailable at detach: %s", exc)
             self.store.close()
         self._attached = False
+
+
+_HANDLES = "_kvdrive_handles"
+_ORIGINAL_ATTN = "_kvdrive_original_attn"
+
+
+def _refuse_batch_expansion(model, kwargs: dict) -> None:
+    """Beam search and several returned sequences per prompt make transformers expand and
+    reorder the batch inside generate(); the KVDrive cache does not follow that yet."""
+    gen = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    beams = kwargs.get("num_beams", getattr(gen, "num_beams", 1)) or 1
+    returned = kwargs.get("num_return_sequences", getattr(gen, "num_return_sequences", 1)) or 1
+    if beams > 1 or returned > 1:
+        raise NotImplementedError(
+            f"generate(num_beams={beams}, num_return_sequences={returned}) through KVDrive: the cache does not follow "
+            f"transformers' batch expansion for beam search or several sequences per prompt; repeat the prompt's rows "
+            f"in the batch instead (one row per sequence, sampling), or detach() for beam search"
+        )
 
 
 def _batch_size(args, kwargs) -> int:

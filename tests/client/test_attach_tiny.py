@@ -165,6 +165,8 @@ def test_a_full_attention_qwen2_with_a_window_size_set_is_still_accepted(daemon)
 @pytest.mark.parametrize("options, message", [
     ({"budget": 0}, "budget"),
     ({"budget": 1.5}, "whole"),
+    ({"budget": "0.1"}, "must be a number"),
+    ({"budget": 2}, "less than one page of 16"),
     ({"index": "kmeans"}, "hierarchical"),
     ({"eviction": "fifo"}, "lookahead"),
     ({"window": 0.5}, "window"),
@@ -175,3 +177,41 @@ def test_a_full_attention_qwen2_with_a_window_size_set_is_still_accepted(daemon)
 def test_bad_options_are_refused(options, message, tiny_qwen2):
     with pytest.raises((ValueError, TypeError), match=message):
         attach(tiny_qwen2, store="ipc:///nonexistent/kvstored.sock", **options)
+
+
+@pytest.mark.parametrize("order", ["first detached first", "last detached first"])
+def test_two_handles_detach_in_any_order(daemon, make_tiny, order):
+    model = make_tiny("llama")
+    ids, mask = left_padded([40])
+    plain = generate(model, ids, mask, new=6).sequences
+    a = attach(model, daemon.address, budget=1.0)
+    b = attach(model, daemon.address, budget=1.0)
+    first, second = (a, b) if order == "first detached first" else (b, a)
+    first.detach()
+    # the other handle still decodes through KVDrive, exactly
+    assert model.config._attn_implementation == "kvdrive"
+    before = second.stats().get("steps", 0)
+    assert torch.equal(generate(model, ids, mask, new=6).sequences, plain)
+    assert second.stats()["steps"] > before
+    second.detach()
+    assert model.config._attn_implementation != "kvdrive" and "generate" not in model.__dict__
+    assert torch.equal(generate(model, ids, mask, new=6).sequences, plain)
+
+
+def test_stats_after_detach_of_an_owned_store_keeps_its_last_counters(make_tiny):
+    model = make_tiny("llama")
+    ids, mask = left_padded([40])
+    handle = attach(model, dram="16M", budget=1.0)
+    generate(model, ids, mask, new=4)
+    handle.detach()
+    stats = handle.stats()
+    assert stats["steps"] > 0 and stats["store"].get("puts", 0) > 0
+
+
+@pytest.mark.parametrize("kwargs", [{"num_beams": 2}, {"num_return_sequences": 2, "do_sample": True}])
+def test_beam_search_and_several_sequences_are_refused_with_a_reason(daemon, tiny_llama, kwargs):
+    handle = attach(tiny_llama, daemon.address)
+    ids, mask = left_padded([40])
+    with pytest.raises(NotImplementedError, match="batch expansion"):
+        tiny_llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, **kwargs)
+    handle.detach()
