@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -79,25 +80,8 @@ class DaemonProcess:
 
 
 @pytest.fixture
-def daemon_factory(tmp_path):
-    made: list[DaemonProcess] = []
-
-    def make(**kwargs) -> DaemonProcess:
-        root = tmp_path / f"d{len(made)}"
-        root.mkdir()
-        d = DaemonProcess(root, **kwargs)
-        made.append(d)
-        return d
-
-    yield make
-    for d in made:
-        if d.alive():
-            d.kill9()
-
-
-@pytest.fixture
 def daemon_at():
-    """Like ``daemon_factory``, over a directory the test chose (one other users can reach, say)."""
+    """Daemons over directories the test chose (one other users can reach, say); killed at the end."""
     made: list[DaemonProcess] = []
 
     def make(root: Path, **kwargs) -> DaemonProcess:
@@ -109,6 +93,19 @@ def daemon_at():
     for d in made:
         if d.alive():
             d.kill9()
+
+
+@pytest.fixture
+def daemon_factory(tmp_path, daemon_at):
+    """Daemons each in a fresh directory under the test's temp dir."""
+    count = itertools.count()
+
+    def make(**kwargs) -> DaemonProcess:
+        root = tmp_path / f"d{next(count)}"
+        root.mkdir()
+        return daemon_at(root, **kwargs)
+
+    return make
 
 
 @pytest.fixture
