@@ -8,7 +8,6 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstored.buffers import BufferLimits
 from kvstored.sessions import SessionLimits
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

@@ -84,11 +84,6 @@ class ProtocolError(Exception):
         self.code = code
 
 
-class BufferKind(enum.Enum):
-    SHM = "shm"
-    CUDA_IPC = "cuda_ipc"
-
-
 # ---------------------------------------------------------------- requests
 
 
