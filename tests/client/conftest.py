@@ -40,3 +40,10 @@ def license_ids(smollm2):
 
     _, tok = smollm2
     return tok(license_text(), return_tensors="pt").input_ids[0]
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    from kvdrive_client.models import load_gemma3
+
+    return load_gemma3()

@@ -138,23 +138,6 @@ def test_unsupported_model_is_refused_with_a_reason():
         attach(model)
 
 
-@pytest.mark.parametrize("layer_types", [
-    ["sliding_attention", "full_attention"], ["full_attention", "sliding_attention"], ["sliding_attention"] * 2,
-])
-def test_sliding_window_layers_are_refused_not_decoded_wrongly(layer_types):
-    """A sliding layer decoded over the whole context gives other logits (1.1 to 8.9 off at budget 1.0
-    for [sliding, full]); until such layers keep their own window, attach() refuses them by name."""
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=64,
-                         max_window_layers=0, layer_types=layer_types)
-    model = Qwen2ForCausalLM(config).eval()
-    sliding = [str(i) for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
-    with pytest.raises(UnsupportedModelError, match=f"layer\\(s\\) {', '.join(sliding)} of this qwen2 model use sliding"):
-        attach(model)
-    assert model.config._attn_implementation != "kvdrive"
-
-
 def test_a_full_attention_qwen2_with_a_window_size_set_is_still_accepted(daemon):
     config = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, use_sliding_window=False, sliding_window=64)
