@@ -17,7 +17,10 @@ class AttachConfig:
     """How KVDrive decodes.
 
     budget: pages attended per step besides the sink and local window, as a
-        fraction of the selectable pages (0 < budget <= 1) or a token count (> 1).
+        fraction of the selectable pages (0 < budget <= 1; 1 attends every page).
+    budget_tokens: instead of ``budget``, a fixed count of tokens attended per step
+        besides the sink and local window (whole pages: rounded up to a page, at least
+        one page), however long the context grows.
     page_size: tokens per page (the unit of selection, caching and storage).
     sink_tokens / local_tokens: always attended: the first tokens and the last ones.
     window: device cache per (layer, KV head) as a multiple of the step's selection
@@ -49,6 +52,7 @@ class AttachConfig:
     """
 
     budget: float = 0.0625
+    budget_tokens: int | None = None
     page_size: int = 16
     sink_tokens: int = 16
     local_tokens: int = 64
@@ -81,18 +85,20 @@ class AttachConfig:
                     choices = ", ".join(e.value for e in enum_type)
                     raise ValueError(f"{name}={value!r}: choose one of {choices}") from None
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
-            raise ValueError(f"budget must be a number (a fraction in (0, 1] or a token count), got {self.budget!r}")
-        if not (self.budget > 0 and math.isfinite(self.budget)):
-            raise ValueError(f"budget must be a fraction in (0, 1] or a token count > 1, got {self.budget}")
-        if self.budget > 1 and self.budget != int(self.budget):
-            raise ValueError(f"a budget above 1 is a token count and must be whole, got {self.budget}")
+            raise TypeError(f"budget must be a number, a fraction in (0, 1]; got {type(self.budget).__name__} "
+                            f"{self.budget!r}")
+        if not 0 < self.budget <= 1:
+            hint = (f"; for a count of {self.budget:g} tokens per step, give budget_tokens={self.budget:g}"
+                    if self.budget > 1 else "")
+            raise ValueError(f"budget must be a fraction in (0, 1], got {self.budget:g}{hint}")
         if not 1 <= self.page_size <= 4096:
             raise ValueError(f"page_size must be in 1..4096, got {self.page_size}")
-        if 1 < self.budget < self.page_size:
-            raise ValueError(
-                f"budget={self.budget:g} reads as {self.budget:g} tokens, less than one page of {self.page_size}; "
-                f"give a fraction in (0, 1] (budget=1 attends every page) or at least {self.page_size} tokens"
-            )
+        if self.budget_tokens is not None:
+            if isinstance(self.budget_tokens, bool) or not isinstance(self.budget_tokens, int):
+                raise TypeError(f"budget_tokens must be a whole number of tokens, got "
+                                f"{type(self.budget_tokens).__name__} {self.budget_tokens!r}")
+            if self.budget_tokens < 1:
+                raise ValueError(f"budget_tokens must be >= 1, got {self.budget_tokens}")
         if self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
         if self.local_tokens < self.page_size:
@@ -144,6 +150,6 @@ class AttachConfig:
     def pages_to_select(self, selectable_pages: int) -> int:
         if selectable_pages <= 0:
             return 0
-        if self.budget <= 1:
-            return min(selectable_pages, max(1, math.ceil(self.budget * selectable_pages)))
-        return min(selectable_pages, math.ceil(self.budget / self.page_size))
+        if self.budget_tokens is not None:
+            return min(selectable_pages, math.ceil(self.budget_tokens / self.page_size))
+        return min(selectable_pages, max(1, math.ceil(self.budget * selectable_pages)))

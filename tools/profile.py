@@ -189,7 +189,7 @@ def record_trace(model, handle, ids, run: ProfileRun, info: dict):
 
 
 def _budget(budget: float) -> str:
-    return f"{budget:.3%}" if budget <= 1 else f"{budget:g} tokens"
+    return f"{budget:.3%}"
 
 
 def _window(w: float) -> str:

@@ -86,6 +86,9 @@ def test_pages_completed_during_decode_are_stored_and_selectable(daemon, make_ti
 def test_detach_restores_the_model(daemon, tiny_qwen2):
     ids, mask = left_padded([100])
     before = tiny_qwen2.config._attn_implementation
+    config = tiny_qwen2.config.to_dict()
+    attrs = set(tiny_qwen2.__dict__)
+    module_attrs = [set(m.__dict__) for m in tiny_qwen2.modules()]
     ref = generate(tiny_qwen2, ids, mask, new=8)
     with daemon.client() as store:
         handle = attach(tiny_qwen2, store, budget=0.5)
@@ -93,6 +96,8 @@ def test_detach_restores_the_model(daemon, tiny_qwen2):
         generate(tiny_qwen2, ids, mask, new=8)
         handle.detach()
     assert tiny_qwen2.config._attn_implementation == before
+    assert tiny_qwen2.config.to_dict() == config
+    assert set(tiny_qwen2.__dict__) == attrs and [set(m.__dict__) for m in tiny_qwen2.modules()] == module_attrs
     assert "generate" not in tiny_qwen2.__dict__
     again = generate(tiny_qwen2, ids, mask, new=8)
     assert torch.equal(again.sequences, ref.sequences)
@@ -132,6 +137,21 @@ def test_caches_of_two_handles_on_one_model_decode_in_turn_as_each_alone(daemon,
     assert model.config._attn_implementation != "kvdrive"
 
 
+@pytest.mark.parametrize("budget_tokens, pages", [(16, 1), (17, 2), (64, 4), (10_000, 13)])
+def test_budget_tokens_selects_a_fixed_count_of_pages(daemon, make_tiny, budget_tokens, pages):
+    """The decode step's 301 tokens: the local window from page 14 on (77 tokens), 1 sink page,
+    13 selectable pages between them."""
+    model = make_tiny("llama")
+    ids, mask = left_padded([300])
+    with daemon.client() as store:
+        handle = attach(model, store, budget_tokens=budget_tokens, window=1)
+        generate(model, ids, mask, new=2)
+        stats = handle.stats()
+        handle.detach()
+    per_step = stats["attended_tokens"] / (stats["steps"] * model.config.num_hidden_layers * model.config.num_key_value_heads)
+    assert per_step == 16 + pages * 16 + 77
+
+
 def test_unsupported_model_is_refused_with_a_reason():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(UnsupportedModelError, match="gpt2"):
@@ -147,9 +167,11 @@ def test_a_full_attention_qwen2_with_a_window_size_set_is_still_accepted(daemon)
 
 @pytest.mark.parametrize("options, message", [
     ({"budget": 0}, "budget"),
-    ({"budget": 1.5}, "whole"),
-    ({"budget": "0.1"}, "must be a number"),
-    ({"budget": 2}, "less than one page of 16"),
+    ({"budget": 1.5}, "fraction in \\(0, 1\\], got 1.5; for a count of 1.5 tokens"),
+    ({"budget": "0.1"}, "budget must be a number, a fraction in \\(0, 1\\]; got str '0.1'"),
+    ({"budget": 2}, "budget_tokens=2"),
+    ({"budget_tokens": 16.5}, "budget_tokens must be a whole number of tokens, got float 16.5"),
+    ({"budget_tokens": 0}, "budget_tokens must be >= 1"),
     ({"index": "kmeans"}, "hierarchical"),
     ({"eviction": "fifo"}, "lookahead"),
     ({"window": 0.5}, "window"),
