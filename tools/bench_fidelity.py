@@ -1,7 +1,8 @@
 """``kvdrive-bench fidelity``: how close sparse decoding stays to dense attention, per selector.
 
-SmolLM2-135M (float32) reads a context of real text (the Debian common licenses, or
-``--text FILE``), then decodes the next ``--tokens`` tokens of that text teacher-forced,
+A real model (``--model``: SmolLM2-135M by default, or Gemma 3 270M, whose global
+layers alone go through KVDrive; float32) reads a context of real text (the Debian
+common licenses, or ``--text FILE``), then decodes the next ``--tokens`` tokens of that text teacher-forced,
 once densely and once through KVDrive for every selector and budget:
 
 - oracle (exact attention mass per page), lowrank (KVDrive's default: every key as a
@@ -9,7 +10,8 @@ once densely and once through KVDrive for every selector and budget:
   mass), hierarchical (clustered int8 page means), meankey (one mean key per page,
   every page scored; ShadowKV-style), quest (per-page key min/max bounds);
 - budgets 6.25% and 3.125% of the selectable pages (``--quick``: 6.25% only);
-- contexts 2K and 7K tokens (``--quick``: 2K);
+- contexts 2K and 7K tokens for SmolLM2, 16K and 32K for Gemma 3 (``--quick``: 2K,
+  4K);
 - ``--windows`` text windows (default 3, ``--quick`` 1): window 0 starts at the text's
   first token and is the one the selectors' settings were chosen on; the others are
   held out, spread evenly so that the last one ends where the text does, and do not
@@ -41,12 +43,16 @@ part runs on text window 0 only.
 The prefill is dense and identical for every run, so it runs once per context: the
 keys, values and queries that KVDrive's prefill hook receives are kept and replayed
 into each selector's fresh session (and into a DynamicCache for the dense reference).
+A context longer than ``--prefill-chunk`` tokens (8192) is prefilled densely in chunks
+of that many tokens instead of in one pass (the same keys and queries up to float
+rounding; a one-pass prefill's cost grows with the square of the context in every
+layer, sliding-window ones included).
 
 ``--json FILE`` writes ``{"fidelity": [...], "cache": [...]}``: ``fidelity`` has one
 row per text window x context x budget x selector with exactly the keys selector,
 budget, context, text_window, offset (the window's first token), recall, dloss, kl,
 top1, index_bytes, kv_bytes (the full K+V of every layer at the context, in the
-model's dtype), select_ms; ``cache`` one row per context x window x policy (selector,
+model's dtype; of the global layers only, the ones KVDrive stores), select_ms; ``cache`` one row per context x window x policy (selector,
 budget, context, window, capacity, policy, hits, lookups, hit_rate).
 """
 
@@ -54,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import math
 import os
@@ -74,8 +81,7 @@ from kvdrive_client.selectors import IndexKind
 from kvdrive_client.session import Observer, Session
 
 PAGE_SIZE = 16
-DEFAULT_CONTEXTS, QUICK_CONTEXTS = (2048, 7168), (2048,)
-DEFAULT_CONTEXT = 7168  # the context the targets speak of
+PREFILL_CHUNK = 8192
 DEFAULT_TOKENS, QUICK_TOKENS = 64, 16
 DEFAULT_BUDGETS, QUICK_BUDGETS = (0.0625, 0.03125), (0.0625,)
 SELECTORS = (IndexKind.ORACLE, IndexKind.LOWRANK, IndexKind.HIERARCHICAL, IndexKind.MEAN_KEY, IndexKind.QUEST)
@@ -92,10 +98,27 @@ TARGET_LOOKAHEAD_VS_BELADY = 0.97
 TARGET_WINDOW = 4
 # The best selector against dense attention and the oracle, at the target context.
 TARGET_BEST = IndexKind.LOWRANK
-TARGET_DLOSS, TARGET_KL, TARGET_DLOSS_BUDGET = 0.15, 0.08, 0.0625
+TARGET_DLOSS_BUDGET = 0.0625
 TARGET_INDEX_VS_KV = 0.1
 TARGET_RECALL_VS_ORACLE = 0.9
 TARGET_SELECT_VS_HIERARCHICAL = 1.5
+
+
+@dataclass(frozen=True)
+class ModelRun:
+    """Per model: its default contexts and the targets against dense attention at ``target_context``."""
+
+    contexts: tuple[int, ...]
+    quick_contexts: tuple[int, ...]
+    target_context: int
+    dloss: float
+    kl: float
+
+
+MODEL_RUNS = {
+    "smollm2": ModelRun((2048, 7168), (2048,), 7168, 0.15, 0.08),
+    "gemma3-270m": ModelRun((16384, 32768), (4096,), 32768, 0.10, 0.05),
+}
 
 
 class InputError(ValueError):
@@ -111,8 +134,14 @@ class FidelityConfig:
     text: Path | None
     threads: int = 1
     windows: int = 1
+    model: str = "smollm2"
+    prefill_chunk: int = PREFILL_CHUNK
 
     def __post_init__(self) -> None:
+        if self.model not in MODEL_RUNS:
+            raise ValueError(f"--model {self.model!r}: choose one of {', '.join(MODEL_RUNS)}")
+        if self.prefill_chunk < PAGE_SIZE:
+            raise ValueError(f"--prefill-chunk must be at least {PAGE_SIZE} tokens, got {self.prefill_chunk}")
         if any(c < 16 * PAGE_SIZE for c in self.contexts):
             raise ValueError(f"--context must be at least {16 * PAGE_SIZE} tokens, got {list(self.contexts)}")
         if self.tokens < 1:
@@ -167,13 +196,19 @@ class CacheRow:
 
 
 class PrefillSnapshot:
-    """What KVDrive's prefill hook received per layer: keys, values, queries, mask."""
+    """What KVDrive's prefill hook received per global layer (keys, values, queries, mask), and
+    the sliding-window layers' own cache layers as the prefill left them (hybrid models)."""
 
-    def __init__(self, layers: list[tuple]) -> None:
+    def __init__(self, layers: list[tuple], sliding: dict | None = None) -> None:
         self.layers = layers
+        self.sliding = sliding or {}
 
     @classmethod
-    def capture(cls, model, store, ids: torch.Tensor) -> "PrefillSnapshot":
+    def capture(cls, model, store, ids: torch.Tensor, chunk: int | None = None) -> "PrefillSnapshot":
+        """One prefill through KVDrive's own hook; with ``chunk``, a context longer than that
+        runs densely in chunks of ``chunk`` tokens instead (see :meth:`capture_chunked`)."""
+        if chunk is not None and ids.shape[1] > chunk:
+            return cls.capture_chunked(model, ids, chunk)
         from kvdrive_client import attach  # noqa: PLC0415
 
         handle = attach(model, store, index=IndexKind.MEAN_KEY)
@@ -190,27 +225,73 @@ class PrefillSnapshot:
 
             session.finish_prefill = keep  # this one session only
             model(input_ids=ids, cache=cache, logits_to_keep=1)
+            sliding = {i: copy.deepcopy(layer) for i, layer in enumerate(cache.layers) if layer.is_sliding}
             cache.close()
         finally:
             handle.detach()
         assert all(x is not None for x in layers), "the prefill skipped a layer"
-        return cls(layers)
+        return cls(layers, sliding)
+
+    @classmethod
+    def capture_chunked(cls, model, ids: torch.Tensor, chunk: int) -> "PrefillSnapshot":
+        """A dense prefill of one unpadded row in chunks of ``chunk`` tokens through a plain
+        DynamicCache, the global layers' queries kept as they pass: a one-shot prefill's cost
+        grows with the square of the context in every layer (sdpa on the CPU computes a
+        sliding layer's full mask), chunks keep the sliding layers to their window."""
+        from transformers import AttentionInterface, DynamicCache  # noqa: PLC0415
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
+
+        from kvdrive_client.hooks import GLOBAL, layer_kinds  # noqa: PLC0415
+
+        if ids.shape[0] != 1:
+            raise ValueError("a chunked prefill takes one row")
+        kinds = layer_kinds(model.config)
+        queries: dict[int, list[torch.Tensor]] = {i: [] for i, (kind, _) in enumerate(kinds) if kind == GLOBAL}
+
+        def capturing(module, query, key, value, attention_mask, **kwargs):
+            if module.layer_idx in queries:
+                queries[module.layer_idx].append(query)
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+        AttentionInterface.register(CAPTURE_ATTN, capturing)
+        before = model.config._attn_implementation
+        model.set_attn_implementation(CAPTURE_ATTN)
+        try:
+            cache = DynamicCache(config=model.config)
+            for lo in range(0, ids.shape[1], chunk):
+                model(input_ids=ids[:, lo : lo + chunk], cache=cache, logits_to_keep=1)
+        finally:
+            model.set_attn_implementation(before)
+        layers = [(cache.layers[i].keys, cache.layers[i].values, torch.cat(q, dim=2), None) for i, q in queries.items()]
+        sliding = {i: cache.layers[i] for i, layer in enumerate(cache.layers) if layer.is_sliding}
+        return cls(layers, sliding)
 
     def replay(self, cache) -> None:
         """Prefill a fresh KVDriveCache as the model's forward pass would."""
         session: Session = cache.session
-        for layer, (keys, values, query, mask) in enumerate(self.layers):
-            cache.update(keys, values, layer)
-            session.current_layer = None  # what the attention hook does before finishing the layer
-            session.finish_prefill(layer, query, mask)
+        for i, layer in enumerate(cache.layers):
+            if layer.is_sliding:
+                cache.layers[i] = copy.deepcopy(self.sliding[i])
+                continue
+            keys, values, query, mask = self.layers[layer.idx]
+            cache.update(keys, values, i)
+            session.finish_prefill(layer.idx, query, mask)
 
     def dense_cache(self, config):
         from transformers import DynamicCache  # noqa: PLC0415
 
         cache = DynamicCache(config=config)
-        for layer, (keys, values, _, _) in enumerate(self.layers):
-            cache.update(keys, values, layer)
+        layers = iter(self.layers)
+        for i, layer in enumerate(cache.layers):
+            if layer.is_sliding:
+                cache.layers[i] = copy.deepcopy(self.sliding[i])
+            else:
+                keys, values, _, _ = next(layers)
+                cache.update(keys, values, i)
         return cache
+
+
+CAPTURE_ATTN = "kvdrive-capture"
 
 
 def teacher_force(model, cache, fed: torch.Tensor) -> torch.Tensor:
@@ -389,10 +470,11 @@ def cache_rows(trace: Trace, kind: IndexKind, context: int) -> list[CacheRow]:
 
 def run_fidelity(cfg: FidelityConfig) -> tuple[list[FidelityRow], list[CacheRow], dict]:
     from kvdrive_client import connect  # noqa: PLC0415
-    from kvdrive_client.models import license_text, load_smollm2  # noqa: PLC0415
+    from kvdrive_client.hooks import GLOBAL, layer_kinds  # noqa: PLC0415
+    from kvdrive_client.models import license_text, load_model  # noqa: PLC0415
 
     t0 = time.perf_counter()
-    model, tok = load_smollm2()
+    model, tok = load_model(cfg.model)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     text = cfg.text.read_text(encoding="utf-8") if cfg.text else license_text()
@@ -408,7 +490,15 @@ def run_fidelity(cfg: FidelityConfig) -> tuple[list[FidelityRow], list[CacheRow]
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     info["itemsize"] = model.dtype.itemsize
-    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * model.dtype.itemsize
+    kinds = layer_kinds(c)
+    stored = sum(kind == GLOBAL for kind, _ in kinds)
+    windows = sorted({w for kind, w in kinds if kind != GLOBAL})
+    info["model"] = (f"{cfg.model} ({type(model).__name__}) {str(model.dtype).removeprefix('torch.')}: "
+                     f"{c.num_hidden_layers} layers"
+                     + (f" ({stored} global through KVDrive, the others sliding-window {'/'.join(map(str, windows))} "
+                        f"tokens on the device)" if windows else "")
+                     + f", {c.num_attention_heads} query / {c.num_key_value_heads} KV heads, head dim {head_dim}")
+    per_token = 2 * stored * c.num_key_value_heads * head_dim * model.dtype.itemsize
     rows: list[FidelityRow] = []
     crows: list[CacheRow] = []
     runs = len(offsets) * len(cfg.contexts) * len(cfg.budgets) * len(cfg.selectors)
@@ -423,7 +513,7 @@ def run_fidelity(cfg: FidelityConfig) -> tuple[list[FidelityRow], list[CacheRow]
                     fed = ids[:, offset + context : offset + context + cfg.tokens]
                     targets = ids[0, offset + context + 1 : offset + context + cfg.tokens + 1]
                     t = time.perf_counter()
-                    snapshot = PrefillSnapshot.capture(model, store, ctx)
+                    snapshot = PrefillSnapshot.capture(model, store, ctx, chunk=cfg.prefill_chunk)
                     _note(f"{where}: dense prefill {time.perf_counter() - t:.0f} s (once, replayed per run)")
                     t = time.perf_counter()
                     dense = teacher_force(model, snapshot.dense_cache(model.config), fed)
@@ -469,27 +559,27 @@ def _verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-def target_lines(rows: list[FidelityRow], crows: list[CacheRow], itemsize: int = 4) -> list[str]:
-    """Target verdicts; ``itemsize``: bytes per K/V element of the model measured (SmolLM2 runs in float32)."""
+def target_lines(rows: list[FidelityRow], crows: list[CacheRow], itemsize: int = 4, model: str = "smollm2") -> list[str]:
+    """Target verdicts; ``itemsize``: bytes per K/V element of the model measured (the models run in float32)."""
     lines = _index_target_lines([r for r in rows if r.text_window == 0], crows)
-    lines += _best_target_lines(rows, itemsize)
+    lines += _best_target_lines(rows, itemsize, MODEL_RUNS[model])
     if not lines:
         lines.append("no targets: they need lowrank with oracle / hierarchical, or hierarchical with meankey / quest "
                      "(and a 6.25% budget for the cache)")
     return lines
 
 
-def _target_context(rows: list[FidelityRow]) -> int:
+def _target_context(rows: list[FidelityRow], target: int) -> int:
     contexts = {r.context for r in rows}
-    return DEFAULT_CONTEXT if DEFAULT_CONTEXT in contexts else max(contexts)
+    return target if target in contexts else max(contexts)
 
 
-def _best_target_lines(rows: list[FidelityRow], itemsize: int) -> list[str]:
+def _best_target_lines(rows: list[FidelityRow], itemsize: int, m: ModelRun) -> list[str]:
     """The best selector against dense attention, the oracle and the hierarchical index, per text window."""
     if not rows:
         return []
     by = {(r.selector, r.budget, r.context, r.text_window): r for r in rows}
-    context = _target_context(rows)
+    context = _target_context(rows, m.target_context)
     name = TARGET_BEST.value
     lines = []
     for w in sorted({r.text_window for r in rows}):
@@ -498,8 +588,8 @@ def _best_target_lines(rows: list[FidelityRow], itemsize: int) -> list[str]:
         at = f"context {context}, window {w} at token {first.offset}, {held}"
         row = by.get((name, TARGET_DLOSS_BUDGET, context, w))
         if row is not None:
-            ok = row.dloss <= TARGET_DLOSS and row.kl <= TARGET_KL
-            lines.append(f"target: {name} dloss <= {TARGET_DLOSS:g} and kl <= {TARGET_KL:g} (budget "
+            ok = row.dloss <= m.dloss and row.kl <= m.kl
+            lines.append(f"target: {name} dloss <= {m.dloss:g} and kl <= {m.kl:g} (budget "
                          f"{TARGET_DLOSS_BUDGET:.3%}, {at}): dloss {row.dloss:+.4f}, kl {row.kl:.4f}: {_verdict(ok)}")
             ratio = row.index_bytes / row.kv_bytes
             lines.append(f"target: {name} index_bytes <= {TARGET_INDEX_VS_KV:g} x the full K+V ({at}): "
@@ -562,7 +652,7 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
     windows = ", ".join(f"{w} at token {o}" + (" (tuning)" if w == 0 else " (held out)")
                         for w, o in enumerate(info["offsets"]))
     lines = [
-        f"kvdrive-bench fidelity: SmolLM2-135M-Instruct float32 (30 layers, 9 query / 3 KV heads, head dim 64); "
+        f"kvdrive-bench fidelity: {info['model']}; "
         f"text {text} ({info['text_tokens']} tokens); text windows: {windows}",
         f"context {', '.join(map(str, cfg.contexts))} tokens, then {cfg.tokens} teacher-forced decode tokens; page "
         f"{PAGE_SIZE} tokens, sink {attach_cfg.sink_tokens} and local window {attach_cfg.local_tokens} tokens always "
@@ -573,10 +663,13 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
         f"{os.cpu_count()} CPUs, torch threads: "
         f"{torch.get_num_threads()}; kernels: {cpu_kernels.VECTOR_WIDTH}; model load {info['load_s']:.0f} s",
         "vs oracle: recall over the oracle's at the same window, context and budget; index/kv: index_bytes over "
-        "the full K+V of every layer at the context (float32, as the model runs)",
+        "the full K+V of every global layer at the context (float32, as the model runs)",
     ]
-    if DEFAULT_CONTEXT not in cfg.contexts or cfg.tokens != DEFAULT_TOKENS:
-        lines.append(f"NOTE: not the benchmark's {DEFAULT_CONTEXT}-token context with {DEFAULT_TOKENS} decode tokens "
+    if max(cfg.contexts) > cfg.prefill_chunk:
+        lines.append(f"contexts over {cfg.prefill_chunk} tokens are prefilled densely in chunks of {cfg.prefill_chunk}")
+    target = MODEL_RUNS[cfg.model].target_context
+    if target not in cfg.contexts or cfg.tokens != DEFAULT_TOKENS:
+        lines.append(f"NOTE: not the benchmark's {target}-token context with {DEFAULT_TOKENS} decode tokens "
                      "(--quick / --context / --tokens)")
     lines.append("")
     oracle = {(r.budget, r.context, r.text_window): r.recall for r in rows if r.selector == IndexKind.ORACLE.value}
@@ -598,17 +691,22 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
         lines += text_table(("context", "window", "capacity", "policy", "hits", "lookups", "hit_rate"), body, {2, 4, 5, 6})
     elif cfg.traced_kind is None:
         lines += ["", "cache: skipped (needs the lowrank or hierarchical selector at a 6.25% budget)"]
-    lines += ["", *target_lines(rows, crows, info["itemsize"])]
+    lines += ["", *target_lines(rows, crows, info["itemsize"], cfg.model)]
     return "\n".join(lines)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help=f"a short run: {QUICK_CONTEXTS[0]}-token context, {QUICK_TOKENS} decode tokens, budget 6.25%% "
+                   help=f"a short run: one short context (see --context), {QUICK_TOKENS} decode tokens, budget 6.25%% "
                         f"only, {QUICK_WINDOWS} text window")
+    p.add_argument("--model", default="smollm2", choices=list(MODEL_RUNS),
+                   help="the real model to decode (default smollm2); gemma3-270m: only its global layers go through KVDrive")
     p.add_argument("--context", type=int, nargs="+", default=None, metavar="TOKENS",
-                   help=f"context length(s) (default {' '.join(map(str, DEFAULT_CONTEXTS))}, "
-                        f"{' '.join(map(str, QUICK_CONTEXTS))} with --quick)")
+                   help="context length(s) (default "
+                        + "; ".join(f"{n}: {' '.join(map(str, m.contexts))}, {' '.join(map(str, m.quick_contexts))} "
+                                    f"with --quick" for n, m in MODEL_RUNS.items()) + ")")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="TOKENS",
+                   help=f"contexts longer than this are prefilled densely in chunks of it (default {PREFILL_CHUNK})")
     p.add_argument("--windows", type=int, default=None,
                    help=f"text windows: the first at the text's start (tuning), the others held out, spread to its end "
                         f"(default {DEFAULT_WINDOWS}, {QUICK_WINDOWS} with --quick)")
@@ -628,14 +726,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        m = MODEL_RUNS.get(args.model, MODEL_RUNS["smollm2"])
         cfg = FidelityConfig(
-            contexts=tuple(args.context or (QUICK_CONTEXTS if args.quick else DEFAULT_CONTEXTS)),
+            contexts=tuple(args.context or (m.quick_contexts if args.quick else m.contexts)),
             tokens=args.tokens if args.tokens is not None else (QUICK_TOKENS if args.quick else DEFAULT_TOKENS),
             budgets=tuple(args.budget or (QUICK_BUDGETS if args.quick else DEFAULT_BUDGETS)),
             selectors=tuple(IndexKind(s) for s in args.selectors),
             text=args.text,
             threads=args.threads,
             windows=args.windows if args.windows is not None else (QUICK_WINDOWS if args.quick else DEFAULT_WINDOWS),
+            model=args.model,
+            prefill_chunk=args.prefill_chunk,
         )
     except ValueError as exc:
         print(f"kvdrive-bench fidelity: {exc}", file=sys.stderr)
