@@ -10,8 +10,8 @@ once densely and once through KVDrive for every selector and budget:
   mass), hierarchical (clustered int8 page means), meankey (one mean key per page,
   every page scored; ShadowKV-style), quest (per-page key min/max bounds);
 - budgets 6.25% and 3.125% of the selectable pages (``--quick``: 6.25% only);
-- contexts 2K and 7K tokens for SmolLM2, 16K and 32K for Gemma 3 (``--quick``: 2K,
-  4K);
+- contexts 2K and 7K tokens for SmolLM2, 16K and 32K (32,640: its 32,768 positions
+  less the decode) for Gemma 3 (``--quick``: 2K, 4K);
 - ``--windows`` text windows (default 3, ``--quick`` 1): window 0 starts at the text's
   first token and is the one the selectors' settings were chosen on; the others are
   held out, spread evenly so that the last one ends where the text does, and do not
@@ -117,7 +117,8 @@ class ModelRun:
 
 MODEL_RUNS = {
     "smollm2": ModelRun((2048, 7168), (2048,), 7168, 0.15, 0.08),
-    "gemma3-270m": ModelRun((16384, 32768), (4096,), 32768, 0.10, 0.05),
+    # 32K: the model's 32768 positions less room for the decoded tokens, in whole pages.
+    "gemma3-270m": ModelRun((16384, 32640), (4096,), 32640, 0.10, 0.05),
 }
 
 
@@ -240,6 +241,7 @@ class PrefillSnapshot:
         sliding layer's full mask), chunks keep the sliding layers to their window."""
         from transformers import AttentionInterface, DynamicCache  # noqa: PLC0415
         from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: PLC0415
 
         from kvdrive_client.hooks import GLOBAL, layer_kinds  # noqa: PLC0415
 
@@ -254,6 +256,7 @@ class PrefillSnapshot:
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
         AttentionInterface.register(CAPTURE_ATTN, capturing)
+        AttentionMaskInterface.register(CAPTURE_ATTN, sdpa_mask)
         before = model.config._attn_implementation
         model.set_attn_implementation(CAPTURE_ATTN)
         try:

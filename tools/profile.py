@@ -1,6 +1,8 @@
 """``kvdrive-profile``: a device-cache window per (layer, KV head) for a total cache budget.
 
-SmolLM2-135M (float32) reads ``--sequences`` consecutive windows of calibration text
+A real model (``--model``: SmolLM2-135M by default, or Gemma 3 270M, whose global
+layers alone are decoded by KVDrive and profiled; float32) reads ``--sequences``
+consecutive windows of calibration text
 (the Debian common licenses, or ``--text FILE``), ``--context`` tokens each, as one
 batch through KVDrive (:func:`attach` with a private embedded kvstored), then decodes
 the next ``--steps`` tokens of each teacher-forced. The pages the selector picks at
@@ -26,6 +28,7 @@ from pathlib import Path
 
 from kvdrive.tools.text_table import text_table
 from kvdrive_client.config import AttachConfig
+from kvdrive_client.models import MODELS
 from kvdrive_client.profile import DEFAULT_CHOICES, UNIFORM_WINDOW, WindowProfile, capacity_pages
 from kvstored.config import format_size, parse_size
 
@@ -54,8 +57,13 @@ class ProfileRun:
     cache_bytes: int | None
     text: Path | None
     out: Path
+    model: str = "smollm2"
 
     def __post_init__(self) -> None:
+        from kvdrive_client.models import MODELS  # noqa: PLC0415
+
+        if self.model not in MODELS:
+            raise InputError(f"--model {self.model!r}: choose one of {', '.join(MODELS)}")
         attach_cfg = self.attach_config()  # budget and page size are checked there
         least = attach_cfg.sink_tokens + attach_cfg.local_tokens + MIN_SELECTABLE_PAGES * self.page_size
         if self.context < least:
@@ -121,17 +129,19 @@ def _check_cache_bytes(run: ProfileRun, attach_cfg: AttachConfig, num_streams: i
                          f"(layer, KV head): that takes at least {floor} bytes ({format_size(floor)})")
 
 
-def profile_smollm2(run: ProfileRun) -> tuple[WindowProfile, dict]:
-    """Record SmolLM2's selection trace on the calibration text and solve for the windows."""
+def profile_model(run: ProfileRun) -> tuple[WindowProfile, dict]:
+    """Record the model's selection trace on the calibration text and solve for the windows
+    (of its global layers: sliding-window layers keep no device cache)."""
     import torch  # noqa: PLC0415
 
     from kvdrive_client import attach  # noqa: PLC0415
-    from kvdrive_client.models import SMOLLM2_FILE, load_smollm2  # noqa: PLC0415
+    from kvdrive_client.models import MODELS, load_model  # noqa: PLC0415
     from kvdrive_client.profile import profile_from_trace  # noqa: PLC0415
 
     t0 = time.perf_counter()
-    _note("loading SmolLM2-135M")
-    model, tok = load_smollm2()
+    spec = MODELS[run.model]
+    _note(f"loading {spec.display}")
+    model, tok = load_model(run.model)
     ids = _tokens(run, tok, model.config.max_position_embeddings)
     info = {"load_s": time.perf_counter() - t0, "text_tokens": ids.shape[1], "sequences": run.sequences}
     attach_cfg = run.attach_config()
@@ -149,7 +159,7 @@ def profile_smollm2(run: ProfileRun) -> tuple[WindowProfile, dict]:
     profile = profile_from_trace(
         trace, num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, page_bytes=page_bytes,
         cache_bytes=run.cache_bytes, choices=run.choices, sink_pages=attach_cfg.sink_pages, warmup_steps=WARMUP_STEPS,
-        model=SMOLLM2_FILE.split(".")[0], dtype=str(shape.dtype).removeprefix("torch."), page_size=run.page_size,
+        model=spec.display, dtype=str(shape.dtype).removeprefix("torch."), page_size=run.page_size,
         budget=run.budget, text=str(run.text) if run.text else "/usr/share/common-licenses (concatenated)",
         context=run.context)
     info["solve_s"] = time.perf_counter() - t
@@ -244,9 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = AttachConfig()
     p = argparse.ArgumentParser(
         prog=PROG,
-        description="Choose a device-cache window per (layer, KV head) of SmolLM2 for a total cache budget, from "
+        description="Choose a device-cache window per (layer, KV head) of a model for a total cache budget, from "
                     "its page selections on calibration text, and write them as a JSON profile.")
     p.add_argument("--out", type=Path, required=True, metavar="FILE", help="the JSON profile to write")
+    p.add_argument("--model", default="smollm2", choices=list(MODELS),
+                   help="the real model to profile (default smollm2); gemma3-270m: its global layers, the ones KVDrive "
+                        "decodes")
     p.add_argument("--text", type=Path, default=None, metavar="FILE",
                    help="UTF-8 calibration text instead of the Debian common licenses")
     p.add_argument("--quick", action="store_true",
@@ -282,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             context=args.context if args.context is not None else (QUICK_CONTEXT if args.quick else DEFAULT_CONTEXT),
             steps=args.steps if args.steps is not None else (QUICK_STEPS if args.quick else DEFAULT_STEPS),
             sequences=args.sequences, budget=args.budget, page_size=args.page_size, choices=tuple(sorted(set(args.windows))),
-            cache_bytes=cache_bytes, text=args.text, out=args.out)
-        profile, info = profile_smollm2(run)
+            cache_bytes=cache_bytes, text=args.text, out=args.out, model=args.model)
+        profile, info = profile_model(run)
     except InputError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
