@@ -11,6 +11,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,10 @@ class StoreClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
+        # Runs once: at close(), at exit, or when a client nobody closed is collected (before
+        # the context's own finaliser could wait forever for a socket the collector has not
+        # closed yet). An embedded daemon goes with it, and its temp directory.
+        self._release = weakref.finalize(self, _release, self._ctx, self._sock, daemon)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._session_lock = threading.RLock()
@@ -320,11 +325,8 @@ class StoreClient:
                 buf.close()
             self._buffers.clear()
             self._staging = None
-        self._sock.close()
-        self._ctx.term()
-        if self._daemon is not None:
-            self._daemon.stop()
-            self._daemon = None
+        self._release()
+        self._daemon = None
 
     def __enter__(self) -> "StoreClient":
         return self
@@ -364,3 +366,11 @@ def _as_bytes(data) -> np.ndarray:
         return t.view(-1).view(__import__("torch").uint8).numpy()
     arr = np.ascontiguousarray(data)
     return arr.view(np.uint8).ravel()
+
+
+def _release(ctx: zmq.Context, sock: zmq.Socket, daemon: EmbeddedDaemon | None) -> None:
+    """Close the socket and end its context without waiting for anything unsent; stop an embedded daemon."""
+    sock.close(linger=0)
+    ctx.term()
+    if daemon is not None:
+        daemon.stop()
