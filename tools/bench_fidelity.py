@@ -52,8 +52,10 @@ layer, sliding-window ones included).
 row per text window x context x budget x selector with exactly the keys selector,
 budget, context, text_window, offset (the window's first token), recall, dloss, kl,
 top1, index_bytes, kv_bytes (the full K+V of every layer at the context, in the
-model's dtype; of the global layers only, the ones KVDrive stores), select_ms; ``cache`` one row per context x window x policy (selector,
-budget, context, window, capacity, policy, hits, lookups, hit_rate).
+model's dtype; of the global layers only, the ones KVDrive stores), select_ms,
+cache_bytes (the device cache at the end of the decode); ``cache`` one row per
+context x window x policy (selector, budget, context, window, capacity, policy,
+hits, lookups, hit_rate).
 """
 
 from __future__ import annotations
@@ -178,6 +180,7 @@ class FidelityRow:
     index_bytes: int
     kv_bytes: int
     select_ms: float
+    cache_bytes: int
 
 
 @dataclass(frozen=True)
@@ -455,6 +458,7 @@ def run_selectors(model, store, snapshot: PrefillSnapshot, fed: torch.Tensor, ki
         else:
             select_ms = stats.get("select_ms", 0.0) / max(stats.get("steps", 0), 1)
         info = {"recall": run["recall"].recall, "index_bytes": run["index_bytes"], "select_ms": select_ms,
+                "cache_bytes": stats.get("device_cache_bytes", 0),
                 "trace": run["tracer"].trace() if run["tracer"] else None}
         out[kind] = (torch.cat(run["logits"]), info)
     return out
@@ -529,7 +533,8 @@ def run_fidelity(cfg: FidelityConfig) -> tuple[list[FidelityRow], list[CacheRow]
                             logits, r = results[kind]
                             dloss, kl, top1 = compare(logits, dense, targets)
                             rows.append(FidelityRow(kind.value, budget, context, w, offset, r["recall"], dloss, kl,
-                                                    top1, r["index_bytes"], per_token * context, r["select_ms"]))
+                                                    top1, r["index_bytes"], per_token * context, r["select_ms"],
+                                                    r["cache_bytes"]))
                             if r["trace"] is not None:
                                 crows += cache_rows(r["trace"], kind, context)
                         done += len(cfg.selectors)
@@ -666,7 +671,8 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
         f"{os.cpu_count()} CPUs, torch threads: "
         f"{torch.get_num_threads()}; kernels: {cpu_kernels.VECTOR_WIDTH}; model load {info['load_s']:.0f} s",
         "vs oracle: recall over the oracle's at the same window, context and budget; index/kv: index_bytes over "
-        "the full K+V of every global layer at the context (float32, as the model runs)",
+        "the full K+V of every global layer at the context (float32, as the model runs); cache/kv: the device "
+        "cache's bytes at the end of the decode over the same",
     ]
     if max(cfg.contexts) > cfg.prefill_chunk:
         lines.append(f"contexts over {cfg.prefill_chunk} tokens are prefilled densely in chunks of {cfg.prefill_chunk}")
@@ -681,9 +687,10 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
         o = oracle.get((r.budget, r.context, r.text_window))
         body.append((str(r.text_window), r.selector, f"{r.budget:.3%}", str(r.context), f"{r.recall:.4f}",
                      f"{r.recall / o:.3f}" if o else "-", f"{r.dloss:+.4f}", f"{r.kl:.4f}", f"{r.top1:.3f}",
-                     str(r.index_bytes), f"{r.index_bytes / r.kv_bytes:.4f}", f"{r.select_ms:.2f}"))
+                     str(r.index_bytes), f"{r.index_bytes / r.kv_bytes:.4f}", f"{r.cache_bytes / r.kv_bytes:.4f}",
+                     f"{r.select_ms:.2f}"))
     lines += text_table(("window", "selector", "budget", "context", "recall", "vs oracle", "dloss", "kl", "top1",
-                         "index_bytes", "index/kv", "select_ms"), body, set(range(2, 12)))
+                         "index_bytes", "index/kv", "cache/kv", "select_ms"), body, set(range(2, 13)))
     if crows:
         k = {r.context: r.capacity // r.window for r in crows}
         lines += ["", f"cache (text window 0): {crows[0].selector} selection trace at {TRACE_BUDGET:.2%}, replayed per "

@@ -16,7 +16,7 @@ from kvdrive_client import attach
 from kvdrive_client.selectors import IndexKind
 
 FIDELITY_KEYS = {"selector", "budget", "context", "text_window", "offset", "recall", "dloss", "kl", "top1", "index_bytes",
-                 "kv_bytes", "select_ms"}
+                 "kv_bytes", "select_ms", "cache_bytes"}
 CACHE_KEYS = {"selector", "budget", "context", "window", "capacity", "policy", "hits", "lookups", "hit_rate"}
 
 
@@ -149,7 +149,7 @@ def test_quick_run_end_to_end(tmp_path):
         for key in FIDELITY_KEYS - {"selector"}:
             assert math.isfinite(r[key]), (r["selector"], key)
         assert 0 < r["recall"] <= 1 + 1e-6 and 0 <= r["top1"] <= 1 and r["kl"] >= -1e-9
-        assert r["index_bytes"] > 0 and r["select_ms"] > 0
+        assert r["index_bytes"] > 0 and r["select_ms"] > 0 and 0 < r["cache_bytes"] < r["kv_bytes"]
         assert r["kv_bytes"] == 2 * 30 * 3 * 64 * 4 * 512  # SmolLM2's K+V in float32 at the context
     by = {r["selector"]: r for r in rows}
     # The oracle picks by exact mass, so no selector recalls more at the same budget.
