@@ -21,7 +21,7 @@ import msgpack
 
 from kvdrive_client.errors import StoreUnavailableError, UnsafeStoreError, error_from_reply
 from kvdrive_client.shm import SharedBuffer
-from kvstored.protocol import PROTOCOL_VERSION
+from kvdrive.protocol import PROTOCOL_VERSION
 
 _UCRED = struct.Struct("3i")
 _MAX_REPLY = 4096

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvstored.protocol import ErrorCode
+from kvdrive.protocol import ErrorCode
 
 
 class StoreError(Exception):

@@ -24,7 +24,7 @@ from kvdrive_client.embedded import EmbeddedDaemon
 from kvdrive_client.channel import SessionChannel
 from kvdrive_client.errors import RequestError, SessionLostError, StoreUnavailableError, error_from_reply
 from kvdrive_client.shm import SharedBuffer
-from kvstored.protocol import Op, decode_reply, request_frames
+from kvdrive.protocol import BadReplyError, Op, decode_reply, request_frames
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,10 @@ class StoreClient:
                 with self._lock:
                     reply = self._replies.pop(req_id, None)
                     if reply is None and self._sock.poll(50, zmq.POLLIN):
-                        got = decode_reply(self._sock.recv())
+                        try:
+                            got = decode_reply(self._sock.recv())
+                        except BadReplyError as exc:
+                            raise RequestError(f"kvstored at {self.address}: {exc}") from None
                         if got.get("id") is None:
                             # The daemon could not read a request's id; it can only be reported here.
                             raise error_from_reply(got)
@@ -179,7 +182,7 @@ class StoreClient:
                 if self._daemon is not None:
                     self._daemon.check_alive()
                 if time.monotonic() > deadline:
-                    raise StoreUnavailableError(f"no reply from kvstored at {self.address} within {self.timeout:.0f} s")
+                    raise StoreUnavailableError(f"kvstored at {self.address} sent no reply within {self.timeout:.0f} s")
         finally:
             with self._lock:
                 self._sent_in.pop(req_id, None)

@@ -1,6 +1,7 @@
-"""The control protocol between kvstored and its clients.
+"""The daemon's side of the control protocol: every request checked and parsed.
 
-Transport: ZeroMQ, the daemon's ROUTER against a client's DEALER. A request is a
+The wire format (ops, error codes, limits, frames) is :mod:`kvdrive.protocol`,
+shared with the client. Transport: ZeroMQ, the daemon's ROUTER against a client's DEALER. A request is a
 multipart message: frame 0 is a msgpack map ``{"v": PROTOCOL_VERSION, "op": ...,
 "id": ...}`` plus the op's fields; further frames carry fixed-dtype arrays that
 the header names (block lists, cluster ids, importance). KV bytes never travel on
@@ -28,52 +29,14 @@ import msgpack
 import numpy as np
 
 from kvdrive.layout.geometry import MAX_PAGES, Geometry
+from kvdrive.protocol import (  # noqa: F401 - the daemon's code and tests take the shared names from here too
+    GET_ARRAYS, MAX_HEADER_BYTES, MAX_LAYERS_PER_PUT, MAX_LIST, MAX_NAME_BYTES, MAX_SEQS_PER_GET, PROTOCOL_VERSION,
+    PUT_ARRAYS, SESSION_TOKEN_BYTES, ErrorCode, Op, encode, error_reply, ok_reply, request_frames,
+)
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
-MAX_HEADER_BYTES = 64 << 10
-MAX_NAME_BYTES = 256
-MAX_LAYERS_PER_PUT = 1 << 12
-# Distinct sequences one get's 'seqs' may name (a micro-batch's rows); the store groups
-# blocks by sequence and looks each one up, so this bounds a get's per-sequence work.
-MAX_SEQS_PER_GET = 1024
 _NAME_RE = re.compile(r"^[\x21-\x7e]{1,256}$")
-SESSION_TOKEN_BYTES = 16
-# Sequences in one list reply at most (a client pages with 'after').
-MAX_LIST = 1000
-
-
-class Op(enum.Enum):
-    HELLO = "hello"
-    CREATE = "create"
-    OPEN = "open"
-    LIST = "list"
-    DELETE = "delete"
-    PUT = "put"
-    GET = "get"
-    STATS = "stats"
-
-
-class ErrorCode(enum.Enum):
-    BAD_MESSAGE = "bad_message"
-    BAD_VERSION = "bad_version"
-    UNKNOWN_OP = "unknown_op"
-    BAD_FIELD = "bad_field"
-    TOO_LARGE = "too_large"
-    OUT_OF_RANGE = "out_of_range"
-    NOT_FOUND = "not_found"
-    EXISTS = "exists"
-    BUFFER = "buffer"
-    FULL = "full"
-    CHECKSUM = "checksum"
-    IO = "io"
-    UNSUPPORTED = "unsupported"
-    SESSION = "session"
-    EXPIRED = "expired"
-    BUSY = "busy"
-    UNAVAILABLE = "unavailable"
-    INTERNAL = "internal"
 
 
 class ProtocolError(Exception):
@@ -161,49 +124,6 @@ class Stats:
 
 
 Request = Hello | Create | OpenSeq | ListSeqs | Delete | Put | Get | Stats
-
-# Array frames each op may carry, with their dtypes.
-PUT_ARRAYS = {"cluster": np.int32, "order": np.int32, "importance": np.float32}
-GET_ARRAYS = {"blocks": np.int32, "dst": np.int64, "seqs": np.int64}
-
-
-# ---------------------------------------------------------------- encoding
-
-
-def encode(header: dict, arrays: list[np.ndarray] | None = None) -> list:
-    frames: list = [msgpack.packb(header, use_bin_type=True)]
-    for a in arrays or ():
-        frames.append(memoryview(np.ascontiguousarray(a)).cast("B"))
-    return frames
-
-
-def request_frames(op: Op, req_id: int, fields: dict, arrays: dict[str, np.ndarray] | None = None,
-                   session: bytes | None = None, deadline: float | None = None) -> list:
-    header = {"v": PROTOCOL_VERSION, "op": op.value, "id": req_id, **fields}
-    if session is not None:
-        header["session"] = session
-    if deadline is not None:
-        header["deadline"] = deadline
-    names = list(arrays or {})
-    if names:
-        header["frames"] = names
-    return encode(header, [arrays[n] for n in names] if arrays else None)
-
-
-def ok_reply(req_id: Any, **fields: Any) -> list:
-    return encode({"v": PROTOCOL_VERSION, "id": req_id, "ok": True, **fields})
-
-
-def error_reply(req_id: Any, code: ErrorCode, message: str) -> list:
-    return encode({"v": PROTOCOL_VERSION, "id": req_id, "ok": False, "code": code.value, "error": message})
-
-
-def decode_reply(frame: bytes) -> dict:
-    reply = msgpack.unpackb(frame, raw=False)
-    if not isinstance(reply, dict) or reply.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(ErrorCode.BAD_VERSION, f"reply of an unknown protocol: {reply!r:.200}")
-    return reply
-
 
 # ---------------------------------------------------------------- decoding
 
