@@ -8,6 +8,7 @@
 from kvdrive_client.errors import (
     ChecksumError,
     ExistsError,
+    KVDriveError,
     NotFoundError,
     RequestError,
     StoreError,
@@ -22,6 +23,7 @@ __all__ = [
     "DType",
     "ExistsError",
     "Geometry",
+    "KVDriveError",
     "NotFoundError",
     "PendingGet",
     "RequestError",

@@ -1,11 +1,15 @@
-"""Errors the store reports, one type per reply code."""
+"""The SDK's errors: one root, :class:`KVDriveError`; the store's, one type per reply code."""
 
 from __future__ import annotations
 
 from kvdrive.protocol import ErrorCode
 
 
-class StoreError(Exception):
+class KVDriveError(Exception):
+    """Every error KVDrive's SDK raises on its own account derives from this one."""
+
+
+class StoreError(KVDriveError):
     code: ErrorCode = ErrorCode.INTERNAL
 
     def __init__(self, message: str, code: ErrorCode | None = None) -> None:

@@ -37,7 +37,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvdrive_client.config import AttachConfig
-from kvdrive_client.errors import StoreError
+from kvdrive_client.errors import KVDriveError, StoreError
 from kvdrive_client.session import ModelShape, Session
 from kvdrive_client.store import StoreClient, connect
 
@@ -53,7 +53,7 @@ GLOBAL, SLIDING = "full_attention", "sliding_attention"
 _updated = threading.local()
 
 
-class UnsupportedModelError(TypeError):
+class UnsupportedModelError(KVDriveError, TypeError):
     """The model lacks something KVDrive needs; the message names it."""
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from kvdrive_client.cache_sim import CachePolicy, Trace, stream_hits
+from kvdrive_client.errors import KVDriveError
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ FORMAT_VERSION = 2
 EXACT_MAX_COMBINATIONS = 1_000_000
 
 
-class ProfileError(ValueError):
+class ProfileError(KVDriveError, ValueError):
     """A window profile file that cannot be used; the message says what is wrong with it."""
 
 

@@ -60,7 +60,9 @@ log = logging.getLogger(__name__)
 READ_CHUNK_BYTES = 16 << 20  # SSD reads of a get checked at once; the scratch buffer per get worker
 
 
-class ChecksumError(ProtocolError):
+class DamagedBlockError(ProtocolError):
+    """Bytes read back that do not match their checksum; the client sees it as ChecksumError."""
+
     def __init__(self, message: str) -> None:
         super().__init__(ErrorCode.CHECKSUM, message)
 
@@ -827,7 +829,7 @@ class Store:
             entry = entries[int(part[i])]
             log.error("checksum mismatch: %s/%s layer %d head %d page %d at offset %d (%d bad blocks in this get)",
                       entry.ns, entry.name, lay[i], hed[i], pag[i], ssd_off[i], len(wrong))
-            raise ChecksumError(
+            raise DamagedBlockError(
                 f"checksum mismatch in {len(wrong)} block(s), first (layer {lay[i]}, head {hed[i]}, page {pag[i]}) "
                 f"of {entry.ns}/{entry.name} at data file offset {int(ssd_off[i])}; the SSD copy is damaged"
             )

@@ -35,3 +35,14 @@ def test_a_reply_of_another_protocol_is_a_client_error(tmp_path, reply):
         client.close()
         router.close(linger=0)
         ctx.term()
+
+
+def test_every_sdk_error_has_one_root():
+    from kvdrive_client import KVDriveError, UnsupportedModelError
+    from kvdrive_client import errors
+    from kvdrive_client.profile import ProfileError
+
+    store_errors = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, Exception)]
+    assert len(store_errors) > 10
+    for cls in store_errors + [UnsupportedModelError, ProfileError]:
+        assert issubclass(cls, KVDriveError), cls
