@@ -40,7 +40,8 @@ class AttachConfig:
     trace: write a Chrome trace JSON of every decode stage here when the session ends.
     obs_window: prompt tokens whose attention scores page importance at prefill.
     index: how pages are chosen: ``lowrank`` (default) keeps every key as a ``rank``-dim
-        sketch (8 int8 channels, the rest int4) fitted to the prefill's queries and
+        sketch (None: a quarter of the head dim; 8 int8 channels, the rest int4) fitted
+        to the prefill's queries and
         ranks pages by estimated attention mass; ``hierarchical`` (int8 page means
         under k-means centroids, ``pages_per_cluster``, ``candidate_factor``),
         ``meankey`` and ``quest`` are the cheaper, less exact indexes; ``oracle``
@@ -69,7 +70,7 @@ class AttachConfig:
     obs_window: int = 32
     pages_per_cluster: int = 8
     candidate_factor: float = 4.0
-    rank: int = 16
+    rank: int | None = None
     namespace: str = "kvdrive"
     keep: bool = False
     reuse: bool = False
@@ -117,8 +118,10 @@ class AttachConfig:
             raise ValueError(f"micro_batch must be >= 1 or None (calibrate), got {self.micro_batch}")
         if self.cache_bytes is not None and self.cache_bytes <= 0:
             raise ValueError(f"cache_bytes must be > 0, got {self.cache_bytes}")
-        if not 1 <= self.rank <= 4096:
-            raise ValueError(f"rank must be in 1..4096, got {self.rank}")
+        if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int)
+                                      or not 1 <= self.rank <= 4096):
+            raise ValueError(f"rank must be a whole number in 1..4096 or None (a quarter of the head dim), "
+                             f"got {self.rank!r}")
         if self.obs_window < 1:
             raise ValueError(f"obs_window must be >= 1, got {self.obs_window}")
 
@@ -142,6 +145,12 @@ class AttachConfig:
             raise ValueError(f"{where} is [{len(cfg.windows)} layers][{len(cfg.windows[0]) if cfg.windows else 0} heads]; "
                              f"the model has {num_layers} layers x {num_kv_heads} KV heads")
         return cfg
+
+    def lowrank_rank(self, head_dim: int) -> int:
+        """The low-rank index's sketch rank: ``rank``, else a quarter of the head dim (16 at head
+        dim 64, 64 at 256: with a fixed 16, Gemma 3's 256-dim keys lost the pages its copies
+        read, +1.8 nats at 16K tokens and 6.25%)."""
+        return self.rank if self.rank is not None else max(1, head_dim // 4)
 
     @property
     def sink_pages(self) -> int:

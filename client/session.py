@@ -217,7 +217,7 @@ class Session:
         if self.cfg.index is IndexKind.HIERARCHICAL:
             return {"pages_per_cluster": self.cfg.pages_per_cluster, "candidate_factor": self.cfg.candidate_factor}
         if self.cfg.index is IndexKind.LOWRANK:
-            return {"rank": self.cfg.rank, "pages_per_cluster": self.cfg.pages_per_cluster}
+            return {"rank": self.cfg.lowrank_rank(self.shape.head_dim), "pages_per_cluster": self.cfg.pages_per_cluster}
         return {}
 
     def _first_local_page(self, num_tokens: int, num_pages: int) -> int:

@@ -6,7 +6,8 @@ common licenses, or ``--text FILE``), then decodes the next ``--tokens`` tokens 
 once densely and once through KVDrive for every selector and budget:
 
 - oracle (exact attention mass per page), lowrank (KVDrive's default: every key as a
-  rank-16 sketch (8 int8 + 8 int4 channels) fitted to the prefill's queries, pages ranked by estimated
+  sketch of a quarter of the head dim (16 for SmolLM2, 64 for Gemma 3; 8 int8
+  channels, the rest int4) fitted to the prefill's queries, pages ranked by estimated
   mass), hierarchical (clustered int8 page means), meankey (one mean key per page,
   every page scored; ShadowKV-style), quest (per-page key min/max bounds);
 - budgets 6.25% and 3.125% of the selectable pages (``--quick``: 6.25% only);
@@ -497,6 +498,7 @@ def run_fidelity(cfg: FidelityConfig) -> tuple[list[FidelityRow], list[CacheRow]
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     info["itemsize"] = model.dtype.itemsize
+    info["head_dim"] = head_dim
     kinds = layer_kinds(c)
     stored = sum(kind == GLOBAL for kind, _ in kinds)
     windows = sorted({w for kind, w in kinds if kind != GLOBAL})
@@ -664,7 +666,7 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
         f"text {text} ({info['text_tokens']} tokens); text windows: {windows}",
         f"context {', '.join(map(str, cfg.contexts))} tokens, then {cfg.tokens} teacher-forced decode tokens; page "
         f"{PAGE_SIZE} tokens, sink {attach_cfg.sink_tokens} and local window {attach_cfg.local_tokens} tokens always "
-        f"attended; lowrank: rank {attach_cfg.rank} key sketches (8 int8 channels, the rest int4); hierarchical: {attach_cfg.pages_per_cluster} "
+        f"attended; lowrank: rank {attach_cfg.lowrank_rank(info['head_dim'])} key sketches (8 int8 channels, the rest int4); hierarchical: {attach_cfg.pages_per_cluster} "
         f"pages per cluster, {attach_cfg.candidate_factor:g} x k candidates",
         "select_ms: the session's selection time per decode step from the second step on, all layers (with the "
         "scoring of cached pages for lookahead eviction), the selectors decoding side by side, a step each in turn; "
