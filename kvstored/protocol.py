@@ -1,25 +1,13 @@
 """The daemon's side of the control protocol: every request checked and parsed.
 
-The wire format (ops, error codes, limits, frames) is :mod:`kvdrive.protocol`,
-shared with the client. Transport: ZeroMQ, the daemon's ROUTER against a client's DEALER. A request is a
-multipart message: frame 0 is a msgpack map ``{"v": PROTOCOL_VERSION, "op": ...,
-"id": ...}`` plus the op's fields; further frames carry fixed-dtype arrays that
-the header names (block lists, cluster ids, importance). KV bytes never travel on
-the socket: they move through buffers the client registered (shared memory on a
-CPU host, CUDA IPC on a GPU).
-
-A reply is one msgpack frame ``{"v", "id", "ok": True, ...}`` or
-``{"v", "id", "ok": False, "code": ErrorCode, "error": text}``. Replies to one
-client may arrive in any order; ``id`` pairs them with requests.
-
-Every field is checked here before the store sees it; store-level checks (a layer
-past the sequence's geometry, a page that was never put) raise :class:`ProtocolError`
-from the store with the same codes.
+The wire format (transport, ops, error codes, limits, frames) is
+:mod:`kvdrive.protocol`, shared with the client. Every field is checked here before
+the store sees it; store-level checks (a layer past the sequence's geometry, a page
+that was never put) raise :class:`ProtocolError` from the store with the same codes.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import re
 from dataclasses import dataclass
@@ -29,10 +17,18 @@ import msgpack
 import numpy as np
 
 from kvdrive.layout.geometry import MAX_PAGES, Geometry
-from kvdrive.protocol import (  # noqa: F401 - the daemon's code and tests take the shared names from here too
+from kvdrive.protocol import (
     GET_ARRAYS, MAX_HEADER_BYTES, MAX_LAYERS_PER_PUT, MAX_LIST, MAX_NAME_BYTES, MAX_SEQS_PER_GET, PROTOCOL_VERSION,
     PUT_ARRAYS, SESSION_TOKEN_BYTES, ErrorCode, Op, encode, error_reply, ok_reply, request_frames,
 )
+
+# The daemon's code and its tests take the shared wire names from here too.
+__all__ = [
+    "GET_ARRAYS", "MAX_HEADER_BYTES", "MAX_LAYERS_PER_PUT", "MAX_LIST", "MAX_NAME_BYTES", "MAX_SEQS_PER_GET",
+    "PROTOCOL_VERSION", "PUT_ARRAYS", "SESSION_TOKEN_BYTES", "ErrorCode", "Op", "encode", "error_reply", "ok_reply",
+    "request_frames", "ProtocolError", "Hello", "Create", "OpenSeq", "ListSeqs", "Delete", "Put", "Get", "Stats",
+    "Request", "Envelope", "parse_request",
+]
 
 log = logging.getLogger(__name__)
 
