@@ -296,7 +296,7 @@ class Handle:
         s = dict(self._stats)
         looked = s.get("hits", 0) + s.get("misses", 0)
         s["hit_rate"] = s.get("hits", 0) / looked if looked else None
-        bb = 2 * self.cfg.page_size * self.shape.head_dim * torch.tensor([], dtype=self.shape.dtype).element_size()
+        bb = self.shape.page_bytes(self.cfg.page_size)
         s["bytes_from_dram"] = s.get("blocks_dram", 0) * bb
         s["bytes_from_ssd"] = s.get("blocks_ssd", 0) * bb
         if s.get("context_tokens"):

@@ -57,6 +57,10 @@ class ModelShape:
     def group(self) -> int:
         return self.num_q_heads // self.num_kv_heads
 
+    def page_bytes(self, page_size: int) -> int:
+        """Bytes of one page of one (layer, KV head): its K and V, as stored and cached."""
+        return Geometry(1, 1, self.head_dim, _TORCH_TO_DTYPE[self.dtype], page_size).block_bytes
+
 
 class Observer:
     """Hooks for measurement tools (fidelity, cache traces); the defaults do nothing.
@@ -232,7 +236,7 @@ class Session:
             per_head = per_head.clamp_min(max(k + sink, 1))
             return int(per_head.max()), per_head
         if self.cfg.cache_bytes is not None:
-            per_page = 2 * self.cfg.page_size * self.shape.head_dim * torch.tensor([], dtype=self.shape.dtype).element_size()
+            per_page = self.shape.page_bytes(self.cfg.page_size)
             slots = self.cfg.cache_bytes // (per_page * self.batch * self.shape.num_kv_heads * self.shape.num_layers)
             return max(int(slots), k + sink, 1), None
         if self.window == 0:

@@ -132,8 +132,6 @@ def _check_cache_bytes(run: ProfileRun, attach_cfg: AttachConfig, num_streams: i
 def profile_model(run: ProfileRun) -> tuple[WindowProfile, dict]:
     """Record the model's selection trace on the calibration text and solve for the windows
     (of its global layers: sliding-window layers keep no device cache)."""
-    import torch  # noqa: PLC0415
-
     from kvdrive_client import attach  # noqa: PLC0415
     from kvdrive_client.models import MODELS, load_model  # noqa: PLC0415
     from kvdrive_client.profile import profile_from_trace  # noqa: PLC0415
@@ -148,7 +146,7 @@ def profile_model(run: ProfileRun) -> tuple[WindowProfile, dict]:
     handle = attach(model, dram=DRAM, budget=run.budget, page_size=run.page_size)  # a private embedded kvstored
     try:
         shape = handle.shape
-        page_bytes = 2 * run.page_size * shape.head_dim * torch.tensor([], dtype=shape.dtype).element_size()
+        page_bytes = shape.page_bytes(run.page_size)
         _check_cache_bytes(run, attach_cfg, shape.num_layers * shape.num_kv_heads, page_bytes)
         trace = record_trace(model, handle, ids, run, info)
     finally:
