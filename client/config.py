@@ -6,6 +6,7 @@ import logging
 import math
 from dataclasses import dataclass, replace
 
+from kvdrive.kernels import KERNEL_CHOICES
 from kvdrive_client.device_cache import EvictionPolicy
 from kvdrive_client.selectors import IndexKind
 
@@ -50,6 +51,9 @@ class AttachConfig:
         the model and the tokens; a later generate() on the same prompt loads them
         instead of running prefill over them (also after a daemon restart).
     keep: keep the session's own store sequences (decode pages) after generate().
+    kernels: which kernels select, place and attend: ``auto`` (the compiled CPU kernels
+        on the CPU, the torch references elsewhere), ``cpu`` or ``reference`` (the torch
+        references, on any device: slower, for checking the others).
     """
 
     budget: float = 0.0625
@@ -75,6 +79,7 @@ class AttachConfig:
     keep: bool = False
     reuse: bool = False
     device: str | None = None
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         for name, enum_type in (("index", IndexKind), ("eviction", EvictionPolicy)):
@@ -122,6 +127,8 @@ class AttachConfig:
                                       or not 1 <= self.rank <= 4096):
             raise ValueError(f"rank must be a whole number in 1..4096 or None (a quarter of the head dim), "
                              f"got {self.rank!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels={self.kernels!r}: choose one of {', '.join(KERNEL_CHOICES)}")
         if self.obs_window < 1:
             raise ValueError(f"obs_window must be >= 1, got {self.obs_window}")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdrive.kernels import cpu as cpu_kernels
+from kvdrive.kernels import Kernels, for_device
 
 
 class EvictionPolicy(enum.Enum):
@@ -43,11 +43,13 @@ class Placement:
 
 class DeviceCache:
     def __init__(self, batch: int, heads: int, capacity: int, page_size: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, policy: EvictionPolicy, reuse: bool = True) -> None:
+                 dtype: torch.dtype, device: torch.device | str, policy: EvictionPolicy, reuse: bool = True,
+                 kernels: Kernels | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"device cache capacity must be >= 1 page, got {capacity}")
         self.capacity = capacity
         self.policy = policy
+        self.kernels = kernels if kernels is not None else for_device(device)
         # reuse=False: a staging area, not a cache; every step fetches all it selects (the x0 baseline).
         self.reuse = reuse
         # Slots each KV head may use (None: all); set_head_capacity() limits them per head.
@@ -134,42 +136,8 @@ class DeviceCache:
         else:
             prio = self.last_used
         self._ensure_pages(int(pages.max()) + 1 if pages.numel() else 1)
-        if pages.device.type == "cpu":
-            slots, miss = cpu_kernels.place(pages, self.page_slot, self.slot_page, self.last_used, prio,
-                                            self.head_capacity, step)
-            return Placement(slots, miss)
-        return self._place_torch(pages, step, prio)
-
-    def _place_torch(self, pages: torch.Tensor, step: int, prio: torch.Tensor) -> Placement:
-        """:meth:`place` in tensor ops (on the GPU; the CPU runs the same as one compiled pass)."""
-        b, h, k = pages.shape
-        none = pages < 0
-        pages = pages.clamp_min(0)
-        slots = self.page_slot.gather(2, pages)  # place() sized page_slot
-        miss = (slots < 0) & ~none
-        slots = slots.masked_fill(none & (slots < 0), 0)
-        prio = prio.float().masked_fill(self.slot_page < 0, float("-inf"))
-        if self.head_capacity is not None:  # slots past a head's window are never used
-            beyond = torch.arange(self.capacity, device=prio.device) >= self.head_capacity[:, None]
-            prio = prio.masked_fill(beyond[None], float("inf"))
-        keep = torch.zeros(b, h, self.capacity, dtype=torch.bool, device=pages.device)
-        hb, hh, hk = torch.nonzero(~miss & ~none, as_tuple=True)
-        keep[hb, hh, slots[hb, hh, hk]] = True
-        prio = prio.masked_fill(keep, float("inf"))
-        victims = prio.argsort(dim=2, stable=True)
-        rank = miss.long().cumsum(dim=2) - 1
-        new_slots = victims.gather(2, rank.clamp_min(0))
-        slots = torch.where(miss, new_slots, slots)
-        # Unmap the evicted pages, map the new ones.
-        old = self.slot_page.gather(2, slots)
-        evicted = miss & (old >= 0)
-        bi, hi, _ = torch.nonzero(evicted, as_tuple=True)
-        self.page_slot[bi, hi, old[evicted]] = -1
-        bi, hi, ki = torch.nonzero(miss, as_tuple=True)
-        self.page_slot[bi, hi, pages[bi, hi, ki]] = slots[bi, hi, ki]
-        bi, hi, ki = torch.nonzero(~none, as_tuple=True)
-        self.slot_page[bi, hi, slots[bi, hi, ki]] = pages[bi, hi, ki]
-        self.last_used[bi, hi, slots[bi, hi, ki]] = step
+        slots, miss = self.kernels.place(pages, self.page_slot, self.slot_page, self.last_used, prio,
+                                         self.head_capacity, step)
         return Placement(slots, miss)
 
     def _flat_slots(self, bi: torch.Tensor, hi: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

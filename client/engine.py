@@ -51,7 +51,7 @@ class SparseKV:
         with self.session.decode_threads():
             self.session.update(key[:, :, None], value[:, :, None], layer)
             valid = self.session.valid
-            t = self.session.layers[layer].num_tokens
+            t = self.session.seq_length(layer)
             if valid.shape[1] < t:
                 valid = torch.cat([valid, valid.new_ones(valid.shape[0], t - valid.shape[1])], dim=1)
             out = self.session.decode_attention(layer, query[:, :, None], valid[:, None, None, :])

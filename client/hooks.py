@@ -123,7 +123,7 @@ def _kvdrive_attention(module, query, key, value, attention_mask, dropout=0.0, s
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     _updated.pending = None
     session, layer = pending[0], pending[1]
-    if session.layers[layer].prefill is not None:
+    if session.prefill_pending(layer):
         out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         session.finish_prefill(layer, query, attention_mask)
         return out

@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from kvdrive.kernels import cpu
+from kvdrive.kernels import Kernels, for_device
 from kvdrive.kernels import reference as ref
 
 
@@ -42,9 +42,16 @@ class Selector(ABC):
 
     kind: IndexKind
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, kernels: Kernels | None = None) -> None:
         self.page_size = page_size
         self.num_pages = 0
+        self._kernels = kernels
+
+    def kernels(self, query: torch.Tensor) -> Kernels:
+        """The kernels given at construction, else those for the query's device (chosen once)."""
+        if self._kernels is None:
+            self._kernels = for_device(query.device)
+        return self._kernels
 
     @abstractmethod
     def build(self, keys: torch.Tensor, valid: torch.Tensor, query: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -69,10 +76,6 @@ class Selector(ABC):
     def _top(self, scores: torch.Tensor, selectable: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return ref.topk_pages(scores.masked_fill(~selectable[:, None, : self.num_pages], ref.NEG_INF), k)
 
-    @staticmethod
-    def _gather(scores: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-        """``scores`` of ``pages`` ``[B, H, n]``, -inf where a page is -1."""
-        return scores.gather(2, pages.clamp_min(0)).masked_fill(pages < 0, ref.NEG_INF)
 
     def select_and_score(self, query: torch.Tensor, selectable: torch.Tensor, k: int,
                          cached: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -82,7 +85,7 @@ class Selector(ABC):
 
     def page_scores(self, query: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         """Scores of given pages ``[B, H, n]`` (-1 = none), for lookahead eviction."""
-        return self._gather(self.scores(query), pages)
+        return ref.gather_scores(self.scores(query), pages)
 
     def rows(self, lo: int, hi: int) -> "Selector":
         """A read-only view of batch rows ``[lo, hi)`` for selection (every index tensor is batch-first)."""
@@ -173,8 +176,9 @@ class HierarchicalIndex(Selector):
 
     kind = IndexKind.HIERARCHICAL
 
-    def __init__(self, page_size: int, pages_per_cluster: int = 8, candidate_factor: float = 4.0) -> None:
-        super().__init__(page_size)
+    def __init__(self, page_size: int, pages_per_cluster: int = 8, candidate_factor: float = 4.0,
+                 kernels: Kernels | None = None) -> None:
+        super().__init__(page_size, kernels)
         self.pages_per_cluster = pages_per_cluster
         self.candidate_factor = candidate_factor
 
@@ -221,23 +225,13 @@ class HierarchicalIndex(Selector):
         return (ref.score_mean(query, q8.to(query.dtype)) * scale).masked_fill(pages < 0, ref.NEG_INF)
 
     def select_and_score(self, query, selectable, k, cached):
-        if query.device.type != "cpu":
-            return super().select_and_score(query, selectable, k, cached)
-        n = self.num_pages
-        return cpu.hierarchical_select(
-            query, self.centroids, self.assign, self.q8, self.scale, selectable[:, :n].contiguous(), k,
-            max(k, int(self.candidate_factor * k)), None if cached is None else cached.contiguous(),
-        )
+        return self.kernels(query).hierarchical_select(
+            query, self.centroids, self.assign, self.q8, self.scale, selectable[:, : self.num_pages], k,
+            max(k, int(self.candidate_factor * k)), cached)
 
     def select(self, query, selectable, k):
-        n = self.num_pages
-        cand = max(k, int(self.candidate_factor * k))
-        if query.device.type == "cpu":
-            pages, scores, _ = self.select_and_score(query, selectable, k, None)
-            return pages, scores
-        return ref.hierarchical_select(
-            query, self.centroids, self.assign[:, :, :n].long(), self._means().to(query.dtype), selectable[:, :n], k, cand,
-        )
+        pages, scores, _ = self.select_and_score(query, selectable, k, None)
+        return pages, scores
 
     @property
     def index_bytes(self):
@@ -273,8 +267,8 @@ class LowRankIndex(Selector):
     FIT_TOKENS = 4096  # keys used to fit the projection (evenly strided when the prompt is longer)
 
     def __init__(self, page_size: int, scaling: float, rank: int = 16, pages_per_cluster: int = 8,
-                 int8_channels: int = 8) -> None:
-        super().__init__(page_size)
+                 int8_channels: int = 8, kernels: Kernels | None = None) -> None:
+        super().__init__(page_size, kernels)
         if rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
         if int8_channels < 0:
@@ -350,20 +344,12 @@ class LowRankIndex(Selector):
         self.num_pages += 1
 
     def scores(self, query):
-        t = self.num_pages * self.page_size
-        if query.device.type == "cpu":
-            return cpu.lowrank_scores(query, self.qproj, self.scale, self.scaling, self.codes, self.valid,
-                                      self.num_pages, self.page_size, self.wide)
-        codes = ref.unpack_lowrank_codes(self.codes[..., :t], self.qproj.shape[3], self.wide)
-        return ref.score_lowrank(query, self.qproj, codes, self.scale, self.valid[:, :t], self.page_size, self.scaling)
+        return self.kernels(query).lowrank_scores(query, self.qproj, self.scale, self.scaling, self.codes, self.valid,
+                                                  self.num_pages, self.page_size, self.wide)
 
     def select_and_score(self, query, selectable, k, cached):
-        if query.device.type == "cpu":
-            return cpu.lowrank_select(query, self.qproj, self.scale, self.scaling, self.codes, self.valid,
-                                      selectable[:, : self.num_pages], k, self.page_size, cached, self.wide)
-        s = self.scores(query)
-        pages, top = self._top(s, selectable, k)
-        return pages, top, None if cached is None else self._gather(s, cached)
+        return self.kernels(query).lowrank_select(query, self.qproj, self.scale, self.scaling, self.codes, self.valid,
+                                                  selectable[:, : self.num_pages], k, self.page_size, cached, self.wide)
 
     def select(self, query, selectable, k):
         pages, top, _ = self.select_and_score(query, selectable, k, None)
@@ -381,8 +367,8 @@ class OracleSelector(Selector):
 
     kind = IndexKind.ORACLE
 
-    def __init__(self, page_size: int, scaling: float) -> None:
-        super().__init__(page_size)
+    def __init__(self, page_size: int, scaling: float, kernels: Kernels | None = None) -> None:
+        super().__init__(page_size, kernels)
         self.scaling = scaling
 
     def build(self, keys, valid, query=None):
@@ -409,15 +395,17 @@ class OracleSelector(Selector):
         return self.keys.numel() * self.keys.element_size()
 
 
-def make_selector(kind: IndexKind, page_size: int, scaling: float, **options) -> Selector:
+def make_selector(kind: IndexKind, page_size: int, scaling: float, kernels: Kernels | None = None,
+                  **options) -> Selector:
+    """A selector of ``kind``; ``kernels`` (default: those of the first query's device) run its selection."""
     if kind is IndexKind.HIERARCHICAL:
-        return HierarchicalIndex(page_size, **options)
+        return HierarchicalIndex(page_size, kernels=kernels, **options)
     if kind is IndexKind.QUEST:
-        return QuestIndex(page_size)
+        return QuestIndex(page_size, kernels)
     if kind is IndexKind.MEAN_KEY:
-        return MeanKeyIndex(page_size)
+        return MeanKeyIndex(page_size, kernels)
     if kind is IndexKind.LOWRANK:
-        return LowRankIndex(page_size, scaling, **options)
+        return LowRankIndex(page_size, scaling, kernels=kernels, **options)
     if kind is IndexKind.ORACLE:
-        return OracleSelector(page_size, scaling)
+        return OracleSelector(page_size, scaling, kernels)
     raise ValueError(f"unknown index kind {kind!r}")

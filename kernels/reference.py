@@ -185,3 +185,97 @@ def attended_valid(valid: torch.Tensor, chosen: torch.Tensor | None, page_size: 
         page_pos = page_pos.masked_fill(chosen[..., None] < 0, -1).reshape(b, chosen.shape[1], -1)
         pos = torch.cat([page_pos, pos], dim=2)
     return valid.gather(1, pos.clamp_min(0).reshape(b, -1)).reshape(pos.shape) & (pos >= 0)
+
+
+def lowrank_select(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor, scaling: float,
+                   codes: torch.Tensor, valid: torch.Tensor, selectable: torch.Tensor, k: int, page_size: int,
+                   cached: torch.Tensor | None, int8_channels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The ``k`` selectable pages of highest :func:`score_lowrank` from packed codes
+    (:func:`pack_lowrank_codes`; ``codes`` and ``valid`` may have spare capacity past the
+    ``selectable.shape[1]`` pages), and the scores of ``cached`` pages ``[B, H, n]``
+    (-1 none) when given: (pages ``[B, H, k]``, their scores, cached pages' scores or None)."""
+    t = selectable.shape[1] * page_size
+    unpacked = unpack_lowrank_codes(codes[..., :t], qproj.shape[3], int8_channels)
+    scores = score_lowrank(query, qproj, unpacked, scale, valid[:, :t], page_size, scaling)
+    pages, top = topk_pages(scores.masked_fill(~selectable[:, None, :], NEG_INF), k)
+    return pages, top, None if cached is None else gather_scores(scores, cached)
+
+
+def gather_scores(scores: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """``scores`` ``[B, H, P]`` of ``pages`` ``[B, H, n]``, -inf where a page is -1."""
+    return scores.gather(2, pages.clamp_min(0)).masked_fill(pages < 0, NEG_INF)
+
+
+def hierarchical_select_int8(query: torch.Tensor, centroids: torch.Tensor, assign: torch.Tensor, q8: torch.Tensor,
+                             scale: torch.Tensor, selectable: torch.Tensor, k: int, candidates: int,
+                             cached: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`hierarchical_select` over int8 page means ``q8`` ``[B, H, >= P, D]`` with one
+    ``scale`` per page, ``P = selectable.shape[1]``; plus the scores of ``cached`` pages
+    (-1 none) when given, as :func:`score_mean` of their int8 means times their scale."""
+    n = selectable.shape[1]
+    means = (q8[:, :, :n].float() * scale[:, :, :n, None]).to(query.dtype)
+    pages, top = hierarchical_select(query, centroids, assign[:, :, :n].long(), means, selectable, k, candidates)
+    if cached is None:
+        return pages, top, None
+    idx = cached.clamp_min(0)
+    q8c = q8.gather(2, idx[..., None].expand(-1, -1, -1, q8.shape[-1]))
+    cached_scores = (score_mean(query, q8c.to(query.dtype)) * scale.gather(2, idx)).masked_fill(cached < 0, NEG_INF)
+    return pages, top, cached_scores
+
+
+def place(pages: torch.Tensor, page_slot: torch.Tensor, slot_page: torch.Tensor, last_used: torch.Tensor,
+          prio: torch.Tensor, head_capacity: torch.Tensor | None, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device-cache placement in tensor ops: (slots, miss), both ``[B, H, k]``.
+
+    ``pages`` ``[B, H, k]`` (-1: nothing selected there; such entries get slot 0 and are
+    never misses); ``page_slot`` ``[B, H, >= max page + 1]`` (slot of each page, -1),
+    ``slot_page`` and ``last_used`` ``[B, H, C]`` are updated in place; ``prio`` ``[B, H, C]``
+    ranks the slots as victims (lowest first, ties to the lower slot); empty slots go
+    first, slots past ``head_capacity[h]`` and slots of selected hits never.
+    """
+    b, h, k = pages.shape
+    capacity = slot_page.shape[2]
+    none = pages < 0
+    pages = pages.clamp_min(0)
+    slots = page_slot.gather(2, pages)
+    miss = (slots < 0) & ~none
+    slots = slots.masked_fill(none & (slots < 0), 0)
+    prio = prio.float().masked_fill(slot_page < 0, float("-inf"))
+    if head_capacity is not None:
+        beyond = torch.arange(capacity, device=prio.device) >= head_capacity[:, None]
+        prio = prio.masked_fill(beyond[None], float("inf"))
+    keep = torch.zeros(b, h, capacity, dtype=torch.bool, device=pages.device)
+    hb, hh, hk = torch.nonzero(~miss & ~none, as_tuple=True)
+    keep[hb, hh, slots[hb, hh, hk]] = True
+    prio = prio.masked_fill(keep, float("inf"))
+    victims = prio.argsort(dim=2, stable=True)
+    rank = miss.long().cumsum(dim=2) - 1
+    slots = torch.where(miss, victims.gather(2, rank.clamp_min(0)), slots)
+    # Unmap the evicted pages, map the new ones.
+    old = slot_page.gather(2, slots)
+    evicted = miss & (old >= 0)
+    bi, hi, _ = torch.nonzero(evicted, as_tuple=True)
+    page_slot[bi, hi, old[evicted]] = -1
+    bi, hi, ki = torch.nonzero(miss, as_tuple=True)
+    page_slot[bi, hi, pages[bi, hi, ki]] = slots[bi, hi, ki]
+    bi, hi, ki = torch.nonzero(~none, as_tuple=True)
+    slot_page[bi, hi, slots[bi, hi, ki]] = pages[bi, hi, ki]
+    last_used[bi, hi, slots[bi, hi, ki]] = step
+    return slots, miss
+
+
+def sparse_attention(query: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
+                     local_k: torch.Tensor, local_v: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Decode attention over cache slots, then the local window: the slots' pages gathered,
+    then :func:`decode_attention`. Same arguments as
+    :func:`kvdrive.kernels.cpu.sparse_attention` (``slots`` -1: no page, masked by ``valid``);
+    returns ``[B, H, G, D]`` in ``cache_v``'s dtype."""
+    b, h, k = slots.shape
+    s, d = cache_k.shape[3], cache_k.shape[4]
+    bi = torch.arange(b, device=slots.device)[:, None, None]
+    hi = torch.arange(h, device=slots.device)[None, :, None]
+    at = slots.clamp_min(0)
+    keys = torch.cat([cache_k[bi, hi, at].reshape(b, h, k * s, d), local_k.to(cache_k.dtype)], dim=2)
+    values = torch.cat([cache_v[bi, hi, at].reshape(b, h, k * s, d), local_v.to(cache_v.dtype)], dim=2)
+    n = keys.shape[2]
+    return decode_attention(query.to(keys.dtype), keys, values, valid[:, :, :n], scaling)

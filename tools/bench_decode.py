@@ -357,7 +357,7 @@ def _profile_windows(model, store, ids: torch.Tensor, context: int, steps: int) 
     try:
         cache = handle.new_cache(n)
         tracer = TraceObserver()
-        cache.session.observers.append(tracer)
+        cache.session.add_observer(tracer)
         snapshot.replay(cache)
         with torch.no_grad():
             for i in range(fed.shape[1]):
@@ -417,7 +417,7 @@ def run_workload_a(cfg: BenchConfig, configs: list[Config], rows: list[Row], inf
                         cache = handle.new_cache(batch)
                         observer = OverlapObserver() if c.name == "kvdrive-pipe" else None
                         if observer:
-                            cache.session.observers.append(observer)
+                            cache.session.add_observer(observer)
                         snapshot.replay(cache)
                         logits, seconds, before, after = _decode_model(model, cache, fed, cfg.warmup)
                         _note_calibration(f"workload a: batch {batch}, {tier}: {c.name}", cache.session)
@@ -450,8 +450,8 @@ def _targets(fed: torch.Tensor) -> torch.Tensor:
 def _cache_bytes_in_use(session) -> int:
     """Bytes of cache slots each (row, head) may use: per-head windows count their own limit."""
     total = 0
-    for ls in session.layers:
-        c = ls.cache
+    for layer in range(session.shape.num_layers):
+        c = session.cache(layer)
         if c is None:
             continue
         per_slot = 2 * c.k[0, 0, 0].numel() * c.k.element_size()
@@ -514,7 +514,7 @@ def _run_attention(workload, c: Config, store, steps: int, windows, cfg: BenchCo
                       head_dim=w.head_dim, dtype=w.dtype, batch=w.batch, scaling=w.scaling, **options)
         observer = OverlapObserver() if c.name == "kvdrive-pipe" else None
         if observer:
-            kv.session.observers.append(observer)
+            kv.session.add_observer(observer)
         for layer in range(w.num_layers):
             q_obs, keys, values = w.prefill_kv(layer)
             kv.prefill(layer, q_obs, keys, values)
@@ -585,7 +585,7 @@ def _attention_profile(workload, store, steps: int) -> tuple[tuple, int, float]:
                   head_dim=w.head_dim, dtype=w.dtype, batch=w.batch, scaling=w.scaling, budget=BUDGET,
                   page_size=PAGE_SIZE, pipeline=False)
     tracer = TraceObserver()
-    kv.session.observers.append(tracer)
+    kv.session.add_observer(tracer)
     for layer in range(w.num_layers):
         q_obs, keys, values = w.prefill_kv(layer)
         kv.prefill(layer, q_obs, keys, values)

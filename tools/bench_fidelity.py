@@ -223,14 +223,12 @@ class PrefillSnapshot:
             cache = handle.new_cache(ids.shape[0])
             session = cache.session
             layers: list[tuple | None] = [None] * session.shape.num_layers
-            finish = session.finish_prefill
 
-            def keep(layer: int, query: torch.Tensor, mask: torch.Tensor | None) -> None:
-                keys, values = session.layers[layer].prefill
-                layers[layer] = (keys, values, query, mask)
-                finish(layer, query, mask)
+            class Keep(Observer):
+                def on_prefill_layer(self, layer, keys, values, query, mask):
+                    layers[layer] = (keys, values, query, mask)
 
-            session.finish_prefill = keep  # this one session only
+            session.add_observer(Keep())
             model(input_ids=ids, cache=cache, logits_to_keep=1)
             sliding = {i: copy.deepcopy(layer) for i, layer in enumerate(cache.layers) if layer.is_sliding}
             cache.close()
@@ -346,16 +344,16 @@ class RecallObserver(Observer):
 
     def on_select(self, layer, step, query, chosen, selectable, selector):
         s = self.session
-        ls = s.layers[layer]
+        local_k, _, local_start = s.local_window(layer)
         paged = self.keys[layer]
         n = paged.shape[2]
         b, h, g, _ = query.shape
         pages = n // PAGE_SIZE
-        assert pages == selectable.shape[1] == ls.num_pages, "observer missed a page"
+        assert pages == selectable.shape[1] == s.num_pages(layer), "observer missed a page"
         # The keys past the last complete page (the current token among them) sit only in the local window.
-        tail = ls.local_k[:, :, n - ls.local_start :]
+        tail = local_k[:, :, n - local_start :]
         keys = torch.cat([paged, tail], dim=2)
-        valid = torch.cat([self.valid[layer], s.valid[:, n : ls.num_tokens]], dim=1)
+        valid = torch.cat([self.valid[layer], s.valid[:, n : s.seq_length(layer)]], dim=1)
         logits = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * s.shape.scaling
         probs = torch.softmax(logits.masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1)
         mass = probs[..., :n].reshape(b, h, g, pages, PAGE_SIZE).sum(dim=(2, 4))  # [B, H, P]
@@ -438,7 +436,8 @@ def run_selectors(model, store, snapshot: PrefillSnapshot, fed: torch.Tensor, ki
             stack.callback(cache.close)
             recall = RecallObserver(cache.session)
             tracer = TraceObserver() if kind is traced else None
-            cache.session.observers += [recall] + ([tracer] if tracer else [])
+            for ob in [recall] + ([tracer] if tracer else []):
+                cache.session.add_observer(ob)
             snapshot.replay(cache)
             runs[kind] = {"handle": handle, "cache": cache, "recall": recall, "tracer": tracer, "logits": [],
                           "index_bytes": cache.session.index_bytes()}

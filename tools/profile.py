@@ -174,7 +174,7 @@ def record_trace(model, handle, ids, run: ProfileRun, info: dict):
     ctx, fed = windows[:, : run.context], windows[:, run.context :]
     tracer = TraceObserver()
     cache = handle.new_cache(run.sequences)
-    cache.session.observers.append(tracer)
+    cache.session.add_observer(tracer)
     try:
         with torch.no_grad():
             t = time.perf_counter()

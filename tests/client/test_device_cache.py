@@ -2,6 +2,8 @@
 
 import torch
 
+from kvdrive.kernels import for_device
+
 from kvdrive_client.device_cache import DeviceCache, EvictionPolicy
 
 
@@ -89,20 +91,15 @@ def test_compiled_placement_equals_the_tensor_ops():
                                                  (EvictionPolicy.LOOKAHEAD, True, (6, 9, 12), 30, 6),
                                                  (EvictionPolicy.LRU, False, None, 40, 6)):
         caches = [DeviceCache(2, 3, 12, page_size=2, head_dim=2, dtype=torch.float32, device="cpu", policy=policy,
-                              reuse=reuse) for _ in range(2)]
+                              reuse=reuse, kernels=for_device("cpu", choice)) for choice in ("cpu", "reference")]
         for c in caches:
-            c.reserve_pages(num_pages)  # _place_torch expects place() to have sized the page map
             if per_head is not None:
                 c.set_head_capacity(torch.tensor(per_head))
         for step in range(25):
             sel = _random_selection(g, 2, 3, k, num_pages)
             scores = torch.randn(2, 3, 12, generator=g).round(decimals=1)  # ties happen
             fast = caches[0].place(sel, step, scores)
-            prio = scores if policy is EvictionPolicy.LOOKAHEAD and reuse else caches[1].last_used
-            if not reuse:
-                caches[1].page_slot.fill_(-1)
-                caches[1].slot_page.fill_(-1)
-            slow = caches[1]._place_torch(sel, step, prio)
+            slow = caches[1].place(sel, step, scores)
             assert torch.equal(fast.slots, slow.slots) and torch.equal(fast.miss, slow.miss), (policy, step)
             for name in ("page_slot", "slot_page", "last_used"):
                 a, b = getattr(caches[0], name), getattr(caches[1], name)

@@ -58,7 +58,8 @@ def test_recall_is_one_at_full_budget_and_the_trace_covers_every_stream(tiny, da
         handle = attach(model, store, budget=budget, index="hierarchical")
         cache = handle.new_cache(1)
         recall, tracer = RecallObserver(cache.session), TraceObserver()
-        cache.session.observers += [recall, tracer]
+        cache.session.add_observer(recall)
+        cache.session.add_observer(tracer)
         model(input_ids=ctx, cache=cache)
         teacher_force(model, cache, fed)
         cache.close()

@@ -1,0 +1,197 @@
+"""The store side of a session: its sequences, staging buffers, fetches and puts.
+
+Every complete page is in ``kvstored``, one store sequence per batch row. With reuse,
+pages below ``base_pages`` live in a kept, token-named prefix sequence per row
+instead. A fetch is one sparse get naming each block's sequence, into one of two
+staging buffers (one fetch lands while the previous one is read). Pages completed
+while decoding are written at the end of the step, all layers in one put per row.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvdrive_client.decode.state import Context
+from kvdrive_client.errors import NotFoundError, RequestError
+from kvdrive_client.store import Sequence, StoreClient
+
+
+@dataclass
+class Fetch:
+    """A get in flight: ``n`` blocks of ``layer`` into ``staging``."""
+
+    layer: int
+    pending: object
+    n: int
+    staging: object
+    started: float
+
+
+class StoreIO:
+    def __init__(self, ctx: Context, store: StoreClient) -> None:
+        self.ctx = ctx
+        self.store = store
+        self.geometry = ctx.shape.geometry(ctx.cfg.page_size)
+        self.block_bytes = self.geometry.block_bytes
+        self.seqs: list[Sequence] = []
+        self.base_names: list[str] | None = None
+        self.base_seqs: list[Sequence] = []
+        self.base_pages = 0
+        self.restored = False
+        self._staging: list = [None, None]
+        self._page_parts: dict[int, list] = {}
+        if not store.hello().get("get_seqs"):
+            raise RequestError(f"kvstored at {store.address} does not take gets across sequences; "
+                               "upgrade it to this client's version")
+
+    # ------------------------------------------------------------ sequences
+
+    def create_sequences(self) -> None:
+        cfg = self.ctx.cfg
+        for row in range(self.ctx.batch):
+            self.seqs.append(self.store.create(cfg.namespace, f"{uuid.uuid4().hex}-{row}", self.geometry))
+        if self.base_names is not None and not self.restored:
+            self.base_seqs = [self.store.create(cfg.namespace, n, self.geometry, exist_ok=True) for n in self.base_names]
+
+    def try_restore(self, names: list[str], prefix_pages: int) -> bool:
+        """Use the stored prefix pages of every row, if all are there; else store them at prefill."""
+        self.base_names, self.base_pages = names, prefix_pages
+        if prefix_pages == 0:
+            return False
+        try:
+            seqs = [self.store.open(self.ctx.cfg.namespace, n) for n in names]
+        except NotFoundError:
+            return False
+        if any(seq.geometry != self.geometry or seq.complete_pages < prefix_pages for seq in seqs):
+            return False
+        self.base_seqs = seqs
+        self.restored = True
+        return True
+
+    def load_prefix(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored prefix page of one layer, ``[B, H, P*S, D]`` K and V."""
+        sh, p = self.ctx.shape, self.base_pages
+        pages = torch.arange(p).expand(self.ctx.batch, sh.num_kv_heads, p)
+        kf, vf = self.wait(self.submit(layer, 0, pages, torch.ones_like(pages, dtype=torch.bool), slot=0))
+        shape = (self.ctx.batch, sh.num_kv_heads, p * self.ctx.cfg.page_size, sh.head_dim)
+        # copy=True: kf/vf may be views of the staging buffer, which the next fetch reuses.
+        device = self.ctx.device
+        return kf.reshape(shape).to(device, copy=True), vf.reshape(shape).to(device, copy=True)
+
+    # ------------------------------------------------------------ puts
+
+    def _blocks(self, keys: torch.Tensor, values: torch.Tensor, num_pages: int) -> np.ndarray:
+        """``[B, H, P*S, D]`` K and V -> ``[B, H, P, block_bytes]`` bytes (K then V per block)."""
+        b, h, _, d = keys.shape
+        s = self.ctx.cfg.page_size
+        kv = torch.stack([keys[:, :, : num_pages * s].reshape(b, h, num_pages, s, d),
+                          values[:, :, : num_pages * s].reshape(b, h, num_pages, s, d)], dim=3)
+        return kv.detach().contiguous().cpu().view(torch.uint8).numpy().reshape(b, h, num_pages, -1)
+
+    def put_layer(self, layer: int, keys, values, num_pages: int, cluster, importance) -> None:
+        """A layer's prefill pages, with their cluster ids and importance; below ``base_pages``
+        into the kept prefix sequences (unless they came from there)."""
+        t0 = time.perf_counter()
+        blocks = self._blocks(keys, values, num_pages)
+        imp = importance.detach().float().cpu().numpy()
+        clu = None if cluster is None else cluster.detach().cpu().numpy().astype(np.int32)
+        split = min(self.base_pages, num_pages)
+        parts = [(self.seqs, split, num_pages)] + ([(self.base_seqs, 0, split)] if split and not self.restored else [])
+        for seqs, lo, hi in parts:
+            if lo == hi:
+                continue
+            for row, seq in enumerate(seqs):
+                self.store.put(seq, [layer], range(lo, hi), blocks[row : row + 1, :, lo:hi],
+                               cluster=None if clu is None else clu[row : row + 1, :, lo:hi],
+                               importance=imp[row : row + 1, :, lo:hi])
+        self.ctx.stats["bytes_put"] += blocks.nbytes
+        self.ctx.stats["put_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def queue_page(self, layer: int, page: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A page completed while decoding, ``[B, H, S, D]``; written once every layer has it."""
+        self._page_parts.setdefault(page, []).append((layer, self._blocks(keys, values, 1)[:, :, 0]))
+
+    def flush(self) -> None:
+        """Write the queued pages that every layer has completed, all layers at once, one put per row."""
+        num_layers, stats = self.ctx.shape.num_layers, self.ctx.stats
+        for page, parts in sorted(self._page_parts.items()):
+            if len(parts) != num_layers:
+                continue
+            t0 = time.perf_counter()
+            data = np.stack([p for _, p in sorted(parts, key=lambda x: x[0])], axis=1)  # [B, L, H, bb]
+            for row, seq in enumerate(self.seqs):
+                self.store.put(seq, range(num_layers), [page], data[row][:, :, None, :])
+            stats["bytes_put"] += data.nbytes
+            stats["pages_flushed"] += 1
+            stats["put_ms"] += (time.perf_counter() - t0) * 1e3
+            del self._page_parts[page]
+
+    # ------------------------------------------------------------ gets
+
+    def _staging_buffer(self, slot: int, nbytes: int):
+        buf = self._staging[slot]
+        if buf is None or buf.size < nbytes:
+            if buf is not None:
+                self.store.unregister(buf)
+            buf = self._staging[slot] = self.store.register(max(nbytes, 1 << 20))
+        return buf
+
+    def submit(self, layer: int, row0: int, pages: torch.Tensor, miss: torch.Tensor, slot: int) -> Fetch | None:
+        """Ask the store for the missed pages of rows ``row0 ..`` into staging buffer ``slot``:
+        one sparse get naming each block's sequence. None when nothing is missed."""
+        bi, hi, ki = torch.nonzero(miss, as_tuple=True)
+        n = len(bi)
+        if n == 0:
+            return None
+        staging = self._staging_buffer(slot, n * self.block_bytes)
+        rows = bi.cpu().numpy() + row0
+        page_ids = pages[bi, hi, ki].cpu().numpy()
+        blocks = np.stack([np.full(n, layer), hi.cpu().numpy(), page_ids], axis=1)
+        # A row's pages below base_pages are in its stored prompt sequence (a restored
+        # prefix is loaded before the session's own sequences exist), the rest in its own.
+        in_base = page_ids < self.base_pages
+        uids = np.empty(n, dtype=np.int64)
+        for seqs, where in ((self.base_seqs, in_base), (self.seqs, ~in_base)):
+            if where.any():
+                uids[where] = np.array([seq.uid for seq in seqs], dtype=np.int64)[rows[where]]
+        first = (self.base_seqs if in_base[0] else self.seqs)[int(rows[0])]
+        started = time.perf_counter()
+        return Fetch(layer, self.store.get_async(first, blocks, staging, seqs=uids), n, staging, started)
+
+    def wait(self, fetch: Fetch, mb: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for a fetch; its pages as ``[n, S, D]`` K and V on the compute device.
+
+        On the CPU they are views of the staging buffer, valid until that buffer's
+        next fetch: copy them (the cache's ``fill`` does) before then.
+        """
+        ctx = self.ctx
+        t0 = time.perf_counter()
+        reply = fetch.pending.wait()
+        t1 = time.perf_counter()
+        worked = reply.get("ms", 0.0) / 1e3
+        ctx.timeline.add("fetch", "daemon", fetch.started, fetch.started + worked, layer=fetch.layer, mb=mb, pages=fetch.n)
+        ctx.stats["blocks_dram"] += reply["dram"]
+        ctx.stats["blocks_ssd"] += reply["ssd"]
+        s, d, bb = ctx.cfg.page_size, ctx.shape.head_dim, self.block_bytes
+        raw = torch.from_numpy(fetch.staging.array[: fetch.n * bb]).view(ctx.shape.dtype).reshape(fetch.n, 2, s, d)
+        raw = raw.to(ctx.device)
+        ctx.stats["bytes_fetched"] += fetch.n * bb
+        ctx.stats["fetch_wait_ms"] += (t1 - t0) * 1e3
+        ctx.stats["fetch_ms"] += worked * 1e3
+        return raw[:, 0], raw[:, 1]
+
+    # ------------------------------------------------------------ end
+
+    def close(self) -> None:
+        for i, buf in enumerate(self._staging):
+            if buf is not None:
+                self.store.unregister(buf)
+                self._staging[i] = None
+        if not self.ctx.cfg.keep:
+            for seq in self.seqs:
+                self.store.delete(seq.ns, seq.name)

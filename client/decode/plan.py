@@ -1,0 +1,60 @@
+"""The per-step plan and the cache sizing: facts computed once, read by every layer."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvdrive_client.decode.state import Context, StepPlan
+
+
+def valid_from_mask(ctx: Context, mask: torch.Tensor | None, length: int) -> torch.Tensor:
+    """``[B, length]`` real tokens, from the model's attention mask (None: all real)."""
+    if mask is None:
+        return torch.ones(ctx.batch, length, dtype=torch.bool, device=ctx.device)
+    row = mask[:, 0, -1, :length]
+    return row if row.dtype == torch.bool else row == 0
+
+
+def first_local_page(ctx: Context, num_tokens: int, num_pages: int) -> int:
+    """The first page of the local window (the last ``local_tokens`` tokens, from a page boundary on)."""
+    return max(0, min(num_pages, (num_tokens - ctx.cfg.local_tokens) // ctx.cfg.page_size))
+
+
+def cache_capacity(ctx: Context, layer: int, first_local: int) -> tuple[int, torch.Tensor | None]:
+    """Slots per (row, KV head) for a context of ``first_local`` pages, and per-head limits (or None)."""
+    cfg, sh = ctx.cfg, ctx.shape
+    sink = min(cfg.sink_pages, first_local)
+    k = cfg.pages_to_select(first_local - sink)
+    if cfg.windows is not None:
+        per_head = torch.tensor([math.ceil(w * k) + sink for w in cfg.windows[layer]], dtype=torch.long)
+        per_head = per_head.clamp_min(max(k + sink, 1))
+        return int(per_head.max()), per_head
+    if cfg.cache_bytes is not None:
+        per_page = sh.page_bytes(cfg.page_size)
+        slots = cfg.cache_bytes // (per_page * ctx.batch * sh.num_kv_heads * sh.num_layers)
+        return max(int(slots), k + sink, 1), None
+    if ctx.multiplier == 0:
+        return max(1, k + sink), None
+    return max(1, math.ceil(ctx.multiplier * k) + sink), None
+
+
+def _selectable(ctx: Context, valid: torch.Tensor, num_pages: int, sink: int, first_local: int) -> torch.Tensor:
+    """Pages a step may choose: between sink and local window, holding a real token."""
+    s = ctx.cfg.page_size
+    sel = torch.zeros(ctx.batch, num_pages, dtype=torch.bool, device=ctx.device)
+    sel[:, sink:first_local] = True
+    sel &= valid[:, : num_pages * s].reshape(ctx.batch, num_pages, s).any(dim=2)
+    return sel.contiguous()
+
+
+def build_plan(ctx: Context, valid: torch.Tensor, t: int, num_pages: int, micro_batch: int) -> StepPlan:
+    """The plan of decode step ``ctx.step`` over ``t`` tokens of which ``num_pages`` pages are complete."""
+    first_local = first_local_page(ctx, t, num_pages)
+    sink = min(ctx.cfg.sink_pages, first_local)
+    k = ctx.cfg.pages_to_select(first_local - sink)
+    size = ctx.batch if ctx.observers else min(micro_batch, ctx.batch)  # observers see whole batches
+    groups = [(lo, min(lo + size, ctx.batch)) for lo in range(0, ctx.batch, size)]
+    selectable = _selectable(ctx, valid, num_pages, sink, first_local) if k else None
+    return StepPlan(ctx.step, valid, t, num_pages, first_local, sink, k, selectable, groups)

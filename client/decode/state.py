@@ -1,0 +1,138 @@
+"""What the decode stages share: the model's shape, per-layer state, the step plan, micro-batches."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from kvdrive.kernels import Kernels
+from kvdrive.layout.geometry import Geometry
+from kvdrive_client.config import AttachConfig
+from kvdrive_client.device_cache import DeviceCache, Placement
+from kvdrive_client.selectors import Selector
+from kvdrive_client.timeline import Timeline
+
+TORCH_TO_DTYPE = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@dataclass
+class ModelShape:
+    num_layers: int
+    num_kv_heads: int
+    num_q_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    scaling: float
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    def geometry(self, page_size: int) -> Geometry:
+        """The store geometry of this model's (KVDrive-served) layers."""
+        return Geometry(self.num_layers, self.num_kv_heads, self.head_dim, TORCH_TO_DTYPE[self.dtype], page_size)
+
+    def page_bytes(self, page_size: int) -> int:
+        """Bytes of one page of one (layer, KV head): its K and V, as stored and cached (one store block)."""
+        return Geometry(1, 1, self.head_dim, TORCH_TO_DTYPE[self.dtype], page_size).block_bytes
+
+
+class Observer:
+    """Hooks for measurement tools (fidelity, cache traces); the defaults do nothing.
+
+    Keys are post-RoPE, ``[B, H, T, D]``; ``valid`` marks real (unpadded) tokens.
+    Register one with :meth:`kvdrive_client.session.Session.add_observer`.
+    """
+
+    def on_prefill_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
+                         mask: torch.Tensor | None) -> None:
+        """What a layer's prefill hands KVDrive, before it is indexed: all its K and V, the queries, the mask."""
+
+    def on_prefill(self, layer: int, keys: torch.Tensor, valid: torch.Tensor) -> None:
+        """The keys of a layer's complete prefill pages, as they are indexed."""
+
+    def on_page(self, layer: int, page: int, keys: torch.Tensor, valid: torch.Tensor) -> None:
+        """A page completed while decoding, as it is indexed."""
+
+    def on_seed(self, layer: int, ranked: torch.Tensor) -> None:
+        """Pages between sink and local window, most important first ``[B, H, n]``: the cache is seeded
+        with as many of them (after the sink pages) as each head's window holds."""
+
+    def on_select(self, layer: int, step: int, query: torch.Tensor, chosen: torch.Tensor, selectable: torch.Tensor,
+                  selector: "Selector") -> None:
+        """``chosen`` ``[B, H, k]`` pages (-1 none) picked among ``selectable`` ``[B, P]``."""
+
+
+class LayerState:
+    """One layer's decode state on the compute device."""
+
+    def __init__(self) -> None:
+        self.prefill: tuple[torch.Tensor, torch.Tensor] | None = None  # K, V between update() and finish_prefill()
+        self.local_k: torch.Tensor | None = None  # [B, H, t - local_start, D]
+        self.local_v: torch.Tensor | None = None
+        self.local_start = 0
+        self.num_tokens = 0
+        self.num_pages = 0  # complete pages: indexed and (to be) stored
+        self.selector: Selector | None = None
+        self.cache: DeviceCache | None = None
+
+
+@dataclass
+class Context:
+    """The facts and shared records of one session, handed to every stage."""
+
+    cfg: AttachConfig
+    shape: ModelShape
+    batch: int
+    device: torch.device
+    kernels: Kernels
+    stats: Counter
+    timeline: Timeline
+    layers: list[LayerState]
+    observers: list[Observer] = field(default_factory=list)
+    multiplier: float = 1.0  # device cache per (layer, KV head) as a multiple of a step's selection
+    step: int = 0
+
+
+@dataclass
+class StepPlan:
+    """What is the same for every layer of one decode step, built once when the step starts."""
+
+    step: int
+    valid: torch.Tensor  # [B, >= t] real (unpadded) tokens
+    t: int  # tokens in the context, the new one included
+    num_pages: int  # complete pages, the ones this step completes included
+    first_local: int  # first page of the local window
+    sink: int  # sink pages, always attended
+    k: int  # pages selected per (row, KV head) besides the sink
+    selectable: torch.Tensor | None  # [B, num_pages]: pages the step may choose (None when k == 0)
+    groups: list[tuple[int, int]]  # micro-batches: row ranges [lo, hi)
+
+    @property
+    def attends_pages(self) -> bool:
+        return self.sink + self.k > 0
+
+
+@dataclass
+class MicroBatch:
+    """Rows ``[lo, hi)`` of one layer's decode step, carried through select, place, fetch and attend."""
+
+    index: int
+    lo: int
+    hi: int
+    query: torch.Tensor  # [hi - lo, H, G, D]
+    lane: str = "main"  # the timeline lane its selection runs on
+    chosen: torch.Tensor | None = None  # [b, H, sink + k] pages (-1: none)
+    slot_scores: torch.Tensor | None = None  # [b, H, capacity] current scores of the cached pages
+    cache: DeviceCache | None = None  # the layer's cache, rows [lo, hi)
+    placement: Placement | None = None
+    fetch: object | None = None  # the store get of the misses, in flight
+    valid: torch.Tensor | None = None  # [b, H, attended tokens]
+    select_ms: float = 0.0
+    place_ms: float = 0.0
+
+    @property
+    def rows(self) -> int:
+        return self.hi - self.lo

@@ -1,0 +1,116 @@
+"""The kernel sets a session can run: the torch references, and the compiled CPU kernels.
+
+A :class:`Kernels` object gives a decode step everything it runs per (row, KV head):
+selection (low-rank and hierarchical), device-cache placement, which attended tokens
+are real, and sparse attention over cache slots plus the local window. It also says
+in which dtype attention reads K and V, whether attention can be taken in two parts
+(cached pages while the misses are fetched, then the fetched ones) and under which
+threading context a step's own torch ops run.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from kvdrive.kernels import cpu
+from kvdrive.kernels import reference as ref
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class Kernels:
+    """The torch reference kernels (any device). Subclasses override what they compile."""
+
+    name = "reference"
+    #: Attention can run over the cached pages while the misses are fetched, then over the fetched ones.
+    attends_in_parts = False
+
+    def __init__(self, device: torch.device, one_thread: bool = False, widen_half: bool = False) -> None:
+        self.device = device
+        self._one_thread = one_thread
+        self._widen_half = widen_half
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.device})"
+
+    def threads(self):
+        """Context for a decode step's own torch ops (see :func:`kvdrive.kernels.cpu.one_torch_thread`)."""
+        return cpu.one_torch_thread() if self._one_thread else nullcontext()
+
+    def attention_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype attention computes in for K/V of ``dtype``: float32 for half precision where
+        half math is slower than the conversion (the CPU)."""
+        return torch.float32 if self._widen_half and dtype in _HALF else dtype
+
+    def lowrank_select(self, query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, wide):
+        return ref.lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, wide)
+
+    def lowrank_scores(self, query, qproj, scale, scaling, codes, valid, num_pages, page_size, wide):
+        t = num_pages * page_size
+        unpacked = ref.unpack_lowrank_codes(codes[..., :t], qproj.shape[3], wide)
+        return ref.score_lowrank(query, qproj, unpacked, scale, valid[:, :t], page_size, scaling)
+
+    def hierarchical_select(self, query, centroids, assign, q8, scale, selectable, k, candidates, cached):
+        return ref.hierarchical_select_int8(query, centroids, assign, q8, scale, selectable, k, candidates, cached)
+
+    def place(self, pages, page_slot, slot_page, last_used, prio, head_capacity, step):
+        return ref.place(pages, page_slot, slot_page, last_used, prio, head_capacity, step)
+
+    def attended_valid(self, valid, chosen, page_size, local_start, t, heads):
+        return ref.attended_valid(valid, chosen, page_size, local_start, t, heads)
+
+    def partial(self):
+        """State carried from the first part of a two-part attention into the second."""
+        raise NotImplementedError(f"{self.name} kernels attend in one pass")
+
+    def attention(self, query, cache_k, cache_v, slots, local_k, local_v, valid, scaling, partial=None):
+        """Exact attention over the pages in ``slots`` (-1: none) then the local window:
+        ``[B, H, G, D]`` in the attention dtype."""
+        if partial is not None:
+            raise NotImplementedError(f"{self.name} kernels attend in one pass")
+        return ref.sparse_attention(query, cache_k, cache_v, slots, local_k, local_v, valid, scaling)
+
+    def dense_attention(self, query, keys, values, valid, scaling):
+        """Attention over gathered tokens (no pages selected: the local window only)."""
+        dtype = self.attention_dtype(values.dtype)
+        return ref.decode_attention(query.to(dtype), keys.to(dtype), values.to(dtype), valid, scaling)
+
+
+class ReferenceKernels(Kernels):
+    """The torch references, forced (``kernels="reference"``) or chosen for a non-CPU device."""
+
+
+class CpuKernels(Kernels):
+    """The compiled (numba) kernels on CPU tensors; the rest stays the torch reference."""
+
+    name = "cpu"
+    attends_in_parts = True
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device, one_thread=True, widen_half=True)
+
+    def lowrank_select(self, query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, wide):
+        return cpu.lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, wide)
+
+    def lowrank_scores(self, query, qproj, scale, scaling, codes, valid, num_pages, page_size, wide):
+        return cpu.lowrank_scores(query, qproj, scale, scaling, codes, valid, num_pages, page_size, wide)
+
+    def hierarchical_select(self, query, centroids, assign, q8, scale, selectable, k, candidates, cached):
+        return cpu.hierarchical_select(query, centroids, assign, q8, scale, selectable.contiguous(), k, candidates,
+                                       None if cached is None else cached.contiguous())
+
+    def place(self, pages, page_slot, slot_page, last_used, prio, head_capacity, step):
+        return cpu.place(pages, page_slot, slot_page, last_used, prio, head_capacity, step)
+
+    def attended_valid(self, valid, chosen, page_size, local_start, t, heads):
+        if chosen is None:
+            return ref.attended_valid(valid, chosen, page_size, local_start, t, heads)
+        return cpu.attended_valid(valid, chosen, page_size, local_start, t)
+
+    def partial(self):
+        return cpu.PartialAttention()
+
+    def attention(self, query, cache_k, cache_v, slots, local_k, local_v, valid, scaling, partial=None):
+        return cpu.sparse_attention(query, cache_k, cache_v, slots, local_k, local_v, valid, scaling, partial)
