@@ -36,10 +36,10 @@ __all__ = [
 ]
 
 _LAZY = {
-    "attach": "kvdrive_client.hooks",
-    "Handle": "kvdrive_client.hooks",
+    "attach": "kvdrive_client.handle",
+    "Handle": "kvdrive_client.handle",
     "KVDriveCache": "kvdrive_client.hooks",
-    "UnsupportedModelError": "kvdrive_client.hooks",
+    "UnsupportedModelError": "kvdrive_client.architecture",
     "AttachConfig": "kvdrive_client.config",
 }
 __all__ += list(_LAZY)

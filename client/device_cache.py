@@ -42,9 +42,10 @@ class Placement:
 
 
 class DeviceCache:
-    def __init__(self, batch: int, heads: int, capacity: int, page_size: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, policy: EvictionPolicy, reuse: bool = True,
-                 kernels: Kernels | None = None) -> None:
+    def __init__(self, slots: tuple[int, int, int, int, int], dtype: torch.dtype, device: torch.device | str,
+                 policy: EvictionPolicy, reuse: bool = True, kernels: Kernels | None = None) -> None:
+        """``slots``: (batch rows, KV heads, slots per head, page size, head dim)."""
+        batch, heads, capacity, page_size, head_dim = slots
         if capacity < 1:
             raise ValueError(f"device cache capacity must be >= 1 page, got {capacity}")
         self.capacity = capacity

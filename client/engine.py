@@ -4,8 +4,9 @@ The engine runs its own model and its own dense prefill attention; KVDrive takes
 each layer's keys and values (post-RoPE) and, per decode step and layer, returns
 the attention output for the step's query::
 
-    kv = SparseKV(store, num_layers=32, num_kv_heads=8, num_q_heads=32, head_dim=128,
-                  dtype=torch.float16, batch=1, budget=0.0625)
+    from kvdrive_client.engine import ModelShape, SparseKV
+
+    kv = SparseKV(store, ModelShape(32, 8, 32, 128, torch.float16), batch=1, budget=0.0625)
     for layer in range(32):                      # prefill
         kv.prefill(layer, query, keys, values)   # [B, Hq, T, D], [B, H, T, D], [B, H, T, D]
     for step in ...:                              # decode, one token per step
@@ -27,15 +28,21 @@ from kvdrive_client.config import AttachConfig
 from kvdrive_client.session import ModelShape, Session
 from kvdrive_client.store import StoreClient
 
+__all__ = ["ModelShape", "SparseKV"]
+
 
 class SparseKV:
-    def __init__(self, store: StoreClient, *, num_layers: int, num_kv_heads: int, num_q_heads: int, head_dim: int,
-                 dtype: torch.dtype, batch: int, device: str | torch.device = "cpu", scaling: float | None = None,
+    """KVDrive for one batch: ``shape`` the model's (``ModelShape(num_layers, num_kv_heads,
+    num_q_heads, head_dim, dtype[, scaling])``, scaling default ``head_dim ** -0.5``);
+    ``options`` as :class:`~kvdrive_client.config.AttachConfig`'s."""
+
+    def __init__(self, store: StoreClient, shape: ModelShape, batch: int, device: str | torch.device = "cpu",
                  **options) -> None:
-        if num_q_heads % num_kv_heads:
-            raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        cfg = (replace(AttachConfig(), **options) if options else AttachConfig()).for_model(num_layers, num_kv_heads)
-        shape = ModelShape(num_layers, num_kv_heads, num_q_heads, head_dim, dtype, scaling or head_dim**-0.5)
+        if shape.num_q_heads % shape.num_kv_heads:
+            raise ValueError(f"num_q_heads ({shape.num_q_heads}) must be a multiple of num_kv_heads "
+                             f"({shape.num_kv_heads})")
+        cfg = (replace(AttachConfig(), **options) if options else AttachConfig()).for_model(shape.num_layers,
+                                                                                            shape.num_kv_heads)
         self.stats: Counter = Counter()
         self.session = Session(cfg, shape, store, batch, torch.device(device), self.stats)
 

@@ -510,8 +510,7 @@ def _run_attention(workload, c: Config, store, steps: int, windows, cfg: BenchCo
         options = _options(c, cfg, w.batch)
         if c.profile:
             options["windows"] = windows
-        kv = SparseKV(store, num_layers=w.num_layers, num_kv_heads=w.num_kv_heads, num_q_heads=w.num_q_heads,
-                      head_dim=w.head_dim, dtype=w.dtype, batch=w.batch, scaling=w.scaling, **options)
+        kv = SparseKV(store, w.shape, batch=w.batch, **options)
         observer = OverlapObserver() if c.name == "kvdrive-pipe" else None
         if observer:
             kv.session.add_observer(observer)
@@ -553,8 +552,7 @@ def _attention_side_by_side(workload, configs: list[Config], dram: int, kv_bytes
             contextlib.ExitStack() as stack:
         sessions = []
         for c in configs:
-            kv = SparseKV(store, num_layers=w.num_layers, num_kv_heads=w.num_kv_heads, num_q_heads=w.num_q_heads,
-                          head_dim=w.head_dim, dtype=w.dtype, batch=w.batch, scaling=w.scaling, **_options(c, cfg, w.batch))
+            kv = SparseKV(store, w.shape, batch=w.batch, **_options(c, cfg, w.batch))
             stack.callback(kv.close)
             sessions.append(kv)
         for layer in range(w.num_layers):
@@ -581,8 +579,7 @@ def _attention_profile(workload, store, steps: int) -> tuple[tuple, int, float]:
     from kvdrive_client.engine import SparseKV  # noqa: PLC0415
 
     w = replace(workload, seed=workload.seed + 1000, batch=PROFILE_SEQUENCES)
-    kv = SparseKV(store, num_layers=w.num_layers, num_kv_heads=w.num_kv_heads, num_q_heads=w.num_q_heads,
-                  head_dim=w.head_dim, dtype=w.dtype, batch=w.batch, scaling=w.scaling, budget=BUDGET,
+    kv = SparseKV(store, w.shape, batch=w.batch, budget=BUDGET,
                   page_size=PAGE_SIZE, pipeline=False)
     tracer = TraceObserver()
     kv.session.add_observer(tracer)

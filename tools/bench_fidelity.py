@@ -245,7 +245,7 @@ class PrefillSnapshot:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: PLC0415
 
-        from kvdrive_client.hooks import GLOBAL, layer_kinds  # noqa: PLC0415
+        from kvdrive_client.architecture import GLOBAL, layer_kinds  # noqa: PLC0415
 
         if ids.shape[0] != 1:
             raise ValueError("a chunked prefill takes one row")
@@ -477,7 +477,7 @@ def cache_rows(trace: Trace, kind: IndexKind, context: int) -> list[CacheRow]:
 
 def run_fidelity(cfg: FidelityConfig) -> tuple[list[FidelityRow], list[CacheRow], dict]:
     from kvdrive_client import connect  # noqa: PLC0415
-    from kvdrive_client.hooks import GLOBAL, layer_kinds  # noqa: PLC0415
+    from kvdrive_client.architecture import GLOBAL, layer_kinds  # noqa: PLC0415
     from kvdrive_client.models import license_text, load_model  # noqa: PLC0415
 
     t0 = time.perf_counter()

@@ -46,6 +46,7 @@ import torch
 from kvdrive.kernels import reference as ref
 from kvdrive_client.config import AttachConfig
 from kvdrive_client.selectors import IndexKind, Selector, make_selector
+from kvdrive_client.session import ModelShape
 
 DESCRIPTION = (
     "Synthetic attention-only decode workload (Llama-3-8B attention shape: 8 KV heads, 32 query heads, "
@@ -153,6 +154,11 @@ class SyntheticAttention:
     @property
     def num_pages(self) -> int:
         return self.context_tokens // self.page_size
+
+    @property
+    def shape(self) -> ModelShape:
+        """The model shape KVDrive serves (:class:`kvdrive_client.engine.SparseKV`'s first argument)."""
+        return ModelShape(self.num_layers, self.num_kv_heads, self.num_q_heads, self.head_dim, self.dtype, self.scaling)
 
     @property
     def scaling(self) -> float:

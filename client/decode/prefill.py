@@ -94,7 +94,7 @@ def finish_layer(ctx: Context, io: StoreIO, layer: int, query: torch.Tensor, val
     ls.local_k = keys[:, :, ls.local_start :].clone()
     ls.local_v = values[:, :, ls.local_start :].clone()
     capacity, per_head = cache_capacity(ctx, layer, first_local)
-    ls.cache = DeviceCache(b, h, capacity, s, d, keys.dtype, ctx.device, cfg.eviction, reuse=ctx.multiplier != 0,
+    ls.cache = DeviceCache((b, h, capacity, s, d), keys.dtype, ctx.device, cfg.eviction, reuse=ctx.multiplier != 0,
                            kernels=ctx.kernels)
     ls.cache.set_head_capacity(per_head)
     if ls.cache.reuse:

@@ -24,7 +24,11 @@ class ModelShape:
     num_q_heads: int
     head_dim: int
     dtype: torch.dtype
-    scaling: float
+    scaling: float | None = None  # softmax scale; None: head_dim ** -0.5
+
+    def __post_init__(self) -> None:
+        if self.scaling is None:
+            self.scaling = self.head_dim**-0.5
 
     @property
     def group(self) -> int:

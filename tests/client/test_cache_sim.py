@@ -54,7 +54,7 @@ def test_belady_matches_exhaustive_search(seed):
 def device_cache_hits(selected, scores, capacity, policy, seeded=None):
     """Hits per step and head of DeviceCache.place driven by ``selected`` ``[H, T, k]``."""
     h, steps, _ = selected.shape
-    cache = DeviceCache(1, h, capacity, page_size=1, head_dim=1, dtype=torch.float32, device="cpu", policy=policy)
+    cache = DeviceCache((1, h, capacity, 1, 1), torch.float32, "cpu", policy)
     if seeded is not None:  # as the session seeds: each head's first ``capacity`` pages, -1 leaves a slot empty
         pages = torch.from_numpy(seeded[None, :, :capacity])
         cache.seed(pages, torch.zeros(*pages.shape, 1, 1), torch.zeros(*pages.shape, 1, 1))

@@ -8,7 +8,7 @@ from kvdrive_client.device_cache import DeviceCache, EvictionPolicy
 
 
 def cache(policy, capacity=4):
-    return DeviceCache(1, 1, capacity, page_size=2, head_dim=2, dtype=torch.float32, device="cpu", policy=policy)
+    return DeviceCache((1, 1, capacity, 2, 2), torch.float32, "cpu", policy)
 
 
 def pages(*p):
@@ -90,7 +90,7 @@ def test_compiled_placement_equals_the_tensor_ops():
                                                  (EvictionPolicy.LRU, True, None, 200, 12),  # many misses
                                                  (EvictionPolicy.LOOKAHEAD, True, (6, 9, 12), 30, 6),
                                                  (EvictionPolicy.LRU, False, None, 40, 6)):
-        caches = [DeviceCache(2, 3, 12, page_size=2, head_dim=2, dtype=torch.float32, device="cpu", policy=policy,
+        caches = [DeviceCache((2, 3, 12, 2, 2), torch.float32, "cpu", policy,
                               reuse=reuse, kernels=for_device("cpu", choice)) for choice in ("cpu", "reference")]
         for c in caches:
             if per_head is not None:

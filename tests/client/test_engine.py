@@ -2,7 +2,7 @@
 
 import torch
 
-from kvdrive_client.engine import SparseKV
+from kvdrive_client.engine import ModelShape, SparseKV
 
 
 def dense(q, k, v, valid, scale):
@@ -21,8 +21,7 @@ def test_full_budget_decode_equals_dense_attention(daemon):
     valid = torch.ones(B, T, dtype=torch.bool)
     valid[1, :37] = False  # row 1 is left-padded
     with daemon.client() as store:
-        kv = SparseKV(store, num_layers=L, num_kv_heads=H, num_q_heads=HQ, head_dim=D, dtype=torch.float32,
-                      batch=B, budget=1.0)
+        kv = SparseKV(store, ModelShape(L, H, HQ, D, torch.float32), batch=B, budget=1.0)
         for layer in range(L):
             kv.prefill(layer, torch.randn(B, HQ, T, D, generator=g), keys[layer], values[layer], valid)
         for _ in range(40):
@@ -52,8 +51,7 @@ def test_decode_runs_its_torch_ops_on_one_thread(daemon, monkeypatch):
         return cat(*args, **kwargs)
 
     with daemon.client() as store:
-        kv = SparseKV(store, num_layers=1, num_kv_heads=H, num_q_heads=HQ, head_dim=D, dtype=torch.float32,
-                      batch=B, budget=0.25)
+        kv = SparseKV(store, ModelShape(1, H, HQ, D, torch.float32), batch=B, budget=0.25)
         kv.prefill(0, torch.randn(B, HQ, T, D, generator=g), torch.randn(B, H, T, D, generator=g),
                    torch.randn(B, H, T, D, generator=g))
         torch.set_num_threads(2)

@@ -9,7 +9,7 @@ import torch
 
 from kvdrive_client import attach
 from kvdrive_client.device_cache import DeviceCache, EvictionPolicy
-from kvdrive_client.engine import SparseKV
+from kvdrive_client.engine import ModelShape, SparseKV
 from kvdrive_client.errors import RequestError
 from kvdrive_client.selectors import HierarchicalIndex, LowRankIndex, MeanKeyIndex, QuestIndex, Selector
 from kvdrive.kernels import cpu
@@ -22,7 +22,7 @@ def run_engine(store, steps=24, seed=0, B=4, **options):
     H, HQ, D, T, L = 2, 4, 32, 640, 2
     valid = torch.ones(B, T, dtype=torch.bool)
     valid[1, :70] = False  # a left-padded row
-    kv = SparseKV(store, num_layers=L, num_kv_heads=H, num_q_heads=HQ, head_dim=D, dtype=torch.float32, batch=B,
+    kv = SparseKV(store, ModelShape(L, H, HQ, D, torch.float32), batch=B,
                   budget=0.125, **options)
     for layer in range(L):
         kv.prefill(layer, torch.randn(B, HQ, T, D, generator=g), torch.randn(B, H, T, D, generator=g),
@@ -170,7 +170,7 @@ def test_prefill_seeds_every_head_up_to_its_own_window(daemon):
 
 
 def test_a_head_limit_below_the_selection_is_refused():
-    cache = DeviceCache(1, 2, 4, 16, 8, torch.float32, "cpu", EvictionPolicy.LRU)
+    cache = DeviceCache((1, 2, 4, 16, 8), torch.float32, "cpu", EvictionPolicy.LRU)
     cache.set_head_capacity(torch.tensor([4, 2]))
     with pytest.raises(ValueError, match="window holds 2"):
         cache.place(torch.tensor([[[0, 1, 2], [0, 1, 2]]]), 0)
@@ -205,7 +205,7 @@ def test_pipeline_runs_with_grad_mode_on_and_an_index_built_from_tensors_that_re
     g = torch.Generator().manual_seed(5)
     B, H, HQ, D, T = 2, 2, 4, 32, 400
     with daemon.client() as store, torch.enable_grad():
-        kv = SparseKV(store, num_layers=1, num_kv_heads=H, num_q_heads=HQ, head_dim=D, dtype=torch.float32, batch=B,
+        kv = SparseKV(store, ModelShape(1, H, HQ, D, torch.float32), batch=B,
                       budget=0.125, micro_batch=1)
         keys = torch.randn(B, H, T, D, generator=g).requires_grad_()
         kv.prefill(0, torch.randn(B, HQ, T, D, generator=g), keys, torch.randn(B, H, T, D, generator=g))

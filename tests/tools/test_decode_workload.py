@@ -117,8 +117,7 @@ def test_runs_through_sparse_kv_and_matches_dense_at_full_budget(dtype, tol):
     w = SyntheticAttention(**TINY, alpha=0.9, dtype=dtype)
     store = connect(None, dram="64M", ssd_max="1G")
     try:
-        kv = SparseKV(store, num_layers=w.num_layers, num_kv_heads=w.num_kv_heads, num_q_heads=w.num_q_heads,
-                      head_dim=w.head_dim, dtype=w.dtype, batch=w.batch, budget=1.0)
+        kv = SparseKV(store, w.shape, batch=w.batch, budget=1.0)
         keys, values = [], []
         for layer in range(w.num_layers):
             query, k, v = w.prefill_kv(layer)

@@ -1,0 +1,213 @@
+"""attach(): the handle that makes a transformers model decode through KVDrive (see :mod:`kvdrive_client.hooks`)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from collections import Counter
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from kvdrive_client.architecture import SLIDING, attention_modules, model_shape
+from kvdrive_client.config import AttachConfig
+from kvdrive_client.errors import StoreError
+from kvdrive_client.hooks import ATTN_NAME, KVDriveCache
+from kvdrive_client.session import Session
+from kvdrive_client.store import StoreClient, connect
+
+log = logging.getLogger("kvdrive_client.hooks")
+
+
+class Handle:
+    """What attach() returns: stats(), detach(), and new_cache() for hand-driven loops."""
+
+    def __init__(self, model, cfg: AttachConfig, store: StoreClient, owns_store: bool, architecture=None) -> None:
+        self.model = model
+        self.store = store
+        self._owns_store = owns_store
+        self.shape, self.kinds = architecture or model_shape(model)
+        self.cfg = cfg.for_model(self.shape.num_layers, self.shape.num_kv_heads)
+        self.device = torch.device(cfg.device) if cfg.device else next(model.parameters()).device
+        self._stats: Counter = Counter()
+        self.active: Session | None = None
+        self._warned_dense = False
+        self._modules = attention_modules(model)
+        self._store_counters: dict = {}
+        self._attached = False
+        self._print: bytes | None = None
+
+    def _attach(self) -> None:
+        # Every handle on a model is listed on it: the first one saves the model's own
+        # attention implementation, the last one detached restores it, and detaching a
+        # handle in any order leaves the others working.
+        handles = self.model.__dict__.setdefault(_HANDLES, [])
+        if not handles:
+            self.model.__dict__[_ORIGINAL_ATTN] = self.model.config._attn_implementation
+            self.model.set_attn_implementation(ATTN_NAME)
+        handles.append(self)
+        for m in self._modules:
+            m._kvdrive_handle = self
+        original = functools.partial(type(self.model).generate, self.model)
+
+        @functools.wraps(type(self.model).generate)
+        def generate(*args: Any, **kwargs: Any):
+            if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+                return original(*args, **kwargs)
+            _refuse_batch_expansion(self.model, kwargs)
+            batch = _batch_size(args, kwargs)
+            cache = self.new_cache(batch)
+            if self.cfg.reuse and cache.session is not None:
+                self._restore(cache.session, args, kwargs)
+            try:
+                return original(*args, cache=cache, **kwargs)
+            finally:
+                cache.close()
+                self.active = None
+
+        self._generate = generate
+        self.model.generate = generate
+        self._attached = True
+
+    def _fingerprint(self) -> bytes:
+        if self._print is None:
+            h = hashlib.sha256(self.model.config.to_json_string().encode())
+            for p in list(self.model.parameters())[:2]:
+                h.update(p.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
+            self._print = h.digest()
+        return self._print
+
+    def _restore(self, session: Session, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            return
+        mask = kwargs.get("attention_mask")
+        t = ids.shape[1]
+        s = self.cfg.page_size
+        # At least the last prompt token must run through the model to give the first logits.
+        pages = (t - 1) // s
+        names = []
+        for row in range(ids.shape[0]):
+            h = hashlib.sha256(self._fingerprint())
+            h.update(f"{s}:{self.shape.dtype}".encode())
+            h.update(ids[row, : pages * s].cpu().numpy().astype("int64").tobytes())
+            if mask is not None:
+                h.update(mask[row, : pages * s].cpu().numpy().astype("int8").tobytes())
+            names.append("prefix-" + h.hexdigest()[:40])
+        session.try_restore(names, pages)
+
+    def new_cache(self, batch: int) -> KVDriveCache:
+        """A cache for one batch; pass it as ``cache=`` to the model and ``close()`` it after."""
+        if self.active is not None and not self.active._closed:
+            self.active.close()
+        if self.shape.num_layers == 0:
+            return KVDriveCache(None, self.kinds)
+        session = Session(self.cfg, self.shape, self.store, batch, self.device, self._stats)
+        self.active = session
+        return KVDriveCache(session, self.kinds)
+
+    def stats(self) -> dict:
+        s = dict(self._stats)
+        looked = s.get("hits", 0) + s.get("misses", 0)
+        s["hit_rate"] = s.get("hits", 0) / looked if looked else None
+        bb = self.shape.page_bytes(self.cfg.page_size)
+        s["bytes_from_dram"] = s.get("blocks_dram", 0) * bb
+        s["bytes_from_ssd"] = s.get("blocks_ssd", 0) * bb
+        if s.get("context_tokens"):
+            s["attended_fraction"] = s.get("attended_tokens", 0) / s["context_tokens"]
+        if self.active is not None:
+            s["index_bytes"] = self.active.index_bytes()
+            s["device_cache_bytes"] = self.active.cache_bytes()
+        # After detach() a store attach() started is gone: its last counters stand.
+        s["store"] = self.store.stats().get("counters", {}) if self._attached or not self._owns_store else self._store_counters
+        return s
+
+    def detach(self) -> None:
+        if not self._attached:
+            return
+        if self.active is not None:
+            self.active.close()
+            self.active = None
+        handles = self.model.__dict__.get(_HANDLES, [])
+        if self in handles:
+            handles.remove(self)
+        if handles:
+            last = handles[-1]
+            self.model.generate = last._generate
+            for m in self._modules:
+                m._kvdrive_handle = last
+        else:
+            self.model.__dict__.pop("generate", None)
+            self.model.__dict__.pop(_HANDLES, None)
+            self.model.set_attn_implementation(self.model.__dict__.pop(_ORIGINAL_ATTN))
+            for m in self._modules:
+                if hasattr(m, "_kvdrive_handle"):
+                    del m._kvdrive_handle
+        if self._owns_store:
+            try:
+                self._store_counters = self.store.stats().get("counters", {})
+            except StoreError as exc:  # a daemon already gone has no counters to give
+                log.info("store counters unavailable at detach: %s", exc)
+            self.store.close()
+        self._attached = False
+
+
+_HANDLES = "_kvdrive_handles"
+_ORIGINAL_ATTN = "_kvdrive_original_attn"
+
+
+def _refuse_batch_expansion(model, kwargs: dict) -> None:
+    """Beam search and several returned sequences per prompt make transformers expand and
+    reorder the batch inside generate(); the KVDrive cache does not follow that yet."""
+    gen = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    beams = kwargs.get("num_beams", getattr(gen, "num_beams", 1)) or 1
+    returned = kwargs.get("num_return_sequences", getattr(gen, "num_return_sequences", 1)) or 1
+    if beams > 1 or returned > 1:
+        raise NotImplementedError(
+            f"generate(num_beams={beams}, num_return_sequences={returned}) through KVDrive: the cache does not follow "
+            f"transformers' batch expansion for beam search or several sequences per prompt; repeat the prompt's rows "
+            f"in the batch instead (one row per sequence, sampling), or detach() for beam search"
+        )
+
+
+def _batch_size(args, kwargs) -> int:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    if ids is None:
+        raise ValueError("generate() through KVDrive needs input_ids or inputs_embeds")
+    return ids.shape[0]
+
+
+def attach(model, store: str | StoreClient | None = None, *, dram: str = "256M", **options: Any) -> Handle:
+    """Make ``model.generate()`` decode through KVDrive.
+
+    ``store``: None starts a private embedded kvstored (``dram`` sized); a string is
+    the address of a running one; a StoreClient is used as is. ``options`` are the
+    fields of :class:`AttachConfig` (budget, budget_tokens, page_size, sink_tokens, local_tokens,
+    window, cache_bytes, windows, profile, micro_batch, pipeline, overlap_fetch, trace,
+    index, eviction, obs_window, pages_per_cluster, candidate_factor, rank, namespace,
+    keep, reuse, device, kernels).
+    """
+    cfg = replace(AttachConfig(), **options) if options else AttachConfig()
+    shape, kinds = model_shape(model)  # refuse unsupported models before starting anything
+    sliding = sorted({w for kind, w in kinds if kind == SLIDING})
+    if sliding:
+        log.info("%d of %d layers attend over a sliding window (%s tokens): their KV stays on the device, the %d "
+                 "global layers decode through KVDrive", len(kinds) - shape.num_layers, len(kinds),
+                 "/".join(map(str, sliding)), shape.num_layers)
+    if shape.num_layers == 0:
+        log.warning("every layer of this model attends over a sliding window: its KV never outgrows the window and "
+                    "stays on the device; KVDrive stores nothing for it")
+    owns = not isinstance(store, StoreClient)
+    client = store if isinstance(store, StoreClient) else connect(store, dram=dram)
+    try:
+        handle = Handle(model, cfg, client, owns, (shape, kinds))
+        handle._attach()
+    except BaseException:
+        if owns:
+            client.close()
+        raise
+    return handle
