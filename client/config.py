@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from dataclasses import dataclass, replace
 
 from kvdrive.kernels import KERNEL_CHOICES
@@ -11,6 +12,10 @@ from kvdrive_client.device_cache import EvictionPolicy
 from kvdrive_client.selectors import IndexKind
 
 log = logging.getLogger(__name__)
+
+_UNSET = "unset"  # a deprecated option not given
+# Old option names, kept as deprecated aliases: "window" now means the local window only.
+_RENAMED = {"window": "cache_multiplier", "windows": "head_multipliers"}
 
 
 @dataclass(frozen=True)
@@ -24,12 +29,13 @@ class AttachConfig:
         one page), however long the context grows.
     page_size: tokens per page (the unit of selection, caching and storage).
     sink_tokens / local_tokens: always attended: the first tokens and the last ones.
-    window: device cache per (layer, KV head) as a multiple of the step's selection
-        (the paper's xW); 0 keeps no cache (every selected page is fetched every
-        step); None calibrates it during the first decode steps (grown while fetching
-        takes longer than the hit/miss evaluation). ``cache_bytes`` instead sets a
-        total byte budget; ``windows`` (or a ``profile`` file written by
-        ``kvdrive-profile``) sets one window per (layer, KV head).
+    cache_multiplier: device cache per (layer, KV head) as a multiple of the step's
+        selection (the paper's xW); 0 keeps no cache (every selected page is fetched
+        every step); None calibrates it during the first decode steps (grown while
+        fetching takes longer than the hit/miss evaluation). ``cache_bytes`` instead
+        sets a total byte budget; ``head_multipliers`` (or a ``profile`` file written by
+        ``kvdrive-profile``) sets one multiplier per (layer, KV head). The old names
+        ``window`` and ``windows`` still work, with a DeprecationWarning.
     micro_batch: batch rows per pipeline micro-batch; None calibrates it during the
         first decode steps (each candidate size timed on one step, the fastest kept).
     pipeline: overlap selection, hit/miss evaluation, fetching and attention of
@@ -61,9 +67,9 @@ class AttachConfig:
     page_size: int = 16
     sink_tokens: int = 16
     local_tokens: int = 64
-    window: float | None = 4.0
+    cache_multiplier: float | None = 4.0
     cache_bytes: int | None = None
-    windows: tuple[tuple[float, ...], ...] | None = None
+    head_multipliers: tuple[tuple[float, ...], ...] | None = None
     profile: str | None = None
     micro_batch: int | None = None
     pipeline: bool = True
@@ -80,8 +86,11 @@ class AttachConfig:
     reuse: bool = False
     device: str | None = None
     kernels: str = "auto"
+    window: float | None | str = _UNSET  # deprecated: cache_multiplier
+    windows: tuple | str | None = _UNSET  # deprecated: head_multipliers
 
     def __post_init__(self) -> None:
+        self._take_renamed()
         for name, enum_type in (("index", IndexKind), ("eviction", EvictionPolicy)):
             value = getattr(self, name)
             if isinstance(value, str):
@@ -112,13 +121,15 @@ class AttachConfig:
             raise ValueError(f"local_tokens ({self.local_tokens}) must be at least page_size ({self.page_size})")
         if self.sink_tokens % self.page_size:
             raise ValueError(f"sink_tokens ({self.sink_tokens}) must be a multiple of page_size ({self.page_size})")
-        if self.window is not None and self.window != 0 and not self.window >= 1:
-            raise ValueError(f"window must be 0 (no cache), >= 1 (the cache holds at least one step's selection) "
-                             f"or None (calibrate), got {self.window}")
-        if self.windows is not None:
-            object.__setattr__(self, "windows", tuple(tuple(float(w) for w in layer) for layer in self.windows))
-            if any(not w >= 1 for layer in self.windows for w in layer):
-                raise ValueError("every per-head window must be >= 1")
+        m = self.cache_multiplier
+        if m is not None and m != 0 and not m >= 1:
+            raise ValueError(f"cache_multiplier must be 0 (no cache), >= 1 (the cache holds at least one step's "
+                             f"selection) or None (calibrate), got {m}")
+        if self.head_multipliers is not None:
+            object.__setattr__(self, "head_multipliers",
+                               tuple(tuple(float(w) for w in layer) for layer in self.head_multipliers))
+            if any(not w >= 1 for layer in self.head_multipliers for w in layer):
+                raise ValueError("every per-head cache multiplier must be >= 1")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1 or None (calibrate), got {self.micro_batch}")
         if self.cache_bytes is not None and self.cache_bytes <= 0:
@@ -132,8 +143,18 @@ class AttachConfig:
         if self.obs_window < 1:
             raise ValueError(f"obs_window must be >= 1, got {self.obs_window}")
 
+    def _take_renamed(self) -> None:
+        """Move a deprecated option's value to its new name (warning once per construction)."""
+        for old, new in _RENAMED.items():
+            value = getattr(self, old)
+            if isinstance(value, str) and value == _UNSET:
+                continue
+            warnings.warn(f"AttachConfig({old}=...) is deprecated; use {new}=...", DeprecationWarning, stacklevel=4)
+            object.__setattr__(self, new, value)
+            object.__setattr__(self, old, _UNSET)
+
     def for_model(self, num_layers: int, num_kv_heads: int) -> "AttachConfig":
-        """This config with ``profile`` loaded into ``windows``, both checked against the model's shape."""
+        """This config with ``profile`` loaded into ``head_multipliers``, both checked against the model's shape."""
         cfg = self
         if self.profile is not None:
             from kvdrive_client.profile import WindowProfile  # noqa: PLC0415 - numpy-only, loaded when used
@@ -144,12 +165,14 @@ class AttachConfig:
                                  f"not {self.page_size}")
             if prof.budget != self.budget:
                 log.warning("profile %s was measured at budget %g; decoding at %g", self.profile, prof.budget, self.budget)
-            cfg = replace(self, windows=prof.windows)
-            log.info("per-head windows from %s: %d layers x %d KV heads, x%g..x%g", self.profile, prof.num_layers,
-                     prof.num_kv_heads, min(min(r) for r in prof.windows), max(max(r) for r in prof.windows))
-        if cfg.windows is not None and (len(cfg.windows) != num_layers or any(len(r) != num_kv_heads for r in cfg.windows)):
-            where = f"profile {self.profile}" if self.profile else "windows"
-            raise ValueError(f"{where} is [{len(cfg.windows)} layers][{len(cfg.windows[0]) if cfg.windows else 0} heads]; "
+            cfg = replace(self, head_multipliers=prof.windows)
+            log.info("per-head cache multipliers from %s: %d layers x %d KV heads, x%g..x%g", self.profile,
+                     prof.num_layers, prof.num_kv_heads, min(min(r) for r in prof.windows),
+                     max(max(r) for r in prof.windows))
+        hm = cfg.head_multipliers
+        if hm is not None and (len(hm) != num_layers or any(len(r) != num_kv_heads for r in hm)):
+            where = f"profile {self.profile}" if self.profile else "head_multipliers"
+            raise ValueError(f"{where} is [{len(hm)} layers][{len(hm[0]) if hm else 0} heads]; "
                              f"the model has {num_layers} layers x {num_kv_heads} KV heads")
         return cfg
 

@@ -187,7 +187,7 @@ def attach(model, store: str | StoreClient | None = None, *, dram: str = "256M",
     ``store``: None starts a private embedded kvstored (``dram`` sized); a string is
     the address of a running one; a StoreClient is used as is. ``options`` are the
     fields of :class:`AttachConfig` (budget, budget_tokens, page_size, sink_tokens, local_tokens,
-    window, cache_bytes, windows, profile, micro_batch, pipeline, overlap_fetch, trace,
+    cache_multiplier, cache_bytes, head_multipliers, profile, micro_batch, pipeline, overlap_fetch, trace,
     index, eviction, obs_window, pages_per_cluster, candidate_factor, rank, namespace,
     keep, reuse, device, kernels).
     """

@@ -43,7 +43,8 @@ class Session:
         kernels = for_device(device, cfg.kernels)
         self.ctx = Context(cfg, shape, batch, device, kernels, stats, Timeline(enabled=cfg.trace is not None),
                            [LayerState() for _ in range(shape.num_layers)],
-                           multiplier=cfg.window if cfg.window is not None else START_MULTIPLIER)
+                           multiplier=(cfg.cache_multiplier if cfg.cache_multiplier is not None
+                                       else START_MULTIPLIER))
         self.io = StoreIO(self.ctx, store)
         self.pipeline = Pipeline(self.ctx, self.io)
         self.tuning = Tuning(self.ctx)

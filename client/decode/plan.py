@@ -27,8 +27,9 @@ def cache_capacity(ctx: Context, layer: int, first_local: int) -> tuple[int, tor
     cfg, sh = ctx.cfg, ctx.shape
     sink = min(cfg.sink_pages, first_local)
     k = cfg.pages_to_select(first_local - sink)
-    if cfg.windows is not None:
-        per_head = torch.tensor([math.ceil(w * k) + sink for w in cfg.windows[layer]], dtype=torch.long)
+    if cfg.head_multipliers is not None:
+        per_head = torch.tensor([math.ceil(w * k) + sink for w in cfg.head_multipliers[layer]],
+                                dtype=torch.long)
         per_head = per_head.clamp_min(max(k + sink, 1))
         return int(per_head.max()), per_head
     if cfg.cache_bytes is not None:

@@ -2,7 +2,7 @@
 
 Micro-batch: after one warm-up step, each candidate size (the batch, its half, its
 quarter, one row) runs one step, twice round; the fastest (by its faster step) is
-kept. Cache multiplier (``window=None``): starts at 1x and grows by half while a
+kept. Cache multiplier (``cache_multiplier=None``): starts at 1x and grows by half while a
 step's fetching takes longer than its hit/miss evaluation, for at most a few steps
 (the paper's rule).
 """
@@ -28,7 +28,7 @@ class Tuning:
         cfg, batch = ctx.cfg, ctx.batch
         self.micro_batch = cfg.micro_batch or batch
         self.calibration: str | None = None  # what the micro-batch calibration chose, once it has
-        self.tune_multiplier = cfg.window is None
+        self.tune_multiplier = cfg.cache_multiplier is None
         sizes = sorted({batch, -(-batch // 2), -(-batch // 4), 1}, reverse=True)
         self.candidates = sizes if cfg.micro_batch is None and cfg.pipeline and batch > 1 else []
         self.timed: dict[int, list[float]] = {}
@@ -60,7 +60,7 @@ class Tuning:
         hitmiss = ctx.stats["hitmiss_ms"] - self._last["hitmiss_ms"]
         self._last = Counter({"fetch_ms": ctx.stats["fetch_ms"], "hitmiss_ms": ctx.stats["hitmiss_ms"]})
         if step + 1 >= MULTIPLIER_STEPS or fetch <= hitmiss or ctx.multiplier >= MAX_MULTIPLIER:
-            log.info("calibrated cache window: x%g (last step: fetch %.1f ms, hit/miss %.1f ms)", ctx.multiplier,
+            log.info("calibrated cache multiplier: x%g (last step: fetch %.1f ms, hit/miss %.1f ms)", ctx.multiplier,
                      fetch, hitmiss)
             self.tune_multiplier = False
         else:

@@ -56,7 +56,7 @@ def test_sparse_budget_fetches_from_ssd_when_dram_is_small(daemon_factory, make_
     model = make_tiny("qwen2", layers=3)
     ids, mask = left_padded([900, 700])
     with d.client() as store:
-        handle = attach(model, store, budget=0.0625, window=1)
+        handle = attach(model, store, budget=0.0625, cache_multiplier=1)
         out = generate(model, ids, mask, new=24)
         stats = handle.stats()
         handle.detach()
@@ -144,7 +144,7 @@ def test_budget_tokens_selects_a_fixed_count_of_pages(daemon, make_tiny, budget_
     model = make_tiny("llama")
     ids, mask = left_padded([300])
     with daemon.client() as store:
-        handle = attach(model, store, budget_tokens=budget_tokens, window=1)
+        handle = attach(model, store, budget_tokens=budget_tokens, cache_multiplier=1)
         generate(model, ids, mask, new=2)
         stats = handle.stats()
         handle.detach()
@@ -174,7 +174,7 @@ def test_a_full_attention_qwen2_with_a_window_size_set_is_still_accepted(daemon)
     ({"budget_tokens": 0}, "budget_tokens must be >= 1"),
     ({"index": "kmeans"}, "hierarchical"),
     ({"eviction": "fifo"}, "lookahead"),
-    ({"window": 0.5}, "window"),
+    ({"cache_multiplier": 0.5}, "cache_multiplier"),
     ({"sink_tokens": 10}, "multiple of page_size"),
     ({"local_tokens": 4}, "local_tokens"),
     ({"nonsense": 1}, "nonsense"),

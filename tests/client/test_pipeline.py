@@ -131,15 +131,15 @@ def test_micro_batch_size_is_calibrated_and_logged(daemon, caplog):
 
 def test_window_calibration_grows_the_cache_and_logs_it(daemon, caplog):
     with caplog.at_level(logging.INFO, logger="kvdrive_client.session"), daemon.client() as store:
-        _, _, session = run_engine(store, steps=10, window=None, pipeline=False)
-    assert any("calibrated cache window" in r.message for r in caplog.records)
+        _, _, session = run_engine(store, steps=10, cache_multiplier=None, pipeline=False)
+    assert any("calibrated cache multiplier" in r.message for r in caplog.records)
     assert session.cache_multiplier >= 1.0
 
 
 def test_window_zero_fetches_every_selected_page_every_step(daemon):
     with daemon.client() as store:
-        _, none, _ = run_engine(store, steps=8, window=0, pipeline=False)
-        _, cached, _ = run_engine(store, steps=8, window=4, pipeline=False)
+        _, none, _ = run_engine(store, steps=8, cache_multiplier=0, pipeline=False)
+        _, cached, _ = run_engine(store, steps=8, cache_multiplier=4, pipeline=False)
     assert none["hits"] == 0
     assert none["misses"] > cached["misses"] > 0
 
@@ -147,7 +147,7 @@ def test_window_zero_fetches_every_selected_page_every_step(daemon):
 def test_per_head_windows_cap_each_heads_slots(daemon):
     windows = ((1.0, 3.0), (2.0, 1.5))
     with daemon.client() as store:
-        _, stats, session = run_engine(store, steps=8, windows=windows, pipeline=False)
+        _, stats, session = run_engine(store, steps=8, head_multipliers=windows, pipeline=False)
         for layer, ws in enumerate(windows):
             cache = session.cache(layer)
             used = (cache.slot_page >= 0).sum(dim=2).max(dim=0).values  # per head, over rows
@@ -159,7 +159,7 @@ def test_per_head_windows_cap_each_heads_slots(daemon):
 def test_prefill_seeds_every_head_up_to_its_own_window(daemon):
     windows = ((1.0, 3.0), (2.0, 1.5))
     with daemon.client() as store:
-        _, _, session = run_engine(store, steps=0, windows=windows, pipeline=False)
+        _, _, session = run_engine(store, steps=0, head_multipliers=windows, pipeline=False)
     for layer in range(len(windows)):
         cache = session.cache(layer)
         seeded = (cache.slot_page >= 0).sum(dim=2)  # [rows, heads]
@@ -181,10 +181,27 @@ def test_bad_pipeline_options_are_refused():
 
     with pytest.raises(ValueError, match="micro_batch"):
         AttachConfig(micro_batch=0)
-    with pytest.raises(ValueError, match="window"):
+    with pytest.raises(ValueError, match="cache_multiplier must be 0"):
+        AttachConfig(cache_multiplier=0.5)
+    with pytest.raises(ValueError, match="per-head cache multiplier"):
+        AttachConfig(head_multipliers=((1.0, 0.5),))
+
+
+def test_the_old_window_option_names_still_work_with_a_warning():
+    from dataclasses import replace
+
+    from kvdrive_client.config import AttachConfig
+
+    with pytest.warns(DeprecationWarning, match=r"window=\.\.\.\) is deprecated; use cache_multiplier"):
+        cfg = AttachConfig(window=None)
+    assert cfg.cache_multiplier is None  # None still calibrates
+    with pytest.warns(DeprecationWarning, match="use head_multipliers"):
+        cfg = AttachConfig(windows=((2, 3),))
+    assert cfg.head_multipliers == ((2.0, 3.0),)
+    # The alias is consumed: replacing another field keeps the values and warns no more.
+    assert replace(cfg, cache_multiplier=2.0).head_multipliers == ((2.0, 3.0),)
+    with pytest.raises(ValueError, match="cache_multiplier must be 0"), pytest.warns(DeprecationWarning):
         AttachConfig(window=0.5)
-    with pytest.raises(ValueError, match="per-head window"):
-        AttachConfig(windows=((1.0, 0.5),))
 
 
 def test_pipelined_generate_is_token_identical_to_serial(daemon, make_tiny):
