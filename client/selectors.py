@@ -195,6 +195,10 @@ class HierarchicalIndex(Selector):
         b, h, p, d = means.shape
         self.num_pages = p
         self.q8, self.scale = self._quantize(means)
+        if p == 0:  # a prompt shorter than a page: one empty centroid, which decode pages join
+            self.centroids = means.new_zeros(b, h, 1, d)
+            self.assign = torch.zeros(b, h, 0, dtype=torch.int32, device=means.device)
+            return self.assign
         c = max(1, math.ceil(p / self.pages_per_cluster))
         cent, assign = ref.kmeans(means.reshape(b * h, p, d).float(), c)
         self.centroids = cent.reshape(b, h, -1, d).to(keys.dtype)

@@ -70,12 +70,12 @@ class Kernels:
         ``[B, H, G, D]`` in the attention dtype."""
         if partial is not None:
             raise NotImplementedError(f"{self.name} kernels attend in one pass")
-        return ref.sparse_attention(query, cache_k, cache_v, slots, local_k, local_v, valid, scaling)
+        return ref.sparse_attention(query, cache_k, cache_v, slots, local_k, local_v, valid, scaling,
+                                    self.attention_dtype(cache_v.dtype))
 
     def dense_attention(self, query, keys, values, valid, scaling):
         """Attention over gathered tokens (no pages selected: the local window only)."""
-        dtype = self.attention_dtype(values.dtype)
-        return ref.decode_attention(query.to(dtype), keys.to(dtype), values.to(dtype), valid, scaling)
+        return ref.decode_attention(query, keys, values, valid, scaling, self.attention_dtype(values.dtype))
 
 
 class ReferenceKernels(Kernels):

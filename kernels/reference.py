@@ -153,21 +153,21 @@ def topk_pages(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return idx, vals
 
 
-def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scaling: float,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
     """Exact softmax attention of one query token over gathered keys.
 
     query ``[B, H, G, D]``, keys/values ``[B, H, N, D]``, valid ``[B, H, N]`` bool
-    -> ``[B, H, G, D]``. On the CPU, half-precision inputs are computed in float32
-    (CPUs without native fp16 math run half matmuls several times slower than the
-    conversion costs) and the result is returned in the input dtype.
+    -> ``[B, H, G, D]`` computed and returned in ``dtype`` (default: the values';
+    :meth:`kvdrive.kernels.Kernels.attention_dtype` says which a device wants). A
+    (row, head) with no valid token gets zeros.
     """
-    out_dtype = values.dtype
-    if query.device.type == "cpu" and out_dtype in (torch.float16, torch.bfloat16):
-        query, keys, values = query.float(), keys.float(), values.float()
+    if dtype is not None:
+        query, keys, values = query.to(dtype), keys.to(dtype), values.to(dtype)
     logits = torch.matmul(query, keys.transpose(-1, -2)) * scaling
     logits = logits.masked_fill(~valid.unsqueeze(2), NEG_INF)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(values.dtype)
-    return torch.matmul(probs, values).to(out_dtype)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).nan_to_num(0.0).to(values.dtype)
+    return torch.matmul(probs, values)
 
 
 def attended_valid(valid: torch.Tensor, chosen: torch.Tensor | None, page_size: int, local_start: int,
@@ -202,7 +202,9 @@ def lowrank_select(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
 
 
 def gather_scores(scores: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """``scores`` ``[B, H, P]`` of ``pages`` ``[B, H, n]``, -inf where a page is -1."""
+    """``scores`` ``[B, H, P]`` of ``pages`` ``[B, H, n]``, -inf where a page is -1 (all of them when P is 0)."""
+    if scores.shape[2] == 0:
+        return torch.full(pages.shape, NEG_INF, dtype=scores.dtype, device=scores.device)
     return scores.gather(2, pages.clamp_min(0)).masked_fill(pages < 0, NEG_INF)
 
 
@@ -227,8 +229,8 @@ def place(pages: torch.Tensor, page_slot: torch.Tensor, slot_page: torch.Tensor,
           prio: torch.Tensor, head_capacity: torch.Tensor | None, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Device-cache placement in tensor ops: (slots, miss), both ``[B, H, k]``.
 
-    ``pages`` ``[B, H, k]`` (-1: nothing selected there; such entries get slot 0 and are
-    never misses); ``page_slot`` ``[B, H, >= max page + 1]`` (slot of each page, -1),
+    ``pages`` ``[B, H, k]`` (-1: nothing selected there; such entries are never misses and
+    get the slot of page 0 if it is cached, else slot 0: attention masks them); ``page_slot`` ``[B, H, >= max page + 1]`` (slot of each page, -1),
     ``slot_page`` and ``last_used`` ``[B, H, C]`` are updated in place; ``prio`` ``[B, H, C]``
     ranks the slots as victims (lowest first, ties to the lower slot); empty slots go
     first, slots past ``head_capacity[h]`` and slots of selected hits never.
@@ -265,11 +267,12 @@ def place(pages: torch.Tensor, page_slot: torch.Tensor, slot_page: torch.Tensor,
 
 
 def sparse_attention(query: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
-                     local_k: torch.Tensor, local_v: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+                     local_k: torch.Tensor, local_v: torch.Tensor, valid: torch.Tensor, scaling: float,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
     """Decode attention over cache slots, then the local window: the slots' pages gathered,
     then :func:`decode_attention`. Same arguments as
     :func:`kvdrive.kernels.cpu.sparse_attention` (``slots`` -1: no page, masked by ``valid``);
-    returns ``[B, H, G, D]`` in ``cache_v``'s dtype."""
+    returns ``[B, H, G, D]`` computed and returned in ``dtype`` (default: the cache's)."""
     b, h, k = slots.shape
     s, d = cache_k.shape[3], cache_k.shape[4]
     bi = torch.arange(b, device=slots.device)[:, None, None]
@@ -278,4 +281,4 @@ def sparse_attention(query: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     keys = torch.cat([cache_k[bi, hi, at].reshape(b, h, k * s, d), local_k.to(cache_k.dtype)], dim=2)
     values = torch.cat([cache_v[bi, hi, at].reshape(b, h, k * s, d), local_v.to(cache_v.dtype)], dim=2)
     n = keys.shape[2]
-    return decode_attention(query.to(keys.dtype), keys, values, valid[:, :, :n], scaling)
+    return decode_attention(query.to(keys.dtype), keys, values, valid[:, :, :n], scaling, dtype)

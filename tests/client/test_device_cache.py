@@ -2,8 +2,6 @@
 
 import torch
 
-from kvdrive.kernels import for_device
-
 from kvdrive_client.device_cache import DeviceCache, EvictionPolicy
 
 
@@ -76,31 +74,3 @@ def test_none_entries_are_neither_hits_nor_misses_and_grow_keeps_contents():
     assert p.num_hits == 1 and p.num_misses == 3
     consistent(c)
 
-
-def _random_selection(g, b, h, k, num_pages, none_share=0.1):
-    sel = torch.stack([torch.randperm(num_pages, generator=g)[:k] for _ in range(b * h)]).reshape(b, h, k)
-    return sel.masked_fill(torch.rand(b, h, k, generator=g) < none_share, -1)
-
-
-def test_compiled_placement_equals_the_tensor_ops():
-    """The CPU's one-pass placement gives the same slots, misses and maps as the tensor
-    version, step after step: both policies, per-head windows, -1 entries, few and many misses."""
-    g = torch.Generator().manual_seed(0)
-    for policy, reuse, per_head, num_pages, k in ((EvictionPolicy.LOOKAHEAD, True, None, 40, 6),
-                                                 (EvictionPolicy.LRU, True, None, 200, 12),  # many misses
-                                                 (EvictionPolicy.LOOKAHEAD, True, (6, 9, 12), 30, 6),
-                                                 (EvictionPolicy.LRU, False, None, 40, 6)):
-        caches = [DeviceCache((2, 3, 12, 2, 2), torch.float32, "cpu", policy,
-                              reuse=reuse, kernels=for_device("cpu", choice)) for choice in ("cpu", "reference")]
-        for c in caches:
-            if per_head is not None:
-                c.set_head_capacity(torch.tensor(per_head))
-        for step in range(25):
-            sel = _random_selection(g, 2, 3, k, num_pages)
-            scores = torch.randn(2, 3, 12, generator=g).round(decimals=1)  # ties happen
-            fast = caches[0].place(sel, step, scores)
-            slow = caches[1].place(sel, step, scores)
-            assert torch.equal(fast.slots, slow.slots) and torch.equal(fast.miss, slow.miss), (policy, step)
-            for name in ("page_slot", "slot_page", "last_used"):
-                a, b = getattr(caches[0], name), getattr(caches[1], name)
-                assert torch.equal(a, b), (policy, step, name)

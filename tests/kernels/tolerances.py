@@ -1,0 +1,50 @@
+"""How far a backend's result may be from the torch references, per (kernel, dtype).
+
+The expected values always come from ``kvdrive.kernels.reference`` over float32 copies of
+the inputs (the very values a half-precision input holds), so the ``dtype`` of a key is
+the dtype of the backend's *result*: a result rounded to half precision is held to that
+precision's tolerance, a float32 result to float32's, whatever the inputs were.
+
+Integer and boolean results (pages, slots, misses, the cache maps, which tokens are
+valid) have no entry: they must be equal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TOLERANCES: dict[tuple[str, torch.dtype], tuple[float, float]] = {
+    # The numba scorer's exp2 is a degree-5 polynomial (relative error below 1e-4), and it
+    # sums the logits in another order; fp16/bf16 queries are read in float32 by both backends.
+    ("lowrank_scores", torch.float32): (1e-4, 1e-4),
+    # The selection's scores are the same scores (the log taken for the k returned only).
+    ("lowrank_select", torch.float32): (1e-4, 1e-4),
+    # exp(score) summed over a head's pages is its query-head count: P terms, each within
+    # the scorer's 1e-4 of the reference.
+    ("lowrank_mass", torch.float32): (1e-3, 1e-3),
+    # q . (int8 mean) in float32 then times the page's scale, against q . (int8 x scale):
+    # products of the same values in another order (seen: 1.4e-6 absolute at scores up to 10).
+    ("hierarchical_select", torch.float32): (1e-5, 1e-5),
+    # Both backends compute in float32 from the same widened K/V (fp16/bf16 -> float32 is
+    # exact); softmax and the weighted sums in another order.
+    ("attention", torch.float32): (1e-5, 1e-5),
+    # A result returned in the input's half dtype is the float32 result rounded once:
+    # half an ulp is 2**-11 relative for fp16, 2**-8 for bf16.
+    ("attention", torch.float16): (1e-3, 1e-5),
+    ("attention", torch.bfloat16): (8e-3, 1e-5),
+    # Two parts merged through their log-sum-exps, against one call over all the tokens.
+    ("attention_in_parts", torch.float32): (1e-5, 1e-6),
+    # Both backends run the reference decode_attention over the same float32 values.
+    ("dense_attention", torch.float32): (0.0, 0.0),
+}
+
+
+def tolerance(kernel: str, dtype: torch.dtype) -> dict[str, float]:
+    """``rtol``/``atol`` for :func:`torch.testing.assert_close` (a missing entry is an error)."""
+    rtol, atol = TOLERANCES[(kernel, dtype)]
+    return {"rtol": rtol, "atol": atol}
+
+
+def assert_close(got: torch.Tensor, expect: torch.Tensor, kernel: str, **kwargs) -> None:
+    """``got`` against the float32 ``expect`` at the tolerance of ``got``'s dtype."""
+    torch.testing.assert_close(got.float(), expect.float(), **tolerance(kernel, got.dtype), **kwargs)
