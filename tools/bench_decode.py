@@ -55,7 +55,11 @@ import numpy as np
 import torch
 
 from kvdrive.kernels import cpu as cpu_kernels
+from kvdrive.tools.bench_common import InputError, PrefillSnapshot, TraceObserver, compare, in_turns
 from kvdrive.tools.decode_workload import selection_overlap
+from kvdrive.tools.targets import (TARGET_A_BATCH, TARGET_A_VS_SHADOWKV, TARGET_BYTES_VS_X0, TARGET_C_VS_B,
+                                   TARGET_INDEX_SPEED, TARGET_OVERLAP_GAP, TARGET_PIPELINE_VS_LONGEST,
+                                   TARGET_PROFILE_VS_UNIFORM, TARGET_SPEEDUP_VS_SHADOWKV, TARGET_SSD_VS_DRAM, verdict)
 from kvdrive.tools.text_table import text_table
 from kvdrive_client.config import AttachConfig
 from kvdrive_client.selectors import IndexKind
@@ -67,21 +71,10 @@ PAGE_SIZE = 16
 BUDGET = 0.0625
 WARMUP_STEPS = 7  # one warm-up step, then the micro-batch candidates (4, 2, 1 rows) twice round
 QUICK_WARMUP_STEPS = 2  # --quick fixes the micro-batch at half the batch instead of calibrating it
-TARGET_SPEEDUP_VS_SHADOWKV = 2.0
-TARGET_BYTES_VS_X0 = 0.25
-TARGET_SSD_VS_DRAM = 0.85
-TARGET_PIPELINE_VS_LONGEST = 1.15
-TARGET_C_VS_B = 0.5
-TARGET_OVERLAP_GAP = 0.05
-TARGET_INDEX_SPEED = 0.9  # (a): the default index may cost at most 10% of the hierarchical one's tokens/s
 PROFILE_SEQUENCES = 2  # calibration sequences of a window profile, each held out in turn
 # (b) dram: target 1's ratio, measured side by side: the baseline, then KVDrive (a third
 # session of 4 GiB, kvdrive-pipe, took this 23 GiB host to 3 GiB free)
 SIDE_BY_SIDE_B = ("shadowkv", "kvdrive+pipe")
-
-
-class InputError(ValueError):
-    """Bad options or inputs; reported without a traceback."""
 
 
 @dataclass(frozen=True)
@@ -290,25 +283,6 @@ def _decode_model(model, cache, fed: torch.Tensor, warmup: int) -> tuple[torch.T
     return torch.stack(logits, dim=1), seconds, before, after
 
 
-def _in_turns(sessions: int, steps: int, first_timed: int, take_step, before_step=None) -> list[float]:
-    """Run ``take_step(session, step)`` for every step in every session, a step each in turn
-    (the order reversed every other step): seconds per session over steps from
-    ``first_timed`` on, so a slow spell of the machine falls on all of them alike.
-    ``before_step(step)``, untimed, prepares what all sessions take at that step."""
-    from kvdrive.tools.bench_fidelity import turn_order  # noqa: PLC0415
-    seconds = [0.0] * sessions
-    with torch.no_grad():
-        for i in range(steps):
-            if before_step is not None:
-                before_step(i)
-            for j in turn_order(sessions, i):
-                t0 = time.perf_counter()
-                take_step(j, i)
-                if i >= first_timed:
-                    seconds[j] += time.perf_counter() - t0
-    return seconds
-
-
 def _index_side_by_side(model, snapshot, fed: torch.Tensor, batch: int, tier: str, dram: int, ssd_max: int,
                         pair: list[Config], cfg: BenchConfig) -> dict:
     """The default index against the hierarchical one (``pair``), decoding side by side on a store of twice the tier."""
@@ -325,7 +299,7 @@ def _index_side_by_side(model, snapshot, fed: torch.Tensor, batch: int, tier: st
             snapshot.replay(cache)
             caches.append(cache)
         first = min(cfg.warmup, fed.shape[1] - 1)
-        seconds = _in_turns(len(caches), fed.shape[1], first,
+        seconds = in_turns(len(caches), fed.shape[1], first,
                             lambda j, i: model(input_ids=fed[:, i : i + 1], cache=caches[j]))
     steps = fed.shape[1] - first
     return {"batch": batch, "tier": tier, "tokens_per_s": {c.name: batch * steps / t for c, t in zip(pair, seconds)}}
@@ -347,7 +321,6 @@ def _profile_windows(model, store, ids: torch.Tensor, context: int, steps: int) 
     Two calibration sequences, so that the profile checks its per-head windows by
     fitting on one and scoring on the other.
     """
-    from kvdrive.tools.bench_fidelity import PrefillSnapshot, TraceObserver  # noqa: PLC0415
     from kvdrive_client import attach  # noqa: PLC0415
 
     n = PROFILE_SEQUENCES
@@ -373,7 +346,6 @@ def _profile_windows(model, store, ids: torch.Tensor, context: int, steps: int) 
 
 
 def run_workload_a(cfg: BenchConfig, configs: list[Config], rows: list[Row], info: dict) -> None:
-    from kvdrive.tools.bench_fidelity import PrefillSnapshot, compare  # noqa: PLC0415
     from kvdrive_client import attach, connect  # noqa: PLC0415
     from kvdrive_client.models import license_text, load_smollm2  # noqa: PLC0415
 
@@ -479,7 +451,7 @@ class DenseAttention:
         self.n[layer] = t
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        from kvdrive.kernels import reference as ref  # noqa: PLC0415
+        from kvdrive.kernels import for_device  # noqa: PLC0415
 
         n = self.n[layer]
         self.k[layer][:, :, n] = k
@@ -488,8 +460,9 @@ class DenseAttention:
         b, h, _, d = self.k[layer].shape
         keys, values = self.k[layer][:, :, : n + 1], self.v[layer][:, :, : n + 1]
         valid = torch.ones(b, h, n + 1, dtype=torch.bool)
-        out = ref.decode_attention(q.reshape(b, h, -1, d), keys, values, valid, self.scaling)
-        return out.reshape(b, -1, d)
+        # The kernels' attention dtype: float32 for half K/V on the CPU, as KVDrive's own attention.
+        out = for_device(keys.device).dense_attention(q.reshape(b, h, -1, d), keys, values, valid, self.scaling)
+        return out.to(values.dtype).reshape(b, -1, d)
 
 
 def _run_attention(workload, c: Config, store, steps: int, windows, cfg: BenchConfig,
@@ -569,13 +542,12 @@ def _attention_side_by_side(workload, configs: list[Config], dram: int, kv_bytes
             for layer, (q, k, v) in enumerate(fed):
                 sessions[j].decode(layer, q, k, v)
 
-        seconds = _in_turns(n, cfg.warmup + steps, cfg.warmup, take_step, make_inputs)
+        seconds = in_turns(n, cfg.warmup + steps, cfg.warmup, take_step, make_inputs)
     return {"tier": "dram", "tokens_per_s": {c.name: w.batch * steps / t for c, t in zip(configs, seconds)}}
 
 
 def _attention_profile(workload, store, steps: int) -> tuple[tuple, int, float]:
     """Per-head windows for the attention-only workload, from its own trace on a held-out seed (two rows)."""
-    from kvdrive.tools.bench_fidelity import TraceObserver  # noqa: PLC0415
     from kvdrive_client.engine import SparseKV  # noqa: PLC0415
 
     w = replace(workload, seed=workload.seed + 1000, batch=PROFILE_SEQUENCES)
@@ -672,10 +644,6 @@ def _best_kvdrive(rows: list[Row], workload: str, tier: str, batch: int | None) 
     return max(found, key=lambda r: r.tokens_per_s) if found else None
 
 
-def _verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
 def target_lines(rows: list[Row], info: dict) -> list[str]:
     out = []
     kv, shadow, x0 = _find(rows, "b", "kvdrive+pipe", "dram"), _find(rows, "b", "shadowkv", "dram"), _find(rows, "b", "quest", "dram")
@@ -689,24 +657,23 @@ def target_lines(rows: list[Row], info: dict) -> list[str]:
             out.append(f"info: {line} (rows run one after the other)")
         else:
             out.append(f"target 1: {line}, target >= {TARGET_SPEEDUP_VS_SHADOWKV:g}x: "
-                       f"{_verdict(ratio >= TARGET_SPEEDUP_VS_SHADOWKV)}")
+                       f"{verdict(ratio >= TARGET_SPEEDUP_VS_SHADOWKV)}")
     if side:
-        tps = side["tokens_per_s"]
-        name = SIDE_BY_SIDE_B[1]
+        tps, name = side["tokens_per_s"], SIDE_BY_SIDE_B[1]
         ratio = tps[name] / tps["shadowkv"]
         out.append(f"target 1: (b) dram, side by side: kvdrive ({name}) {tps[name]:.2f} "
                    f"tok/s / shadowkv {tps['shadowkv']:.2f} = {ratio:.2f}x, target >= {TARGET_SPEEDUP_VS_SHADOWKV:g}x: "
-                   f"{_verdict(ratio >= TARGET_SPEEDUP_VS_SHADOWKV)}")
+                   f"{verdict(ratio >= TARGET_SPEEDUP_VS_SHADOWKV)}")
     if kv and x0:
         mine, base = kv.bytes_per_step_dram + kv.bytes_per_step_ssd, x0.bytes_per_step_dram + x0.bytes_per_step_ssd
         ratio = mine / base if base else math.inf
         out.append(f"target 1: (b) dram: kvdrive fetched {mine / 2**20:.2f} MiB/step / x0 (quest) {base / 2**20:.2f} MiB/step = "
-                   f"{ratio:.3f}x, target <= {TARGET_BYTES_VS_X0:g}x: {_verdict(ratio <= TARGET_BYTES_VS_X0)}")
+                   f"{ratio:.3f}x, target <= {TARGET_BYTES_VS_X0:g}x: {verdict(ratio <= TARGET_BYTES_VS_X0)}")
     ssd = _find(rows, "b", "kvdrive+pipe", "dram+ssd")
     if kv and ssd:
         ratio = ssd.tokens_per_s / kv.tokens_per_s
         out.append(f"target 2: (b) kvdrive dram+ssd {ssd.tokens_per_s:.2f} tok/s / dram {kv.tokens_per_s:.2f} = {ratio:.2f}x, "
-                   f"target >= {TARGET_SSD_VS_DRAM:g}x: {_verdict(ratio >= TARGET_SSD_VS_DRAM)}")
+                   f"target >= {TARGET_SSD_VS_DRAM:g}x: {verdict(ratio >= TARGET_SSD_VS_DRAM)}")
     for r in [x for x in rows if x.config in ("kvdrive+pipe",) and x.tier == "dram"]:
         stages = {"select": r.select_ms, "hit/miss": r.hitmiss_ms, "fetch": r.fetch_ms, "compute": r.compute_ms}
         longest = max(stages, key=stages.get)
@@ -714,12 +681,12 @@ def target_lines(rows: list[Row], info: dict) -> list[str]:
         ok = r.attn_ms <= TARGET_PIPELINE_VS_LONGEST * stages[longest] and r.attn_ms < serial
         out.append(f"target 3: ({r.workload}) batch {r.batch} pipeline: attention layers {r.attn_ms:.1f} ms/step vs longest "
                    f"stage {longest} {stages[longest]:.1f} ms ({r.attn_ms / max(stages[longest], 1e-9):.2f}x, target <= "
-                   f"{TARGET_PIPELINE_VS_LONGEST:g}x) and serial sum {serial:.1f} ms: {_verdict(ok)}")
+                   f"{TARGET_PIPELINE_VS_LONGEST:g}x) and serial sum {serial:.1f} ms: {verdict(ok)}")
     c = _find(rows, "c", "kvdrive+pipe")
     if c and kv:
         ratio = c.tokens_per_s / kv.tokens_per_s
         out.append(f"target 4: (c) {c.tokens_per_s:.2f} tok/s / (b) dram {kv.tokens_per_s:.2f} = {ratio:.2f}x, "
-                   f"target >= {TARGET_C_VS_B:g}x: {_verdict(ratio >= TARGET_C_VS_B)}")
+                   f"target >= {TARGET_C_VS_B:g}x: {verdict(ratio >= TARGET_C_VS_B)}")
     for w in ("a", "b"):
         if f"{w}_profile_shrink" in info:
             shrink = info[f"{w}_profile_shrink"]
@@ -732,13 +699,14 @@ def target_lines(rows: list[Row], info: dict) -> list[str]:
             change = (mine - theirs) / theirs if theirs else 0.0
             out.append(f"target 5: ({r.workload}) batch {r.batch} {r.tier}: profile fetched {mine / 2**10:.1f} KiB/step vs "
                        f"uniform {theirs / 2**10:.1f} KiB/step ({change:+.1%}) at cache bytes {r.cache_bytes} vs {u.cache_bytes}: "
-                       f"{_verdict(mine <= theirs)}")
+                       f"{verdict(mine <= TARGET_PROFILE_VS_UNIFORM * theirs)}")
     for batch in sorted({r.batch for r in rows if r.workload == "a"}):
         k, s = _best_kvdrive(rows, "a", "dram", batch), _find(rows, "a", "shadowkv", "dram", batch)
         if k and s:
             line = (f"(a) batch {batch}: kvdrive ({k.config}) {k.tokens_per_s:.2f} tok/s vs shadowkv {s.tokens_per_s:.2f}"
                     f" ({k.tokens_per_s / s.tokens_per_s:.2f}x)")
-            out.append(f"target 6: {line}, target >= 1x: {_verdict(k.tokens_per_s >= s.tokens_per_s)}" if batch == 4 else f"info: {line}")
+            ok = k.tokens_per_s >= TARGET_A_VS_SHADOWKV * s.tokens_per_s
+            out.append(f"target 6: {line}, target >= {TARGET_A_VS_SHADOWKV:g}x: {verdict(ok)}" if batch == TARGET_A_BATCH else f"info: {line}")
     side = info.get("a_index_side_by_side", [])
     for r in [x for x in rows if x.config == "kvdrive-hierarchical+pipe"]:
         k = _find(rows, r.workload, "kvdrive+pipe", r.tier, r.batch)
@@ -748,18 +716,18 @@ def target_lines(rows: list[Row], info: dict) -> list[str]:
                     f"({k.tokens_per_s / r.tokens_per_s:.2f}x)")
             if r.workload == "a" and not side:
                 ok = k.tokens_per_s >= TARGET_INDEX_SPEED * r.tokens_per_s
-                out.append(f"target index: {line}, target >= {TARGET_INDEX_SPEED:g}x: {_verdict(ok)}")
+                out.append(f"target index: {line}, target >= {TARGET_INDEX_SPEED:g}x: {verdict(ok)}")
             else:
                 out.append(f"info: {line}" + (" (rows run one after the other)" if r.workload == "a" else ""))
     for p in side:
         mine, hier = p["tokens_per_s"]["kvdrive+pipe"], p["tokens_per_s"]["kvdrive-hierarchical+pipe"]
         out.append(f"target index: (a) batch {p['batch']} {p['tier']}, side by side: kvdrive+pipe with the "
                    f"{AttachConfig().index.value} index {mine:.2f} tok/s vs the hierarchical index {hier:.2f} "
-                   f"({mine / hier:.2f}x), target >= {TARGET_INDEX_SPEED:g}x: {_verdict(mine >= TARGET_INDEX_SPEED * hier)}")
+                   f"({mine / hier:.2f}x), target >= {TARGET_INDEX_SPEED:g}x: {verdict(mine >= TARGET_INDEX_SPEED * hier)}")
     a_ov, b_ov = info.get("a_overlap"), next((r.overlap for r in rows if r.workload == "b" and r.overlap is not None), None)
     if a_ov is not None and b_ov is not None:
         out.append(f"locality: previous-step selection overlap (b) {b_ov:.3f} vs (a) SmolLM2 {a_ov:.3f}: gap {abs(a_ov - b_ov):.3f}, "
-                   f"target <= {TARGET_OVERLAP_GAP:g}: {_verdict(abs(a_ov - b_ov) <= TARGET_OVERLAP_GAP)}")
+                   f"target <= {TARGET_OVERLAP_GAP:g}: {verdict(abs(a_ov - b_ov) <= TARGET_OVERLAP_GAP)}")
     return out
 
 

@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import math
 import os
@@ -75,10 +74,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from kvdrive.kernels import cpu as cpu_kernels
+from kvdrive.tools.bench_common import InputError, PrefillSnapshot, TraceObserver, compare, in_turns, teacher_force
+from kvdrive.tools.targets import (DENSE_TARGETS, TARGET_BEST, TARGET_DLOSS_BUDGET, TARGET_INDEX_VS_KV,
+                                   TARGET_INDEX_VS_QUEST, TARGET_LOOKAHEAD_VS_BELADY, TARGET_RECALL_VS_MEANKEY,
+                                   TARGET_RECALL_VS_ORACLE, TARGET_SELECT_SPEEDUP, TARGET_SELECT_VS_HIERARCHICAL,
+                                   TARGET_WINDOW, DenseTarget, verdict)
 from kvdrive.tools.text_table import text_table
 from kvdrive_client.cache_sim import CachePolicy, Trace, simulate
 from kvdrive_client.config import AttachConfig
@@ -96,39 +99,21 @@ WINDOWS = (1, 2, 4)
 POLICIES = (CachePolicy.LOOKAHEAD, CachePolicy.LRU, CachePolicy.BELADY)
 DRAM = "2G"  # the selectors' sessions side by side hold 5 x 330 MB at 7K in float32: all in DRAM
 
-TARGET_RECALL_VS_MEANKEY = 0.97
-TARGET_INDEX_VS_QUEST = 0.5
-TARGET_SELECT_SPEEDUP = 2.0
-TARGET_LOOKAHEAD_VS_BELADY = 0.97
-TARGET_WINDOW = 4
-# The best selector against dense attention and the oracle, at the target context.
-TARGET_BEST = IndexKind.LOWRANK
-TARGET_DLOSS_BUDGET = 0.0625
-TARGET_INDEX_VS_KV = 0.1
-TARGET_RECALL_VS_ORACLE = 0.9
-TARGET_SELECT_VS_HIERARCHICAL = 1.5
-
 
 @dataclass(frozen=True)
 class ModelRun:
-    """Per model: its default contexts and the targets against dense attention at ``target_context``."""
+    """Per model: its default contexts, and its targets against dense attention."""
 
     contexts: tuple[int, ...]
     quick_contexts: tuple[int, ...]
-    target_context: int
-    dloss: float
-    kl: float
+    target: DenseTarget
 
 
 MODEL_RUNS = {
-    "smollm2": ModelRun((2048, 7168), (2048,), 7168, 0.15, 0.08),
+    "smollm2": ModelRun((2048, 7168), (2048,), DENSE_TARGETS["smollm2"]),
     # 32K: the model's 32768 positions less room for the decoded tokens, in whole pages.
-    "gemma3-270m": ModelRun((16384, 32640), (4096,), 32640, 0.10, 0.05),
+    "gemma3-270m": ModelRun((16384, 32640), (4096,), DENSE_TARGETS["gemma3-270m"]),
 }
-
-
-class InputError(ValueError):
-    """The text or the options cannot give the run asked for; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -199,125 +184,6 @@ class CacheRow:
     hit_rate: float
 
 
-# ---------------------------------------------------------------- prefill once, replay per run
-
-
-class PrefillSnapshot:
-    """What KVDrive's prefill hook received per global layer (keys, values, queries, mask), and
-    the sliding-window layers' own cache layers as the prefill left them (hybrid models)."""
-
-    def __init__(self, layers: list[tuple], sliding: dict | None = None) -> None:
-        self.layers = layers
-        self.sliding = sliding or {}
-
-    @classmethod
-    def capture(cls, model, store, ids: torch.Tensor, chunk: int | None = None) -> "PrefillSnapshot":
-        """One prefill through KVDrive's own hook; with ``chunk``, a context longer than that
-        runs densely in chunks of ``chunk`` tokens instead (see :meth:`capture_chunked`)."""
-        if chunk is not None and ids.shape[1] > chunk:
-            return cls.capture_chunked(model, ids, chunk)
-        from kvdrive_client import attach  # noqa: PLC0415
-
-        handle = attach(model, store, index=IndexKind.MEAN_KEY)
-        try:
-            cache = handle.new_cache(ids.shape[0])
-            session = cache.session
-            layers: list[tuple | None] = [None] * session.shape.num_layers
-
-            class Keep(Observer):
-                def on_prefill_layer(self, layer, keys, values, query, mask):
-                    layers[layer] = (keys, values, query, mask)
-
-            session.add_observer(Keep())
-            model(input_ids=ids, cache=cache, logits_to_keep=1)
-            sliding = {i: copy.deepcopy(layer) for i, layer in enumerate(cache.layers) if layer.is_sliding}
-            cache.close()
-        finally:
-            handle.detach()
-        assert all(x is not None for x in layers), "the prefill skipped a layer"
-        return cls(layers, sliding)
-
-    @classmethod
-    def capture_chunked(cls, model, ids: torch.Tensor, chunk: int) -> "PrefillSnapshot":
-        """A dense prefill of one unpadded row in chunks of ``chunk`` tokens through a plain
-        DynamicCache, the global layers' queries kept as they pass (see the module docstring)."""
-        from transformers import AttentionInterface, DynamicCache  # noqa: PLC0415
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: PLC0415
-
-        from kvdrive_client.architecture import GLOBAL, layer_kinds  # noqa: PLC0415
-
-        if ids.shape[0] != 1:
-            raise ValueError("a chunked prefill takes one row")
-        kinds = layer_kinds(model.config)
-        queries: dict[int, list[torch.Tensor]] = {i: [] for i, (kind, _) in enumerate(kinds) if kind == GLOBAL}
-
-        def capturing(module, query, key, value, attention_mask, **kwargs):
-            if module.layer_idx in queries:
-                queries[module.layer_idx].append(query)
-            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-        AttentionInterface.register(CAPTURE_ATTN, capturing)
-        AttentionMaskInterface.register(CAPTURE_ATTN, sdpa_mask)
-        before = model.config._attn_implementation
-        model.set_attn_implementation(CAPTURE_ATTN)
-        try:
-            cache = DynamicCache(config=model.config)
-            for lo in range(0, ids.shape[1], chunk):
-                model(input_ids=ids[:, lo : lo + chunk], cache=cache, logits_to_keep=1)
-        finally:
-            model.set_attn_implementation(before)
-        layers = [(cache.layers[i].keys, cache.layers[i].values, torch.cat(q, dim=2), None) for i, q in queries.items()]
-        sliding = {i: cache.layers[i] for i, layer in enumerate(cache.layers) if layer.is_sliding}
-        return cls(layers, sliding)
-
-    def replay(self, cache) -> None:
-        """Prefill a fresh KVDriveCache as the model's forward pass would."""
-        session: Session = cache.session
-        for i, layer in enumerate(cache.layers):
-            if layer.is_sliding:
-                cache.layers[i] = copy.deepcopy(self.sliding[i])
-                continue
-            keys, values, query, mask = self.layers[layer.idx]
-            cache.update(keys, values, i)
-            session.finish_prefill(layer.idx, query, mask)
-
-    def dense_cache(self, config):
-        from transformers import DynamicCache  # noqa: PLC0415
-
-        cache = DynamicCache(config=config)
-        layers = iter(self.layers)
-        for i, layer in enumerate(cache.layers):
-            if layer.is_sliding:
-                cache.layers[i] = copy.deepcopy(self.sliding[i])
-            else:
-                keys, values, _, _ = next(layers)
-                cache.update(keys, values, i)
-        return cache
-
-
-CAPTURE_ATTN = "kvdrive-capture"
-
-
-def teacher_force(model, cache, fed: torch.Tensor) -> torch.Tensor:
-    """Logits ``[T, V]`` after each of the ``fed`` tokens ``[1, T]``, one decode step each."""
-    out = []
-    for i in range(fed.shape[1]):
-        out.append(model(input_ids=fed[:, i : i + 1], cache=cache).logits[0, -1].float())
-    return torch.stack(out)
-
-
-def compare(logits: torch.Tensor, dense: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:
-    """(dloss, kl, top1) of ``logits`` against ``dense``, both ``[T, V]``; ``targets`` ``[T]``."""
-    lp = torch.log_softmax(logits.double(), dim=-1)
-    ld = torch.log_softmax(dense.double(), dim=-1)
-    nll = -lp.gather(1, targets[:, None])
-    nll_dense = -ld.gather(1, targets[:, None])
-    kl = (ld.exp() * (ld - lp)).sum(dim=-1)
-    top1 = (logits.argmax(dim=-1) == dense.argmax(dim=-1)).double()
-    return float((nll - nll_dense).mean()), float(kl.mean()), float(top1.mean())
-
-
 # ---------------------------------------------------------------- observers
 
 
@@ -364,46 +230,6 @@ class RecallObserver(Observer):
         self.count += int(ok.sum())
 
 
-class TraceObserver(Observer):
-    """The chosen pages and the selector's scores of every page, per step, layer and KV head."""
-
-    def __init__(self) -> None:
-        self.steps: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-        self.seeded: dict[int, np.ndarray] = {}
-
-    def on_seed(self, layer, ranked):
-        self.seeded[layer] = ranked.cpu().numpy()
-
-    def on_select(self, layer, step, query, chosen, selectable, selector):
-        scores = selector.scores(query).float()
-        self.steps[(step, layer)] = (chosen.cpu().numpy(), scores.cpu().numpy())
-
-    def trace(self) -> Trace:
-        """Streams are (batch row, layer, KV head); steps and pages padded with -1 / -inf."""
-        keys = sorted(self.steps)
-        steps = sorted({s for s, _ in keys})
-        layers = sorted({l for _, l in keys})
-        b, h, _ = self.steps[keys[0]][0].shape
-        k = max(c.shape[2] for c, _ in self.steps.values())
-        p = max(sc.shape[2] for _, sc in self.steps.values())
-        selected = np.full((b, len(layers), h, len(steps), k), -1, dtype=np.int64)
-        scores = np.full((b, len(layers), h, len(steps), p), -np.inf, dtype=np.float32)
-        for (step, layer), (chosen, sc) in self.steps.items():
-            t, li = steps.index(step), layers.index(layer)
-            selected[:, li, :, t, : chosen.shape[2]] = chosen
-            scores[:, li, :, t, : sc.shape[2]] = sc
-        n = b * len(layers) * h
-        seeded = None
-        if all(layer in self.seeded for layer in layers):
-            width = max(self.seeded[layer].shape[2] for layer in layers)
-            seeded = np.full((b, len(layers), h, width), -1, dtype=np.int64)
-            for li, layer in enumerate(layers):
-                ranked = self.seeded[layer]
-                seeded[:, li, :, : ranked.shape[2]] = ranked
-            seeded = seeded.reshape(n, width)
-        return Trace(selected.reshape(n, len(steps), k), scores.reshape(n, len(steps), p), seeded)
-
-
 # ---------------------------------------------------------------- runs
 
 
@@ -411,19 +237,11 @@ def _note(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def turn_order(n: int, step: int) -> range:
-    """The order in which ``n`` side-by-side sessions take decode step ``step``: reversed every other step."""
-    return range(n) if step % 2 == 0 else range(n - 1, -1, -1)
-
-
 def run_selectors(model, store, snapshot: PrefillSnapshot, fed: torch.Tensor, kinds: Sequence[IndexKind],
                   budget: float, traced: IndexKind | None = None) -> dict[IndexKind, tuple[torch.Tensor, dict]]:
-    """Teacher-forced decode of ``fed`` through one session per selector, the sessions in lockstep.
-
-    Each decode step runs once in every session before the next step starts (the order
-    reversed every other step), so a slow spell of a shared machine falls on all the
-    selectors alike and their ``select_ms`` compare. The sessions are independent: each
-    one's logits equal those of a run on its own. Returns ``{kind: (logits [T, V], info)}``.
+    """Teacher-forced decode of ``fed`` through one session per selector, side by side (:func:`in_turns`),
+    so that the selectors' ``select_ms`` compare. The sessions are independent: each one's
+    logits equal those of a run on its own. Returns ``{kind: (logits [T, V], info)}``.
     """
     from kvdrive_client import attach  # noqa: PLC0415
 
@@ -442,12 +260,14 @@ def run_selectors(model, store, snapshot: PrefillSnapshot, fed: torch.Tensor, ki
             runs[kind] = {"handle": handle, "cache": cache, "recall": recall, "tracer": tracer, "logits": [],
                           "index_bytes": cache.session.index_bytes()}
         order = list(kinds)
-        for i in range(fed.shape[1]):
-            for j in turn_order(len(order), i):
-                run = runs[order[j]]
-                run["logits"].append(teacher_force(model, run["cache"], fed[:, i : i + 1]))
-                if i == 0:
-                    run["first"] = run["handle"].stats()  # the first step compiles kernels on a fresh install: not timed
+
+        def take_step(j: int, i: int) -> None:
+            run = runs[order[j]]
+            run["logits"].append(teacher_force(model, run["cache"], fed[:, i : i + 1]))
+            if i == 0:
+                run["first"] = run["handle"].stats()  # the first step compiles kernels on a fresh install: not timed
+
+        in_turns(len(order), fed.shape[1], fed.shape[1], take_step)  # select_ms: from each session's own stats
         for run in runs.values():
             run["stats"] = run["handle"].stats()
     out = {}
@@ -564,14 +384,10 @@ def window_offsets(text_tokens: int, need: int, windows: int) -> list[int]:
 # ---------------------------------------------------------------- report
 
 
-def _verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
 def target_lines(rows: list[FidelityRow], crows: list[CacheRow], itemsize: int = 4, model: str = "smollm2") -> list[str]:
     """Target verdicts; ``itemsize``: bytes per K/V element of the model measured (the models run in float32)."""
     lines = _index_target_lines([r for r in rows if r.text_window == 0], crows)
-    lines += _best_target_lines(rows, itemsize, MODEL_RUNS[model])
+    lines += _best_target_lines(rows, itemsize, MODEL_RUNS[model].target)
     if not lines:
         lines.append("no targets: they need lowrank with oracle / hierarchical, or hierarchical with meankey / quest "
                      "(and a 6.25% budget for the cache)")
@@ -583,13 +399,13 @@ def _target_context(rows: list[FidelityRow], target: int) -> int:
     return target if target in contexts else max(contexts)
 
 
-def _best_target_lines(rows: list[FidelityRow], itemsize: int, m: ModelRun) -> list[str]:
+def _best_target_lines(rows: list[FidelityRow], itemsize: int, m: DenseTarget) -> list[str]:
     """The best selector against dense attention, the oracle and the hierarchical index, per text window."""
     if not rows:
         return []
     by = {(r.selector, r.budget, r.context, r.text_window): r for r in rows}
-    context = _target_context(rows, m.target_context)
-    name = TARGET_BEST.value
+    context = _target_context(rows, m.context)
+    name = IndexKind(TARGET_BEST).value
     lines = []
     for w in sorted({r.text_window for r in rows}):
         held = "tuning window" if w == 0 else "held out"
@@ -599,17 +415,17 @@ def _best_target_lines(rows: list[FidelityRow], itemsize: int, m: ModelRun) -> l
         if row is not None:
             ok = row.dloss <= m.dloss and row.kl <= m.kl
             lines.append(f"target: {name} dloss <= {m.dloss:g} and kl <= {m.kl:g} (budget "
-                         f"{TARGET_DLOSS_BUDGET:.3%}, {at}): dloss {row.dloss:+.4f}, kl {row.kl:.4f}: {_verdict(ok)}")
+                         f"{TARGET_DLOSS_BUDGET:.3%}, {at}): dloss {row.dloss:+.4f}, kl {row.kl:.4f}: {verdict(ok)}")
             ratio = row.index_bytes / row.kv_bytes
             lines.append(f"target: {name} index_bytes <= {TARGET_INDEX_VS_KV:g} x the full K+V ({at}): "
                          f"{row.index_bytes} / {row.kv_bytes} = {ratio:.4f}x ({ratio * itemsize / 2:.4f}x of "
-                         f"an fp16 K+V): {_verdict(ratio <= TARGET_INDEX_VS_KV)}")
+                         f"an fp16 K+V): {verdict(ratio <= TARGET_INDEX_VS_KV)}")
             hier = by.get((IndexKind.HIERARCHICAL.value, TARGET_DLOSS_BUDGET, context, w))
             if hier is not None and hier.select_ms > 0:
                 ratio = row.select_ms / hier.select_ms
                 lines.append(f"target: {name} select_ms <= {TARGET_SELECT_VS_HIERARCHICAL:g} x hierarchical's (budget "
                              f"{TARGET_DLOSS_BUDGET:.3%}, {at}): {row.select_ms:.2f} / {hier.select_ms:.2f} ms = "
-                             f"{ratio:.2f}x: {_verdict(ratio <= TARGET_SELECT_VS_HIERARCHICAL)}")
+                             f"{ratio:.2f}x: {verdict(ratio <= TARGET_SELECT_VS_HIERARCHICAL)}")
         for budget in sorted({r.budget for r in rows}, reverse=True):
             row, oracle = by.get((name, budget, context, w)), by.get((IndexKind.ORACLE.value, budget, context, w))
             if row is None or oracle is None:
@@ -617,7 +433,7 @@ def _best_target_lines(rows: list[FidelityRow], itemsize: int, m: ModelRun) -> l
             goal = TARGET_RECALL_VS_ORACLE * oracle.recall
             lines.append(f"target: {name} recall >= {TARGET_RECALL_VS_ORACLE:g} x oracle's (budget {budget:.3%}, {at}): "
                          f"{row.recall:.4f} vs {TARGET_RECALL_VS_ORACLE:g} x {oracle.recall:.4f} = {goal:.4f} "
-                         f"({row.recall / oracle.recall:.3f}x): {_verdict(row.recall >= goal)}")
+                         f"({row.recall / oracle.recall:.3f}x): {verdict(row.recall >= goal)}")
     return lines
 
 
@@ -634,16 +450,16 @@ def _index_target_lines(rows: list[FidelityRow], crows: list[CacheRow]) -> list[
                 goal = TARGET_RECALL_VS_MEANKEY * mean.recall
                 lines.append(f"target: hierarchical recall >= {TARGET_RECALL_VS_MEANKEY:g} x meankey recall {where}: "
                              f"{hier.recall:.4f} vs {TARGET_RECALL_VS_MEANKEY:g} x {mean.recall:.4f} = {goal:.4f}: "
-                             f"{_verdict(hier.recall >= goal)}")
+                             f"{verdict(hier.recall >= goal)}")
             if hier and quest:
                 ratio = hier.index_bytes / quest.index_bytes
                 lines.append(f"target: hierarchical index_bytes <= {TARGET_INDEX_VS_QUEST:g} x quest's {where}: "
                              f"{hier.index_bytes} / {quest.index_bytes} = {ratio:.3f}x: "
-                             f"{_verdict(ratio <= TARGET_INDEX_VS_QUEST)}")
+                             f"{verdict(ratio <= TARGET_INDEX_VS_QUEST)}")
                 speedup = quest.select_ms / hier.select_ms if hier.select_ms > 0 else math.inf
                 lines.append(f"target: hierarchical select_ms >= {TARGET_SELECT_SPEEDUP:g}x faster than quest's {where}: "
                              f"{quest.select_ms:.2f} ms / {hier.select_ms:.2f} ms = {speedup:.2f}x: "
-                             f"{_verdict(speedup >= TARGET_SELECT_SPEEDUP)}")
+                             f"{verdict(speedup >= TARGET_SELECT_SPEEDUP)}")
     cby = {(r.context, r.window, r.policy): r for r in crows}
     for context in sorted({r.context for r in crows}):
         look = cby.get((context, TARGET_WINDOW, CachePolicy.LOOKAHEAD.value))
@@ -651,7 +467,7 @@ def _index_target_lines(rows: list[FidelityRow], crows: list[CacheRow]) -> list[
         goal = TARGET_LOOKAHEAD_VS_BELADY * best.hit_rate
         lines.append(f"target: lookahead hit rate >= {TARGET_LOOKAHEAD_VS_BELADY:g} x belady's at x{TARGET_WINDOW} "
                      f"(context {context}): {look.hit_rate:.4f} vs {TARGET_LOOKAHEAD_VS_BELADY:g} x {best.hit_rate:.4f} "
-                     f"= {goal:.4f}: {_verdict(look.hit_rate >= goal)}")
+                     f"= {goal:.4f}: {verdict(look.hit_rate >= goal)}")
     return lines
 
 
@@ -677,7 +493,7 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
     ]
     if max(cfg.contexts) > cfg.prefill_chunk:
         lines.append(f"contexts over {cfg.prefill_chunk} tokens are prefilled densely in chunks of {cfg.prefill_chunk}")
-    target = MODEL_RUNS[cfg.model].target_context
+    target = MODEL_RUNS[cfg.model].target.context
     if target not in cfg.contexts or cfg.tokens != DEFAULT_TOKENS:
         lines.append(f"NOTE: not the benchmark's {target}-token context with {DEFAULT_TOKENS} decode tokens "
                      "(--quick / --context / --tokens)")

@@ -40,6 +40,7 @@ import numpy as np
 
 from kvdrive.layout.format import DATA_FILE
 from kvdrive.layout.geometry import Geometry
+from kvdrive.tools.targets import TARGET_DRAM_VS_MEMCPY, TARGET_PACKED_VS_SEQ, TARGET_PACKED_VS_TOKEN, verdict
 from kvdrive_client import StoreClient
 from kvdrive_client.embedded import EmbeddedDaemon
 from kvdrive_client.shm import SharedBuffer
@@ -54,10 +55,6 @@ CLUSTERS = 64  # index clusters per (layer, head) partition
 IO_THREADS = 8  # the daemon's --io-threads, and the sequential reader's threads
 SEQ_IO_BYTES = 4 << 20
 SEQ_READ_BYTES = 1 << 30
-
-TARGET_DRAM_VS_MEMCPY = 0.5
-TARGET_PACKED_VS_TOKEN = 3.0
-TARGET_PACKED_VS_SEQ = 0.6
 
 
 @dataclass(frozen=True)
@@ -119,7 +116,7 @@ class Row:
     def verdict(self) -> str:
         if self.target is None:
             return "(no target)"
-        return "PASS" if self.ratio >= self.target else "MISS"
+        return verdict(self.ratio >= self.target)
 
     def to_json(self) -> dict:
         return {"case": self.case, "bytes": self.nbytes, "gb_per_s": self.gb_per_s, "baseline": self.baseline,

@@ -26,6 +26,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from kvdrive.tools.bench_common import InputError, TraceObserver
 from kvdrive.tools.text_table import text_table
 from kvdrive_client.config import AttachConfig
 from kvdrive_client.models import MODELS
@@ -40,10 +43,6 @@ WARMUP_STEPS = 0  # the replay starts from the prefill seeding, as the session d
 MIN_STEPS = 2
 MIN_SELECTABLE_PAGES = 16
 DRAM = "1G"
-
-
-class InputError(ValueError):
-    """The options or the text cannot give the run asked for; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -165,10 +164,6 @@ def profile_model(run: ProfileRun) -> tuple[WindowProfile, dict]:
 def record_trace(model, handle, ids, run: ProfileRun, info: dict):
     """Prefill ``run.context`` tokens of each of ``run.sequences`` consecutive text windows (one batch) through
     ``handle``, decode ``run.steps`` more teacher-forced; the trace (streams: sequence, layer, KV head)."""
-    import torch  # noqa: PLC0415
-
-    from kvdrive.tools.bench_fidelity import TraceObserver  # noqa: PLC0415
-
     need = run.context + run.steps
     windows = ids[0, : need * run.sequences].reshape(run.sequences, need)
     ctx, fed = windows[:, : run.context], windows[:, run.context :]

@@ -10,8 +10,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvdrive.tools import bench
-from kvdrive.tools.bench_fidelity import (InputError, PrefillSnapshot, RecallObserver, TraceObserver, compare,
-                                          run_selectors, teacher_force, window_offsets)
+from kvdrive.tools.bench_common import InputError, PrefillSnapshot, TraceObserver, compare, teacher_force
+from kvdrive.tools.bench_fidelity import RecallObserver, run_selectors, window_offsets
 from kvdrive_client import attach
 from kvdrive_client.selectors import IndexKind
 
