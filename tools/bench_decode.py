@@ -88,12 +88,12 @@ class Config:
 
 
 def configurations(pipeline_variants: bool = True) -> list[Config]:
-    kv = dict(window=4.0, eviction="lookahead")  # the index is attach()'s default
+    kv = dict(cache_multiplier=4.0, eviction="lookahead")  # the index is attach()'s default
     rows = [
         Config("dense", store=False),
-        Config("whole-layer", options=dict(budget=1.0, index=IndexKind.MEAN_KEY, window=0, pipeline=False)),
-        Config("quest", options=dict(index=IndexKind.QUEST, window=0, pipeline=False)),
-        Config("shadowkv", options=dict(index=IndexKind.MEAN_KEY, window=1.0, eviction="lru", pipeline=False)),
+        Config("whole-layer", options=dict(budget=1.0, index=IndexKind.MEAN_KEY, cache_multiplier=0, pipeline=False)),
+        Config("quest", options=dict(index=IndexKind.QUEST, cache_multiplier=0, pipeline=False)),
+        Config("shadowkv", options=dict(index=IndexKind.MEAN_KEY, cache_multiplier=1.0, eviction="lru", pipeline=False)),
     ]
     for name, profile in (("kvdrive", False), ("kvdrive-profile", True)):
         rows.append(Config(f"{name}+pipe", options=dict(kv, pipeline=True), profile=profile))
@@ -383,7 +383,7 @@ def run_workload_a(cfg: BenchConfig, configs: list[Config], rows: list[Row], inf
                         continue
                     options = _options(c, cfg, batch)
                     if c.profile:
-                        options["windows"] = windows
+                        options["head_multipliers"] = windows
                     handle = attach(model, store, **options)
                     try:
                         cache = handle.new_cache(batch)
@@ -482,7 +482,7 @@ def _run_attention(workload, c: Config, store, steps: int, windows, cfg: BenchCo
     else:
         options = _options(c, cfg, w.batch)
         if c.profile:
-            options["windows"] = windows
+            options["head_multipliers"] = windows
         kv = SparseKV(store, w.shape, batch=w.batch, **options)
         observer = OverlapObserver() if c.name == "kvdrive-pipe" else None
         if observer:
