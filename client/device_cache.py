@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvdrive.kernels import Kernels, for_device
@@ -31,6 +32,7 @@ class EvictionPolicy(enum.Enum):
 class Placement:
     slots: torch.Tensor  # [B, H, k] slot of every selected page
     miss: torch.Tensor  # [B, H, k] bool: the page must be fetched into its slot
+    pages: torch.Tensor | None = None  # [B, H, k] the selected pages (-1: none)
 
     @property
     def num_hits(self) -> int:
@@ -39,6 +41,40 @@ class Placement:
     @property
     def num_misses(self) -> int:
         return int(self.miss.sum())
+
+    def to_host(self, extra: torch.Tensor | None = None) -> tuple["HostPlacement", np.ndarray | None]:
+        """The placement on the host in one device-to-host copy, with ``extra`` (1-D bytes,
+        returned as numpy uint8) in the same copy: on a GPU, the one point where a layer's
+        decode step waits for the device."""
+        packed = torch.stack([self.pages, self.slots, self.miss.long()]).reshape(-1).view(torch.uint8)
+        if extra is not None:
+            packed = torch.cat([packed, extra])
+        flat = packed.cpu().numpy()
+        n = 3 * self.pages.numel() * 8
+        placed = flat[:n].view(np.int64).reshape(3, *self.pages.shape)
+        return HostPlacement(placed[0], placed[1], placed[2].astype(bool)), (None if extra is None else flat[n:])
+
+
+@dataclass
+class HostPlacement:
+    """:class:`Placement` as numpy arrays ``[B, H, k]``, for the fetch and the figures."""
+
+    pages: np.ndarray
+    slots: np.ndarray
+    miss: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.rows, self.heads, at = np.nonzero(self.miss)  # row-major: the order fetched pages land in
+        self.missed_pages = self.pages[self.rows, self.heads, at]
+        self.missed_slots = self.slots[self.rows, self.heads, at]
+
+    @property
+    def num_hits(self) -> int:
+        return int(self.miss.size - len(self.rows))
+
+    @property
+    def num_misses(self) -> int:
+        return len(self.rows)
 
 
 class DeviceCache:
@@ -77,14 +113,16 @@ class DeviceCache:
         self.last_used = torch.cat([self.last_used, self.last_used.new_zeros(b, h, extra)], dim=2)
         self.capacity = capacity
 
-    def set_head_capacity(self, per_head: torch.Tensor | None) -> None:
-        """Limit each KV head to ``per_head[h]`` slots (per-head windows); grows the cache to the largest."""
+    def set_head_capacity(self, per_head) -> None:
+        """Limit each KV head to ``per_head[h]`` slots (a sequence of ints, or None for all);
+        grows the cache to the largest."""
         if per_head is None:
             self.head_capacity = None
             return
-        per_head = per_head.to(torch.long)
-        self.grow(int(per_head.max()))
-        self.head_capacity = per_head.to(self.slot_page.device)
+        per_head = [int(n) for n in per_head]  # host values: checking them never waits for the device
+        self.grow(max(per_head))
+        self._head_min = min(per_head)
+        self.head_capacity = torch.tensor(per_head, dtype=torch.long, device=self.slot_page.device)
 
     def rows(self, lo: int, hi: int) -> "DeviceCache":
         """A view of batch rows ``[lo, hi)`` sharing this cache's storage.
@@ -113,19 +151,21 @@ class DeviceCache:
         self._ensure_pages(int(pages.max()) + 1 if pages.numel() else 1)
         return self.page_slot.gather(2, pages)
 
-    def place(self, pages: torch.Tensor, step: int, slot_scores: torch.Tensor | None = None) -> Placement:
+    def place(self, pages: torch.Tensor, step: int, slot_scores: torch.Tensor | None = None,
+              num_pages: int | None = None) -> Placement:
         """Give every selected page a slot, evicting by policy; returns where each goes.
 
         ``pages`` may hold -1 (nothing selected there: a row with fewer selectable
         pages than others); such entries get an arbitrary slot and are never misses.
         ``slot_scores`` ``[B, H, capacity]``: current scores of the cached pages
-        (needed by LOOKAHEAD).
+        (needed by LOOKAHEAD). ``num_pages``: pages in the context, when the caller knows
+        (else read from ``pages``, which waits for the device).
         """
         b, h, k = pages.shape
         if k > self.capacity:
             raise ValueError(f"{k} pages selected but the device cache holds {self.capacity} per head")
-        if self.head_capacity is not None and bool((self.head_capacity < k).any()):
-            raise ValueError(f"{k} pages selected but a head's window holds {int(self.head_capacity.min())}")
+        if self.head_capacity is not None and self._head_min < k:
+            raise ValueError(f"{k} pages selected but a head's window holds {self._head_min}")
         if not self.reuse:
             self.page_slot.fill_(-1)
             self.slot_page.fill_(-1)
@@ -136,19 +176,25 @@ class DeviceCache:
             prio = slot_scores
         else:
             prio = self.last_used
-        self._ensure_pages(int(pages.max()) + 1 if pages.numel() else 1)
+        self._ensure_pages(num_pages if num_pages is not None else int(pages.max()) + 1 if pages.numel() else 1)
         slots, miss = self.kernels.place(pages, self.page_slot, self.slot_page, self.last_used, prio,
                                          self.head_capacity, step)
-        return Placement(slots, miss)
+        return Placement(slots, miss, pages)
 
     def _flat_slots(self, bi: torch.Tensor, hi: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Row of each (batch row, head, slot) in ``k``/``v`` viewed as ``[B*H*capacity, S, D]``."""
         return (bi * self.k.shape[1] + hi) * self.capacity + slots
 
-    def fill(self, placement: Placement, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
-        """Write fetched pages (``[num_misses, S, D]`` in ``nonzero(miss)`` order) into their slots."""
-        bi, hi, ki = torch.nonzero(placement.miss, as_tuple=True)
-        rows = self._flat_slots(bi, hi, placement.slots[bi, hi, ki])
+    def fill(self, placement: Placement, k_pages: torch.Tensor, v_pages: torch.Tensor,
+             host: HostPlacement | None = None) -> None:
+        """Write fetched pages (``[num_misses, S, D]`` in ``nonzero(miss)`` order) into their slots;
+        with ``host`` (the placement on the host) without asking the device where they go."""
+        if host is not None:
+            flat = (host.rows * self.k.shape[1] + host.heads) * self.capacity + host.missed_slots
+            rows = torch.from_numpy(flat).to(self.k.device, non_blocking=True)
+        else:
+            bi, hi, ki = torch.nonzero(placement.miss, as_tuple=True)
+            rows = self._flat_slots(bi, hi, placement.slots[bi, hi, ki])
         self.k.view(-1, *self.k.shape[3:]).index_copy_(0, rows, k_pages.to(self.k.dtype))
         self.v.view(-1, *self.v.shape[3:]).index_copy_(0, rows, v_pages.to(self.v.dtype))
 

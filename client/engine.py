@@ -43,8 +43,13 @@ class SparseKV:
                              f"({shape.num_kv_heads})")
         cfg = (replace(AttachConfig(), **options) if options else AttachConfig()).for_model(shape.num_layers,
                                                                                             shape.num_kv_heads)
-        self.stats: Counter = Counter()
-        self.session = Session(cfg, shape, store, batch, torch.device(device), self.stats)
+        self._stats: Counter = Counter()
+        self.session = Session(cfg, shape, store, batch, torch.device(device), self._stats)
+
+    @property
+    def stats(self) -> Counter:
+        """The session's figures so far (those counted on the device copied over first)."""
+        return self.session.fold_counts()
 
     def prefill(self, layer: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 valid: torch.Tensor | None = None) -> None:

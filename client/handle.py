@@ -109,6 +109,8 @@ class Handle:
         return KVDriveCache(session, self.kinds)
 
     def stats(self) -> dict:
+        if self.active is not None:
+            self.active.fold_counts()
         s = dict(self._stats)
         looked = s.get("hits", 0) + s.get("misses", 0)
         s["hit_rate"] = s.get("hits", 0) / looked if looked else None

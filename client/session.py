@@ -100,6 +100,11 @@ class Session:
         """Device cache per (layer, KV head) as a multiple of a step's selection (calibrated or given)."""
         return self.ctx.multiplier
 
+    def fold_counts(self) -> Counter:
+        """The stats, with the figures still on the device added (a copy to the host)."""
+        self.ctx.counts.fold(self.stats)
+        return self.stats
+
     def add_observer(self, observer: Observer) -> None:
         """Call ``observer``'s hooks from now on (a measurement tool's view of prefill and decode)."""
         self.ctx.observers.append(observer)
@@ -212,7 +217,7 @@ class Session:
         self.valid = planning.valid_from_mask(self.ctx, mask, ls.num_tokens)
         num_pages = ls.num_tokens // self.cfg.page_size
         self.plan = planning.build_plan(self.ctx, self.valid, ls.num_tokens, num_pages, self.tuning.micro_batch)
-        self.stats["context_tokens"] += int(self.valid.sum()) * self.shape.num_kv_heads * self.shape.num_layers
+        self.ctx.counts.add("context_tokens", self.valid.sum() * (self.shape.num_kv_heads * self.shape.num_layers))
 
     def _advance(self, layer: int) -> None:
         """Index (and queue for the store) pages completed by the new token; slide the local window."""
@@ -239,10 +244,10 @@ class Session:
             ls.cache.set_head_capacity(per_head)
         ls.cache.grow(capacity)
         ls.cache.reserve_pages(ls.num_pages + 1)
-        self.io.flush()  # a page completed in an earlier step must be in the store before it is fetched
 
     def _end_step(self) -> None:
-        self.io.flush()
+        if not self.plan.attends_pages:
+            self.io.flush()  # no placement copy went to the host this step to carry the pages
         now = time.perf_counter()
         step_ms = (now - self._step_start) * 1e3
         self.ctx.timeline.mark("step", now, step=self.step, ms=step_ms)
@@ -263,6 +268,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        self.fold_counts()
         self.stats["index_bytes"] = self.index_bytes()
         self.stats["device_cache_bytes"] = self.cache_bytes()
         self.pipeline.close()

@@ -227,7 +227,7 @@ def hierarchical_select_int8(query: torch.Tensor, centroids: torch.Tensor, assig
 
 def place(pages: torch.Tensor, page_slot: torch.Tensor, slot_page: torch.Tensor, last_used: torch.Tensor,
           prio: torch.Tensor, head_capacity: torch.Tensor | None, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device-cache placement in tensor ops: (slots, miss), both ``[B, H, k]``.
+    """Device-cache placement in tensor ops, none of which waits for the device: (slots, miss), both ``[B, H, k]``.
 
     ``pages`` ``[B, H, k]`` (-1: nothing selected there; such entries are never misses and
     get the slot of page 0 if it is cached, else slot 0: attention masks them); ``page_slot`` ``[B, H, >= max page + 1]`` (slot of each page, -1),
@@ -246,23 +246,27 @@ def place(pages: torch.Tensor, page_slot: torch.Tensor, slot_page: torch.Tensor,
     if head_capacity is not None:
         beyond = torch.arange(capacity, device=prio.device) >= head_capacity[:, None]
         prio = prio.masked_fill(beyond[None], float("inf"))
-    keep = torch.zeros(b, h, capacity, dtype=torch.bool, device=pages.device)
-    hb, hh, hk = torch.nonzero(~miss & ~none, as_tuple=True)
-    keep[hb, hh, slots[hb, hh, hk]] = True
-    prio = prio.masked_fill(keep, float("inf"))
+    # Every write below is a scatter of all k entries; the entries that must not write
+    # go to a spare last column, so no step asks the host which entries those are.
+    hit = ~miss & ~none
+    keep = torch.zeros(b, h, capacity + 1, dtype=torch.bool, device=pages.device)
+    keep.scatter_(2, slots.masked_fill(~hit, capacity), True)
+    prio = prio.masked_fill(keep[:, :, :capacity], float("inf"))
     victims = prio.argsort(dim=2, stable=True)
     rank = miss.long().cumsum(dim=2) - 1
     slots = torch.where(miss, victims.gather(2, rank.clamp_min(0)), slots)
-    # Unmap the evicted pages, map the new ones.
+    # Unmap the evicted pages, map the new ones (disjoint: a missed page was not cached).
     old = slot_page.gather(2, slots)
-    evicted = miss & (old >= 0)
-    bi, hi, _ = torch.nonzero(evicted, as_tuple=True)
-    page_slot[bi, hi, old[evicted]] = -1
-    bi, hi, ki = torch.nonzero(miss, as_tuple=True)
-    page_slot[bi, hi, pages[bi, hi, ki]] = slots[bi, hi, ki]
-    bi, hi, ki = torch.nonzero(~none, as_tuple=True)
-    slot_page[bi, hi, slots[bi, hi, ki]] = pages[bi, hi, ki]
-    last_used[bi, hi, slots[bi, hi, ki]] = step
+    n = page_slot.shape[2]
+    ext = torch.cat([page_slot, page_slot.new_empty(b, h, 1)], dim=2)
+    ext.scatter_(2, old.masked_fill(~(miss & (old >= 0)), n), -1)
+    ext.scatter_(2, pages.masked_fill(~miss, n), slots)
+    page_slot.copy_(ext[:, :, :n])
+    at = slots.masked_fill(none, capacity)
+    for dst, value in ((slot_page, pages), (last_used, torch.full_like(pages, step))):
+        ext = torch.cat([dst, dst.new_empty(b, h, 1)], dim=2)
+        ext.scatter_(2, at, value)
+        dst.copy_(ext[:, :, :capacity])
     return slots, miss
 
 

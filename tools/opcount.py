@@ -113,14 +113,15 @@ def count_decode(store, kernels: str = "reference", steps: int = 6, warmup: int 
                             kv.decode(layer, q, k, v)
                     else:
                         kv.decode(layer, q, k, v)
-        misses = kv.stats["misses"]
+        stats = dict(kv.stats)
     finally:
         kv.close()
     per = steps * layers
     return {"kernels": kernels, "ops_per_layer_step": counter.num_ops / per,
             "syncs_per_layer_step": counter.num_syncs / per,
             "syncs": {k: v / per for k, v in sorted(counter.syncs.items())},
-            "top_ops": {k: v / per for k, v in counter.ops.most_common(12)}, "misses": misses}
+            "top_ops": {k: v / per for k, v in counter.ops.most_common(12)}, "misses": stats["misses"],
+            "pages_flushed": stats.get("pages_flushed", 0)}
 
 
 def main(argv: list[str] | None = None) -> None:

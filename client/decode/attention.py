@@ -30,7 +30,7 @@ def land(ctx: Context, io: StoreIO, layer: int, mb: MicroBatch) -> None:
         return
     kf, vf = io.wait(mb.fetch, mb.index)
     t0 = time.perf_counter()
-    mb.cache.fill(mb.placement, kf, vf)
+    mb.cache.fill(mb.placement, kf, vf, mb.host)
     t1 = time.perf_counter()
     ctx.timeline.add("fill", "main", t0, t1, layer=layer, mb=mb.index)
     ctx.stats["fetch_ms"] += (t1 - t0) * 1e3
@@ -76,5 +76,5 @@ def finish(ctx: Context, io: StoreIO, plan: StepPlan, layer: int, mb: MicroBatch
         if landed is not None:
             landed()
         out = _attend(ctx, layer, mb, mb.placement.slots, None)
-    ctx.stats["attended_tokens"] += int(mb.valid.sum())
+    ctx.counts.add("attended_tokens", mb.valid.sum())
     return out.to(mb.query.dtype).reshape(mb.rows, sh.num_q_heads, 1, sh.head_dim)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kvdrive_client.decode.state import Context
+from kvdrive_client.device_cache import HostPlacement
 from kvdrive_client.errors import NotFoundError, RequestError
 from kvdrive_client.store import Sequence, StoreClient
 
@@ -76,8 +77,9 @@ class StoreIO:
     def load_prefix(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every stored prefix page of one layer, ``[B, H, P*S, D]`` K and V."""
         sh, p = self.ctx.shape, self.base_pages
-        pages = torch.arange(p).expand(self.ctx.batch, sh.num_kv_heads, p)
-        kf, vf = self.wait(self.submit(layer, 0, pages, torch.ones_like(pages, dtype=torch.bool), slot=0))
+        pages = np.broadcast_to(np.arange(p), (self.ctx.batch, sh.num_kv_heads, p))
+        every = HostPlacement(pages, np.zeros_like(pages), np.ones(pages.shape, dtype=bool))
+        kf, vf = self.wait(self.submit(layer, 0, every, slot=0))
         shape = (self.ctx.batch, sh.num_kv_heads, p * self.ctx.cfg.page_size, sh.head_dim)
         # copy=True: kf/vf may be views of the staging buffer, which the next fetch reuses.
         device = self.ctx.device
@@ -113,23 +115,38 @@ class StoreIO:
         self.ctx.stats["put_ms"] += (time.perf_counter() - t0) * 1e3
 
     def queue_page(self, layer: int, page: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """A page completed while decoding, ``[B, H, S, D]``; written once every layer has it."""
-        self._page_parts.setdefault(page, []).append((layer, self._blocks(keys, values, 1)[:, :, 0]))
+        """A page completed while decoding, ``[B, H, S, D]``, kept on the device until every layer
+        has it; it then travels to the host with the next copy a step makes (:meth:`take_pages`)."""
+        self._page_parts.setdefault(page, []).append((layer, torch.stack([keys, values], dim=2)))
 
-    def flush(self) -> None:
-        """Write the queued pages that every layer has completed, all layers at once, one put per row."""
-        num_layers, stats = self.ctx.shape.num_layers, self.ctx.stats
-        for page, parts in sorted(self._page_parts.items()):
-            if len(parts) != num_layers:
-                continue
+    def take_pages(self) -> tuple[list[int], torch.Tensor] | None:
+        """The pages every layer has completed, as one flat byte tensor on the device (layer-major
+        per page: ``[L, B, H, 2, S, D]``), to copy to the host; None when there are none. Such a
+        page is local for at least a page of steps more, so nothing fetches it before it is put."""
+        pages = [p for p, parts in sorted(self._page_parts.items()) if len(parts) == self.ctx.shape.num_layers]
+        if not pages:
+            return None
+        data = [kv for p in pages for _, kv in sorted(self._page_parts.pop(p), key=lambda x: x[0])]
+        return pages, torch.cat([kv.contiguous().view(torch.uint8).reshape(-1) for kv in data])
+
+    def put_pages(self, pages: list[int], host_bytes: np.ndarray) -> None:
+        """Write taken pages (their bytes on the host) to the store: all layers at once, one put per row."""
+        sh, stats = self.ctx.shape, self.ctx.stats
+        b = self.ctx.batch
+        per_page = host_bytes.reshape(len(pages), sh.num_layers, b, sh.num_kv_heads, self.block_bytes)
+        for page, data in zip(pages, per_page):
             t0 = time.perf_counter()
-            data = np.stack([p for _, p in sorted(parts, key=lambda x: x[0])], axis=1)  # [B, L, H, bb]
             for row, seq in enumerate(self.seqs):
-                self.store.put(seq, range(num_layers), [page], data[row][:, :, None, :])
+                self.store.put(seq, range(sh.num_layers), [page], data[:, row, :, None, :])
             stats["bytes_put"] += data.nbytes
             stats["pages_flushed"] += 1
             stats["put_ms"] += (time.perf_counter() - t0) * 1e3
-            del self._page_parts[page]
+
+    def flush(self) -> None:
+        """Write the pages every layer has completed now (their own copy to the host)."""
+        taken = self.take_pages()
+        if taken is not None:
+            self.put_pages(taken[0], taken[1].cpu().numpy())
 
     # ------------------------------------------------------------ gets
 
@@ -141,17 +158,15 @@ class StoreIO:
             buf = self._staging[slot] = self.store.register(max(nbytes, 1 << 20))
         return buf
 
-    def submit(self, layer: int, row0: int, pages: torch.Tensor, miss: torch.Tensor, slot: int) -> Fetch | None:
+    def submit(self, layer: int, row0: int, host: HostPlacement, slot: int) -> Fetch | None:
         """Ask the store for the missed pages of rows ``row0 ..`` into staging buffer ``slot``:
         one sparse get naming each block's sequence. None when nothing is missed."""
-        bi, hi, ki = torch.nonzero(miss, as_tuple=True)
-        n = len(bi)
+        n = host.num_misses
         if n == 0:
             return None
         staging = self._staging_buffer(slot, n * self.block_bytes)
-        rows = bi.cpu().numpy() + row0
-        page_ids = pages[bi, hi, ki].cpu().numpy()
-        blocks = np.stack([np.full(n, layer), hi.cpu().numpy(), page_ids], axis=1)
+        rows, page_ids = host.rows + row0, host.missed_pages
+        blocks = np.stack([np.full(n, layer), host.heads, page_ids], axis=1)
         # A row's pages below base_pages are in its stored prompt sequence (a restored
         # prefix is loaded before the session's own sequences exist), the rest in its own.
         in_base = page_ids < self.base_pages
@@ -188,6 +203,7 @@ class StoreIO:
     # ------------------------------------------------------------ end
 
     def close(self) -> None:
+        self.flush()
         for i, buf in enumerate(self._staging):
             if buf is not None:
                 self.store.unregister(buf)

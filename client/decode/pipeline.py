@@ -50,8 +50,8 @@ class Pipeline:
 
     def _serial(self, plan: StepPlan, layer: int, mb: MicroBatch) -> torch.Tensor:
         _front(self.ctx, plan, layer, mb)
-        select.count(self.ctx, mb)
-        mb.fetch = self.io.submit(layer, mb.lo, mb.chosen, mb.placement.miss, slot=0)
+        select.to_host(self.ctx, self.io, mb)
+        mb.fetch = self.io.submit(layer, mb.lo, mb.host, slot=0)
         return attention.finish(self.ctx, self.io, plan, layer, mb)
 
     def _front_thread(self, plan: StepPlan, layer: int, mbs: list[MicroBatch], ready: queue.Queue) -> None:
@@ -85,8 +85,8 @@ class Pipeline:
                     return
                 if isinstance(mb, BaseException):
                     raise mb
-                select.count(self.ctx, mb)
-                mb.fetch = self.io.submit(layer, mb.lo, mb.chosen, mb.placement.miss, slot=submitted % 2)
+                select.to_host(self.ctx, self.io, mb)
+                mb.fetch = self.io.submit(layer, mb.lo, mb.host, slot=submitted % 2)
                 inflight.append(mb)
                 submitted += 1
 

@@ -22,16 +22,14 @@ def first_local_page(ctx: Context, num_tokens: int, num_pages: int) -> int:
     return max(0, min(num_pages, (num_tokens - ctx.cfg.local_tokens) // ctx.cfg.page_size))
 
 
-def cache_capacity(ctx: Context, layer: int, first_local: int) -> tuple[int, torch.Tensor | None]:
+def cache_capacity(ctx: Context, layer: int, first_local: int) -> tuple[int, tuple[int, ...] | None]:
     """Slots per (row, KV head) for a context of ``first_local`` pages, and per-head limits (or None)."""
     cfg, sh = ctx.cfg, ctx.shape
     sink = min(cfg.sink_pages, first_local)
     k = cfg.pages_to_select(first_local - sink)
     if cfg.head_multipliers is not None:
-        per_head = torch.tensor([math.ceil(w * k) + sink for w in cfg.head_multipliers[layer]],
-                                dtype=torch.long)
-        per_head = per_head.clamp_min(max(k + sink, 1))
-        return int(per_head.max()), per_head
+        per_head = tuple(max(math.ceil(w * k) + sink, k + sink, 1) for w in cfg.head_multipliers[layer])
+        return max(per_head), per_head
     if cfg.cache_bytes is not None:
         per_page = sh.page_bytes(cfg.page_size)
         slots = cfg.cache_bytes // (per_page * ctx.batch * sh.num_kv_heads * sh.num_layers)

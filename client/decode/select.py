@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from kvdrive.kernels import reference as ref
+from kvdrive_client.decode.fetch import StoreIO
 from kvdrive_client.decode.state import Context, MicroBatch, StepPlan
 from kvdrive_client.device_cache import EvictionPolicy
 
@@ -46,15 +48,26 @@ def place(ctx: Context, plan: StepPlan, layer: int, mb: MicroBatch) -> None:
     t0 = time.perf_counter()
     cache = ctx.layers[layer].cache
     mb.cache = cache if mb.rows == ctx.batch else cache.rows(mb.lo, mb.hi)
-    mb.placement = mb.cache.place(mb.chosen, plan.step, mb.slot_scores)
+    mb.placement = mb.cache.place(mb.chosen, plan.step, mb.slot_scores, num_pages=plan.num_pages)
     t1 = time.perf_counter()
     ctx.timeline.add("hit/miss", mb.lane, t0, t1, layer=layer, mb=mb.index)
     mb.place_ms = (t1 - t0) * 1e3
 
 
-def count(ctx: Context, mb: MicroBatch) -> None:
-    """Add the micro-batch's hits, misses and stage times to the session's figures."""
-    ctx.stats["hits"] += mb.placement.num_hits
-    ctx.stats["misses"] += mb.placement.num_misses
+def to_host(ctx: Context, io: StoreIO, mb: MicroBatch) -> None:
+    """Copy the placement to the host (what the fetch reads) on the main thread, in one copy
+    with the figures counted on the device and the decode pages ready for the store; put
+    those pages; add the micro-batch's hits, misses and stage times to the session's figures."""
+    counts, pages = ctx.counts.take(), io.take_pages()
+    extra = [t.view(torch.uint8) for t in (counts,) if t is not None] + ([pages[1]] if pages else [])
+    mb.host, tail = mb.placement.to_host(torch.cat(extra) if extra else None)
+    if counts is not None:
+        n = counts.numel() * counts.element_size()
+        ctx.counts.add_to(ctx.stats, tail[:n].view(np.int64))
+        tail = tail[n:]
+    if pages:
+        io.put_pages(pages[0], tail)
+    ctx.stats["hits"] += mb.host.num_hits
+    ctx.stats["misses"] += mb.host.num_misses
     ctx.stats["select_ms"] += mb.select_ms
     ctx.stats["hitmiss_ms"] += mb.place_ms

@@ -10,7 +10,7 @@ import torch
 from kvdrive.kernels import Kernels
 from kvdrive.layout.geometry import Geometry
 from kvdrive_client.config import AttachConfig
-from kvdrive_client.device_cache import DeviceCache, Placement
+from kvdrive_client.device_cache import DeviceCache, HostPlacement, Placement
 from kvdrive_client.selectors import Selector
 from kvdrive_client.timeline import Timeline
 
@@ -83,6 +83,42 @@ class LayerState:
         self.cache: DeviceCache | None = None
 
 
+class DeviceCounts:
+    """Figures counted on the compute device, so that counting never waits for it; they reach
+    the session's stats with the next copy to the host that a step makes anyway (the
+    placement's), or when the stats are read (:meth:`fold`). Main thread only."""
+
+    NAMES = ("attended_tokens", "context_tokens")
+
+    def __init__(self, device: torch.device) -> None:
+        self.values = torch.zeros(len(self.NAMES), dtype=torch.long, device=device)
+        self.pending = False
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        self.values[self.NAMES.index(name)] += value
+        self.pending = True
+
+    def take(self) -> torch.Tensor | None:
+        """The counts so far (to copy to the host with something else), reset on the device."""
+        if not self.pending:
+            return None
+        taken = self.values.clone()
+        self.values.zero_()
+        self.pending = False
+        return taken
+
+    @classmethod
+    def add_to(cls, stats: Counter, host_values) -> None:
+        for name, v in zip(cls.NAMES, host_values):
+            stats[name] += int(v)
+
+    def fold(self, stats: Counter) -> None:
+        """Add what is counted to ``stats`` now (one copy to the host)."""
+        taken = self.take()
+        if taken is not None:
+            self.add_to(stats, taken.tolist())
+
+
 @dataclass
 class Context:
     """The facts and shared records of one session, handed to every stage."""
@@ -98,6 +134,10 @@ class Context:
     observers: list[Observer] = field(default_factory=list)
     multiplier: float = 1.0  # device cache per (layer, KV head) as a multiple of a step's selection
     step: int = 0
+    counts: DeviceCounts | None = None
+
+    def __post_init__(self) -> None:
+        self.counts = DeviceCounts(self.device)
 
 
 @dataclass
@@ -132,6 +172,7 @@ class MicroBatch:
     slot_scores: torch.Tensor | None = None  # [b, H, capacity] current scores of the cached pages
     cache: DeviceCache | None = None  # the layer's cache, rows [lo, hi)
     placement: Placement | None = None
+    host: HostPlacement | None = None  # the placement, copied to the host
     fetch: object | None = None  # the store get of the misses, in flight
     valid: torch.Tensor | None = None  # [b, H, attended tokens]
     select_ms: float = 0.0

@@ -5,8 +5,9 @@ import torch
 from kvdrive.tools.opcount import OpCounter, count_decode
 
 # Host synchronisations per layer per decode step, at most (the path a CUDA device takes,
-# counted on CPU tensors). A change that adds one fails here; lower these as syncs go.
-SYNC_BUDGET = {"reference": 14.5, "cpu": 9.5}
+# counted on CPU tensors): the placement's one copy to the host, which also carries the
+# figures counted on the device and the pages completed in the step.
+SYNC_BUDGET = {"reference": 1.0, "cpu": 1.0}
 
 
 def test_the_counter_sees_syncs_and_host_copies():
@@ -29,7 +30,9 @@ def test_the_counter_sees_syncs_and_host_copies():
 def test_decode_stays_within_its_sync_budget(daemon):
     with daemon.client() as store:
         for kernels, budget in SYNC_BUDGET.items():
-            r = count_decode(store, kernels, steps=3)
-            assert r["misses"] > 0
+            # 16 counted steps after 2 warm-up ones: one of them completes a page (640 + 16 tokens).
+            r = count_decode(store, kernels, steps=16)
+            assert r["misses"] > 0 and r["pages_flushed"] == 1
             assert 0 < r["syncs_per_layer_step"] <= budget, (kernels, r["syncs"])
+            assert set(r["syncs"]) == {"Tensor.cpu"}, r["syncs"]
             assert r["ops_per_layer_step"] > r["syncs_per_layer_step"]
