@@ -20,7 +20,7 @@ from pathlib import Path
 import msgpack
 
 from kvdrive_client.errors import StoreUnavailableError, UnsafeStoreError, error_from_reply
-from kvdrive_client.shm import SharedBuffer
+from kvdrive_client.shm import CudaIpcBuffer, SharedBuffer
 from kvdrive.protocol import PROTOCOL_VERSION
 
 _UCRED = struct.Struct("3i")
@@ -105,8 +105,11 @@ class SessionChannel:
             raise error_from_reply(reply)
         return reply
 
-    def register(self, buf: SharedBuffer) -> int:
-        return self._call({"op": "register", "kind": "memfd", "size": buf.size}, [buf.fd])["buf"]
+    def register(self, buf: SharedBuffer | CudaIpcBuffer) -> int:
+        """Register ``buf`` in this session (a memfd goes as its descriptor, a CUDA
+        allocation as its IPC handle); returns the buffer id."""
+        msg, fds = buf.register_message()
+        return self._call(msg, fds)["buf"]
 
     def unregister(self, buf_id: int) -> None:
         self._call({"op": "unregister", "buf": buf_id})

@@ -73,6 +73,14 @@ class ExpiredError(StoreError):
     code = ErrorCode.EXPIRED
 
 
+class CudaUnavailableError(StoreError):
+    """The daemon cannot open CUDA IPC buffers (its probe found no usable CUDA device;
+    the message says why), or this client cannot make one: register a shared buffer
+    (``StoreClient.register``) instead."""
+
+    code = ErrorCode.CUDA_UNAVAILABLE
+
+
 _BY_CODE = {
     ErrorCode.NOT_FOUND: NotFoundError,
     ErrorCode.EXISTS: ExistsError,
@@ -83,6 +91,7 @@ _BY_CODE = {
     ErrorCode.BUSY: BusyError,
     ErrorCode.EXPIRED: ExpiredError,
     ErrorCode.UNAVAILABLE: StoreUnavailableError,
+    ErrorCode.CUDA_UNAVAILABLE: CudaUnavailableError,
 }
 
 

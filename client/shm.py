@@ -1,12 +1,22 @@
-"""Shared-memory buffers a CPU client registers with kvstored."""
+"""Buffers a client registers with kvstored: shared memory (a sealed memfd) on a CPU
+host, or a range of a CUDA allocation named by its IPC handle on a GPU host.
+
+Either kind is named by its ``buf_id`` in puts and gets; ``register_message`` is what
+the session socket carries to register it (see docs/protocol.md).
+"""
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
+from typing import Any
 
 import numpy as np
+
+from kvdrive.protocol import BUFFER_KIND_CUDA_IPC, BUFFER_KIND_MEMFD, CUDA_IPC_HANDLE_BYTES, MAX_BUFFER_BYTES
+from kvdrive_client.errors import CudaUnavailableError
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -38,6 +48,12 @@ class SharedBuffer:
         self.array[::4096] = 0  # fault every page in now, not on the first get
         self.buf_id: int | None = None
 
+    kind = BUFFER_KIND_MEMFD
+
+    def register_message(self) -> tuple[dict, list[int]]:
+        """The session socket's register message, and the descriptor it carries."""
+        return {"op": "register", "kind": BUFFER_KIND_MEMFD, "size": self.size}, [self.fd]
+
     def view(self, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
         end = self.size if nbytes is None else offset + nbytes
         if offset < 0 or end > self.size:
@@ -54,3 +70,83 @@ class SharedBuffer:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+class CudaIpcBuffer:
+    """``size`` bytes at ``offset`` in the CUDA allocation that ``handle`` names (the 64
+    bytes of a ``cudaIpcMemHandle_t``), on device ``device``, for kvstored to write gets
+    into and read puts from.
+
+    ``owner`` (the tensor, say) is held until :meth:`close`, so the memory outlives the
+    registration. :meth:`from_tensor` makes one from a CUDA torch tensor. The daemon
+    opens the handle with its own device numbering: both must see the same devices.
+    This path has never run on a GPU (see docs/protocol.md).
+    """
+
+    kind = BUFFER_KIND_CUDA_IPC
+
+    def __init__(self, handle: bytes, device: int, offset: int, size: int, owner: Any = None) -> None:
+        if not isinstance(handle, bytes) or len(handle) != CUDA_IPC_HANDLE_BYTES:
+            raise ValueError(f"a CUDA IPC handle is {CUDA_IPC_HANDLE_BYTES} bytes")
+        if device < 0 or offset < 0 or not 0 < size <= MAX_BUFFER_BYTES or offset + size > MAX_BUFFER_BYTES:
+            raise ValueError(f"device {device}, offset {offset}, size {size}: out of range")
+        self.handle, self.device, self.offset, self.size = handle, int(device), int(offset), int(size)
+        self.owner = owner
+        self.buf_id: int | None = None
+
+    @classmethod
+    def from_tensor(cls, tensor) -> "CudaIpcBuffer":
+        """The bytes of a contiguous CUDA torch tensor: the IPC handle of the allocation
+        holding it (taken at the allocation's base) and the tensor's offset inside it."""
+        if not getattr(tensor, "is_cuda", False):
+            raise ValueError("register_cuda needs a CUDA tensor; a CPU client registers a shared buffer")
+        if not tensor.is_contiguous():
+            raise ValueError("register_cuda needs a contiguous tensor (its bytes are one range)")
+        size = tensor.numel() * tensor.element_size()
+        if size <= 0:
+            raise ValueError("register_cuda needs a non-empty tensor")
+        device = tensor.device.index if tensor.device.index is not None else 0
+        handle, offset = cuda_ipc_handle(tensor.data_ptr(), device)
+        return cls(handle, device, offset, size, owner=tensor)
+
+    def register_message(self) -> tuple[dict, list[int]]:
+        return {"op": "register", "kind": BUFFER_KIND_CUDA_IPC, "handle": self.handle, "device": self.device,
+                "offset": self.offset, "size": self.size}, []
+
+    def close(self) -> None:
+        self.buf_id = None
+        self.owner = None
+
+    def __repr__(self) -> str:
+        return f"CudaIpcBuffer(device={self.device}, offset={self.offset}, size={self.size}, buf_id={self.buf_id})"
+
+
+def cuda_ipc_handle(ptr: int, device: int) -> tuple[bytes, int]:
+    """The IPC handle of the CUDA allocation holding device pointer ``ptr``, and ``ptr``'s
+    offset from that allocation's base (cupy's runtime, the driver's cuMemGetAddressRange).
+
+    Memory of torch's expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``)
+    has no such handle: CUDA refuses it, and this raises.
+    """
+    try:
+        from cupy.cuda import runtime  # noqa: PLC0415 - optional dependency (the 'gpu' extra)
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a broken install
+        raise CudaUnavailableError(f"CUDA IPC buffers need cupy (the 'gpu' extra): {exc}") from None
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        raise CudaUnavailableError("CUDA IPC buffers need the CUDA driver (libcuda.so.1 not found)") from None
+    get_range = libcuda.cuMemGetAddressRange_v2
+    get_range.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    get_range.restype = ctypes.c_int
+    previous = runtime.getDevice()  # torch's current device too: given back as it was
+    runtime.setDevice(device)  # the device's primary context, current for the driver call
+    try:
+        base, nbytes = ctypes.c_uint64(), ctypes.c_size_t()
+        rc = get_range(ctypes.byref(base), ctypes.byref(nbytes), ctypes.c_uint64(ptr))
+        if rc:
+            raise ValueError(f"pointer {ptr:#x} is not in a CUDA allocation of device {device} (CUDA error {rc})")
+        handle = bytes(runtime.ipcGetMemHandle(base.value))
+    finally:
+        runtime.setDevice(previous)
+    return handle, ptr - base.value

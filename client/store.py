@@ -23,7 +23,7 @@ from kvdrive.layout.geometry import Geometry
 from kvdrive_client.embedded import EmbeddedDaemon
 from kvdrive_client.channel import SessionChannel
 from kvdrive_client.errors import RequestError, SessionLostError, StoreUnavailableError, error_from_reply
-from kvdrive_client.shm import SharedBuffer
+from kvdrive_client.shm import CudaIpcBuffer, SharedBuffer
 from kvdrive.protocol import BadReplyError, Op, decode_reply, request_frames
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class StoreClient:
         self._session_lock = threading.RLock()
         self._replies: dict[int, dict] = {}
         self._staging: SharedBuffer | None = None
-        self._buffers: list[SharedBuffer] = []
+        self._buffers: list[SharedBuffer | CudaIpcBuffer] = []
         self._channel: SessionChannel | None = None
         # Requests in flight, by id: the session (channel) each was sent in.
         self._sent_in: dict[int, SessionChannel | None] = {}
@@ -249,7 +249,26 @@ class StoreClient:
             raise
         return buf
 
-    def unregister(self, buf: SharedBuffer) -> None:
+    def register_cuda(self, target) -> CudaIpcBuffer:
+        """Register a CUDA tensor's memory (contiguous; or a :class:`CudaIpcBuffer` made
+        from a raw IPC handle) for gets to land in and puts to read from, by CUDA IPC.
+
+        The daemon opens the allocation's IPC handle once; the tensor is held until
+        :meth:`unregister`. A daemon without a usable CUDA device refuses with
+        :class:`~kvdrive_client.errors.CudaUnavailableError` (its hello says
+        ``cuda_ipc: false``). This path has never run on a GPU (see docs/protocol.md).
+        """
+        buf = target if isinstance(target, CudaIpcBuffer) else CudaIpcBuffer.from_tensor(target)
+        try:
+            with self._session_lock:
+                buf.buf_id = self.session().register(buf)
+                self._buffers.append(buf)
+        except BaseException:
+            buf.close()
+            raise
+        return buf
+
+    def unregister(self, buf: SharedBuffer | CudaIpcBuffer) -> None:
         with self._session_lock:
             if buf in self._buffers:
                 self._buffers.remove(buf)
@@ -267,7 +286,7 @@ class StoreClient:
 
     # ------------------------------------------------------------ data
 
-    def put_from(self, seq: Sequence, layers, pages, buffer: SharedBuffer, offset: int = 0,
+    def put_from(self, seq: Sequence, layers, pages, buffer: SharedBuffer | CudaIpcBuffer, offset: int = 0,
                  cluster=None, order=None, importance=None) -> int:
         """Store blocks already laid out ``[layers, heads, pages, block_bytes]`` in ``buffer``."""
         arrays = {}
@@ -288,7 +307,7 @@ class StoreClient:
         staging.array[: raw.nbytes] = raw
         return self.put_from(seq, layers, pages, staging, 0, cluster, order, importance)
 
-    def get_async(self, seq: Sequence, blocks, buffer: SharedBuffer, offset: int = 0, dst=None,
+    def get_async(self, seq: Sequence, blocks, buffer: SharedBuffer | CudaIpcBuffer, offset: int = 0, dst=None,
                   seqs=None) -> PendingGet:
         """Start a sparse get of ``blocks`` ((layer, head, page) rows) into ``buffer``.
 
@@ -305,7 +324,7 @@ class StoreClient:
             arrays["seqs"] = np.ascontiguousarray(np.asarray(seqs, dtype=np.int64))
         return PendingGet(self, self._submit(Op.GET, {"seq": seq.uid, "buf": buffer.buf_id, "offset": offset}, arrays))
 
-    def get_into(self, seq: Sequence, blocks, buffer: SharedBuffer, offset: int = 0, dst=None) -> dict:
+    def get_into(self, seq: Sequence, blocks, buffer: SharedBuffer | CudaIpcBuffer, offset: int = 0, dst=None) -> dict:
         return self.get_async(seq, blocks, buffer, offset, dst).wait()
 
     def get(self, seq: Sequence, blocks) -> np.ndarray:

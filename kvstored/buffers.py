@@ -11,7 +11,13 @@ registered with is refused with a ``buffer`` error.
 Buffers belong to the session that registered them: a request names a buffer by id
 and the id is looked up in the sending session's registry only. When the session
 ends (the client closed its session socket, or died), its buffers are unmapped.
-CUDA IPC registrations are refused as UNSUPPORTED by this daemon.
+
+A GPU client registers a CUDA allocation instead, by its IPC handle
+(kvstored/cuda_ipc.py): the daemon opens the handle once and copies blocks into the
+device memory. Both kinds are a :class:`MappedBuffer` to the store, which hands every
+byte move to the buffer: :meth:`MappedBuffer.write_blocks` (a get's DRAM hits),
+:meth:`MappedBuffer.write_verified` (its SSD reads) and :meth:`MappedBuffer.read_blocks`
+(a put's source). Both count against the same limits.
 """
 
 from __future__ import annotations
@@ -23,21 +29,61 @@ import os
 import stat
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from kvstored.checksum import verify_scatter
+from kvstored.copy import gather_scatter
 from kvstored.protocol import ErrorCode, ProtocolError
+
+if TYPE_CHECKING:
+    from kvstored.cuda_ipc import CudaIpc
+    from kvstored.protocol import RegisterCudaIpc
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
 class MappedBuffer:
-    buf_id: int
-    size: int
-    array: np.ndarray
-    owner: Any
+    """A registered buffer of ``size`` bytes, and how blocks move in and out of it.
+
+    This one is a sealed memfd mapped into the daemon (``array``); offsets are from
+    its start. Callers check spans against ``size`` first; the copies check again and
+    copy nothing if any block falls outside.
+    """
+
+    kind = "memfd"
+
+    def __init__(self, buf_id: int, size: int, array: np.ndarray, owner: Any) -> None:
+        self.buf_id = buf_id
+        self.size = size
+        self.array = array
+        self.owner = owner
+
+    def write_blocks(self, src: np.ndarray, src_offs: np.ndarray, dst_offs: np.ndarray, nbytes: int) -> None:
+        """``buffer[dst_offs[i]:+nbytes] = src[src_offs[i]:+nbytes]`` (``src`` host memory)."""
+        gather_scatter(src, src_offs, self.array, dst_offs, nbytes)
+
+    def write_verified(self, src: np.ndarray, src_offs: np.ndarray, dst_offs: np.ndarray, nbytes: int,
+                       tags: np.ndarray, expect: np.ndarray) -> np.ndarray:
+        """:meth:`write_blocks` of the blocks whose CRC-32C (xor ``tags``) is ``expect``;
+        returns the per-block ``ok`` mask (a damaged block's destination is left as it was)."""
+        return verify_scatter(src, src_offs, self.array, dst_offs, nbytes, tags, expect)
+
+    def read_blocks(self, src_offs: np.ndarray, dst: np.ndarray, dst_offs: np.ndarray, nbytes: int) -> None:
+        """``dst[dst_offs[i]:+nbytes] = buffer[src_offs[i]:+nbytes]`` (``dst`` host memory)."""
+        gather_scatter(self.array, src_offs, dst, dst_offs, nbytes)
+
+    def close(self) -> None:
+        """Unmap (once no reader can still copy through it: see ReclaimGate)."""
+        self.array = np.zeros(0, dtype=np.uint8)
+        try:
+            self.owner.close()
+        except BufferError:
+            log.debug("buffer %d still referenced; unmapped at exit", self.buf_id)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(buf_id={self.buf_id}, size={self.size})"
 
 
 @dataclass(frozen=True)
@@ -68,8 +114,8 @@ class BufferRegistry:
     def __len__(self) -> int:
         return len(self._buffers)
 
-    def register_fd(self, fd: int, size: int) -> MappedBuffer:
-        """Map ``size`` bytes of the client's sealed memfd ``fd`` (the caller closes ``fd``)."""
+    def _reserve(self, size: int) -> None:
+        """Take ``size`` bytes of this session's and the daemon's limits (or refuse)."""
         with self._lock:
             if len(self._buffers) >= self.limits.max_buffers:
                 raise ProtocolError(
@@ -83,18 +129,33 @@ class BufferRegistry:
                     f"this session's buffers would map {held + size} bytes, limit {self.limits.max_bytes} per session",
                 )
             self._budget.take(self.uid, size)
+
+    def _add(self, size: int, make: Callable[[], MappedBuffer]) -> MappedBuffer:
+        """Reserve ``size``, then ``make()`` the buffer; what it raises gives the reservation back."""
+        self._reserve(size)
         try:
-            array, m = _map_sealed(fd, size)
+            mb = make()
         except BaseException:
             self._budget.give_back(self.uid, size)
             raise
         with self._lock:
-            buf_id = self._next
+            mb.buf_id = self._next
             self._next += 1
-            mb = MappedBuffer(buf_id, size, array, m)
-            self._buffers[buf_id] = mb
-        log.debug("mapped buffer %d (%d bytes)", buf_id, size)
+            self._buffers[mb.buf_id] = mb
+        log.debug("registered %r", mb)
         return mb
+
+    def register_fd(self, fd: int, size: int) -> MappedBuffer:
+        """Map ``size`` bytes of the client's sealed memfd ``fd`` (the caller closes ``fd``)."""
+        def make() -> MappedBuffer:
+            array, m = _map_sealed(fd, size)
+            return MappedBuffer(0, size, array, m)
+
+        return self._add(size, make)
+
+    def register_cuda(self, spec: "RegisterCudaIpc", cuda: "CudaIpc") -> MappedBuffer:
+        """Open the CUDA IPC handle of ``spec`` (refused, after the limits, where ``cuda`` is unavailable)."""
+        return self._add(spec.size, lambda: cuda.open(spec))
 
     def lookup(self, buf_id: int) -> MappedBuffer:
         mb = self._buffers.get(buf_id)
@@ -116,12 +177,10 @@ class BufferRegistry:
 
     def close_mapping(self, mb: MappedBuffer) -> None:
         """Unmap ``mb`` (once no reader can still copy through it: see ReclaimGate)."""
-        mb.array = np.zeros(0, dtype=np.uint8)
         try:
-            mb.owner.close()
-        except BufferError:
-            log.debug("buffer %d still referenced; unmapped at exit", mb.buf_id)
-        self._budget.give_back(self.uid, mb.size)
+            mb.close()
+        finally:
+            self._budget.give_back(self.uid, mb.size)
 
 
 class MappedBudget:

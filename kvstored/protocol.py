@@ -18,7 +18,8 @@ import numpy as np
 
 from kvdrive.layout.geometry import MAX_PAGES, Geometry
 from kvdrive.protocol import (
-    GET_ARRAYS, MAX_HEADER_BYTES, MAX_LAYERS_PER_PUT, MAX_LIST, MAX_NAME_BYTES, MAX_SEQS_PER_GET, PROTOCOL_VERSION,
+    BUFFER_KIND_CUDA_IPC, BUFFER_KIND_MEMFD, CUDA_IPC_HANDLE_BYTES, MAX_BUFFER_BYTES, MAX_CUDA_DEVICE, GET_ARRAYS,
+    MAX_HEADER_BYTES, MAX_LAYERS_PER_PUT, MAX_LIST, MAX_NAME_BYTES, MAX_SEQS_PER_GET, PROTOCOL_VERSION,
     PUT_ARRAYS, SESSION_TOKEN_BYTES, ErrorCode, Op, encode, error_reply, ok_reply, request_frames,
 )
 
@@ -27,7 +28,7 @@ __all__ = [
     "GET_ARRAYS", "MAX_HEADER_BYTES", "MAX_LAYERS_PER_PUT", "MAX_LIST", "MAX_NAME_BYTES", "MAX_SEQS_PER_GET",
     "PROTOCOL_VERSION", "PUT_ARRAYS", "SESSION_TOKEN_BYTES", "ErrorCode", "Op", "encode", "error_reply", "ok_reply",
     "request_frames", "ProtocolError", "Hello", "Create", "OpenSeq", "ListSeqs", "Delete", "Put", "Get", "Stats",
-    "Request", "Envelope", "parse_request",
+    "Request", "Envelope", "parse_request", "RegisterMemfd", "RegisterCudaIpc", "parse_register",
 ]
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,71 @@ class Stats:
 
 
 Request = Hello | Create | OpenSeq | ListSeqs | Delete | Put | Get | Stats
+
+
+@dataclass(frozen=True)
+class RegisterMemfd:
+    """A session-socket register of a sealed memfd: ``size`` bytes of the one descriptor sent."""
+
+    size: int
+
+
+@dataclass(frozen=True)
+class RegisterCudaIpc:
+    """A session-socket register of ``size`` bytes at ``offset`` in the CUDA allocation
+    that ``handle`` (a ``cudaIpcMemHandle_t``) names, on device ``device``."""
+
+    handle: bytes
+    device: int
+    offset: int
+    size: int
+
+    def __repr__(self) -> str:  # the handle is a capability: logs show only its length
+        return f"RegisterCudaIpc(device={self.device}, offset={self.offset}, size={self.size})"
+
+
+def parse_register(req: dict, num_fds: int) -> RegisterMemfd | RegisterCudaIpc:
+    """Check a ``register`` message of the session socket (see docs/protocol.md).
+
+    Every field is checked here, before any limit is looked at or anything is opened.
+    """
+    kind = req.get("kind", BUFFER_KIND_MEMFD)
+    if kind in (BUFFER_KIND_MEMFD, "shm"):
+        size = req.get("size")
+        if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_BUFFER_BYTES:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "field 'size' must be an integer in 1..2^44")
+        if num_fds != 1:
+            raise ProtocolError(ErrorCode.BUFFER, f"a register carries exactly one file descriptor, got {num_fds}")
+        return RegisterMemfd(size)
+    if kind != BUFFER_KIND_CUDA_IPC:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"buffer kind {kind!r:.32} is not {BUFFER_KIND_MEMFD} (or shm) or {BUFFER_KIND_CUDA_IPC}",
+        )
+    f = _Fields(req)
+    handle = f._get("handle")
+    if not isinstance(handle, bytes):
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"field 'handle' must be the {CUDA_IPC_HANDLE_BYTES} bytes of a cudaIpcMemHandle_t (msgpack bin), "
+            f"got {type(handle).__name__}",
+        )
+    if len(handle) != CUDA_IPC_HANDLE_BYTES:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"field 'handle' must be exactly {CUDA_IPC_HANDLE_BYTES} bytes (a cudaIpcMemHandle_t), got {len(handle)}",
+        )
+    device = f.int("device", 0, MAX_CUDA_DEVICE)
+    offset = f.int("offset", 0, MAX_BUFFER_BYTES)
+    size = f.int("size", 1, MAX_BUFFER_BYTES)
+    if offset + size > MAX_BUFFER_BYTES:
+        raise ProtocolError(
+            ErrorCode.OUT_OF_RANGE,
+            f"'offset' + 'size' = {offset + size} is past 2^44 (offset {offset}, size {size})",
+        )
+    if num_fds:
+        raise ProtocolError(ErrorCode.BUFFER, f"a {BUFFER_KIND_CUDA_IPC} register carries no file descriptor, got {num_fds}")
+    return RegisterCudaIpc(handle, device, offset, size)
 
 # ---------------------------------------------------------------- decoding
 

@@ -32,6 +32,7 @@ from typing import Callable
 
 import zmq
 
+from kvstored import cuda_ipc
 from kvstored.config import DaemonConfig, SyncPolicy, check_private_dir
 from kvstored.protocol import (
     Create, Delete, Envelope, ErrorCode, Get, Hello, ListSeqs, OpenSeq, ProtocolError, Put, Stats,
@@ -63,7 +64,8 @@ class Server:
         self.cfg = cfg
         self.address = cfg.bind_address
         self.store = Store(cfg)
-        self.sessions = SessionTable(cfg.session_limits, cfg.max_mapped_bytes, self.store.gate.retire)
+        self.cuda_ipc = cuda_ipc.probe()  # once: whether CUDA IPC buffers can be served, logged with why
+        self.sessions = SessionTable(cfg.session_limits, cfg.max_mapped_bytes, self.store.gate.retire, self.cuda_ipc)
         self.ctx = zmq.Context()
         self._stop = threading.Event()
         self._writes: queue.Queue = queue.Queue()
@@ -94,7 +96,9 @@ class Server:
         self.done = self.ctx.socket(zmq.PULL)
         self.done.bind(_DONE)
         self._identity = {"instance": self.sessions.instance, "session_socket": str(session_path),
-                          "max_message_bytes": self.cfg.max_message_bytes}
+                          "max_message_bytes": self.cfg.max_message_bytes,
+                          # register may name a CUDA allocation by its IPC handle (kvstored/cuda_ipc.py)
+                          "cuda_ipc": self.cuda_ipc.available}
         self._session_server = SessionServer(session_path, self.sessions, self.cfg.socket_mode)
         self._session_server.start()
         log.info("kvstored %d serving %s, sessions on %s (instance %s)", os.getpid(), self.address,
@@ -238,7 +242,8 @@ class Server:
     def _inline(self, req: object, session: Session) -> dict:
         if isinstance(req, Stats):
             return {**self.store.stats(session), "instance": self.sessions.instance, "sessions": len(self.sessions),
-                    "mapped_bytes": self.sessions.budget.used}
+                    "mapped_bytes": self.sessions.budget.used, "cuda_ipc": self.cuda_ipc.available,
+                    "cuda_ipc_handles": self.cuda_ipc.open_handles}
         if isinstance(req, OpenSeq):
             return self.store.open(req, session.uid)
         if isinstance(req, ListSeqs):

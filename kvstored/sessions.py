@@ -8,9 +8,10 @@ and with its instance id (random per daemon start), so a client can tell a
 restarted daemon from the one it knew.
 
 On the session socket a client also registers its buffers: it sends a memfd as a
-file descriptor (SCM_RIGHTS) and gets a buffer id valid in this session only
-(kvstored/buffers.py). When the client closes the socket or dies, the kernel closes
-it too: the session ends, its token stops working and its buffers are unmapped. So
+file descriptor (SCM_RIGHTS), or a CUDA allocation's IPC handle, and gets a buffer id
+valid in this session only (kvstored/buffers.py, kvstored/cuda_ipc.py). When the
+client closes the socket or dies, the kernel closes it too: the session ends, its
+token stops working and its buffers are unmapped (CUDA IPC handles closed). So
 a dead client's resources never outlive it, and a request queued by a client that
 gave up (a ghost request replayed after a reconnect) names a token that no longer
 exists and is refused.
@@ -27,7 +28,10 @@ Messages on the session socket: one msgpack map per packet (at most
 
 - ``{"v": 1, "op": "open"}`` -> ``{"ok": true, "token", "instance", "uid", "limits"}``
 - ``{"v": 1, "op": "register", "kind": "memfd", "size": N}`` with one descriptor ->
-  ``{"ok": true, "buf", "size"}``
+  ``{"ok": true, "buf", "size", "kind"}`` (``kind`` may be left out, or be ``"shm"``)
+- ``{"v": 1, "op": "register", "kind": "cuda_ipc", "handle": <64 bytes>, "device",
+  "offset", "size"}`` without a descriptor -> ``{"ok": true, "buf", "size", "kind"}``
+  (kvstored/cuda_ipc.py; ``cuda_unavailable`` where the daemon has no usable CUDA device)
 - ``{"v": 1, "op": "unregister", "buf": ID}`` -> ``{"ok": true}``
 
 Errors are ``{"ok": false, "code", "error"}`` with the codes of kvstored.protocol.
@@ -51,7 +55,8 @@ from typing import Callable
 import msgpack
 
 from kvstored.buffers import BufferLimits, BufferRegistry, MappedBudget, MappedBuffer
-from kvstored.protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError
+from kvstored.cuda_ipc import CudaIpc, unavailable
+from kvstored.protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, RegisterCudaIpc, parse_register
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +93,11 @@ class Session:
 class SessionTable:
     """Sessions by token. ``retire`` unmaps a buffer once no reader can still use it."""
 
-    def __init__(self, limits: SessionLimits, max_mapped_bytes: int, retire: Callable[[Callable[[], None]], None]) -> None:
+    def __init__(self, limits: SessionLimits, max_mapped_bytes: int, retire: Callable[[Callable[[], None]], None],
+                 cuda: CudaIpc | None = None) -> None:
         self.limits = limits
+        # CUDA IPC registrations: the start-up probe's outcome (kvstored/cuda_ipc.py).
+        self.cuda = cuda if cuda is not None else unavailable("CUDA IPC was not probed")
         self.instance = secrets.token_hex(8)
         self.budget = MappedBudget(max_mapped_bytes)
         self._retire = retire
@@ -276,18 +284,12 @@ class SessionServer:
             return _error(ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")
 
     def _register(self, session: Session, req: dict, fds: list[int]) -> dict:
-        kind = req.get("kind", "memfd")
-        if kind == "cuda_ipc":
-            raise ProtocolError(ErrorCode.UNSUPPORTED, "CUDA IPC buffers are not served by this kvstored; register a memfd")
-        if kind != "memfd":
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"buffer kind {kind!r:.32} is not memfd or cuda_ipc")
-        size = req.get("size")
-        if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= 1 << 44:
-            raise ProtocolError(ErrorCode.BAD_FIELD, "field 'size' must be an integer in 1..2^44")
-        if len(fds) != 1:
-            raise ProtocolError(ErrorCode.BUFFER, f"a register carries exactly one file descriptor, got {len(fds)}")
-        mb = session.buffers.register_fd(fds[0], size)
-        return {"v": PROTOCOL_VERSION, "ok": True, "buf": mb.buf_id, "size": mb.size}
+        spec = parse_register(req, len(fds))
+        if isinstance(spec, RegisterCudaIpc):
+            mb = session.buffers.register_cuda(spec, self.table.cuda)
+        else:
+            mb = session.buffers.register_fd(fds[0], spec.size)
+        return {"v": PROTOCOL_VERSION, "ok": True, "buf": mb.buf_id, "size": mb.size, "kind": mb.kind}
 
 
 def _error(code: ErrorCode, message: str) -> dict:

@@ -44,7 +44,7 @@ from kvdrive.layout.format import DATA_FILE, FORMAT_VERSION, META_DIR
 from kvstored.buffers import MappedBuffer
 from kvstored.catalog import RESERVE_MIN_BYTES, Catalog, CatalogDamagedError, ExtentRecord, SeqRecord
 from kvstored.config import DaemonConfig, SyncPolicy, format_size
-from kvstored.checksum import block_crcs, verify_scatter
+from kvstored.checksum import block_crcs
 from kvstored.copy import address_tags, gather_scatter
 from kvstored.dram import DramTier
 from kvstored.files import StoreBusyError, StoreOpenError, lock_exclusive, punch_hole
@@ -384,7 +384,7 @@ class Store:
             # Inside the gate an unregister of the source waits for this copy to end before
             # it unmaps the buffer; one that came first fails the put here.
             session.buffers.lookup(req.buf)
-            gather_scatter(mb.array, src_offs.ravel(), staging, stage_offs.ravel(), bb)
+            mb.read_blocks(src_offs.ravel(), staging, stage_offs.ravel(), bb)
         lay = np.broadcast_to(layers[:, None, None], slot_pages.shape)
         hed = np.broadcast_to(np.arange(num_h)[None, :, None], slot_pages.shape)
         crc = (block_crcs(staging, stage_offs.ravel(), bb) ^ address_tags(entry.uid, lay.ravel(), hed.ravel(), slot_pages.ravel())).reshape(slot_pages.shape)
@@ -568,7 +568,8 @@ class Store:
         Residents are ranked by importance, then by last use; a candidate displaces the
         lowest-ranked resident only if it ranks higher itself. With ``expect_crc`` (the
         source is client memory) only copies that verify against it are kept. Without
-        ``importance`` the index's is used.
+        ``importance`` the index's is used. ``src`` is host memory or a client's buffer,
+        which copies the blocks out itself (from device memory, for a CUDA IPC buffer).
         """
         bb = entry.geometry.block_bytes
         if not self.dram.capacity or (not replace and not self.dram.has_room(bb)):
@@ -594,7 +595,10 @@ class Store:
                 if evicted:
                     slots = np.concatenate([slots, self.dram.allocate(bb, len(sel) - len(slots))])
             sel = sel[: len(slots)]
-            gather_scatter(src, src_offs[sel], self.dram.arena, slots, bb)
+            if isinstance(src, MappedBuffer):
+                src.read_blocks(src_offs[sel], self.dram.arena, slots, bb)
+            else:
+                gather_scatter(src, src_offs[sel], self.dram.arena, slots, bb)
             if expect_crc is not None:
                 # A client's buffer may hold one block twice (overlapping destinations) or
                 # change under the copy; checking the DRAM copy keeps it from poisoning the tier.
@@ -724,18 +728,18 @@ class Store:
             misses = []
             for f in found:
                 hit = f.dram_off >= 0
-                gather_scatter(self.dram.arena, f.dram_off[hit], mb.array, f.dst[hit], bb)
+                mb.write_blocks(self.dram.arena, f.dram_off[hit], f.dst[hit], bb)
                 misses.append(np.flatnonzero(~hit))
                 n_hit += len(f.lay) - len(misses[-1])
             # Every sequence's SSD blocks in one read plan: their reads are in flight together.
             part = np.concatenate([np.full(len(m), j) for j, m in enumerate(misses)])
             pick = lambda name: np.concatenate([getattr(f, name)[m] for f, m in zip(found, misses)])  # noqa: E731
             plan = self._read_ssd([f.entry for f in found], part, pick("lay"), pick("hed"), pick("pag"), pick("ssd_off"),
-                                  pick("crc"), mb.array, pick("dst"))
+                                  pick("crc"), mb, pick("dst"))
             reads, bytes_read = plan.num_reads, plan.bytes_read
             for f, miss in zip(found, misses):
                 if len(miss):
-                    self._admit(f.entry, f.lay[miss], f.hed[miss], f.pag[miss], None, mb.array, f.dst[miss],
+                    self._admit(f.entry, f.lay[miss], f.hed[miss], f.pag[miss], None, mb, f.dst[miss],
                                 replace=False, expect_crc=f.crc[miss])
                 n_ssd += len(miss)
         self.counters["gets"] += 1
@@ -783,8 +787,8 @@ class Store:
                     return False
             return True
 
-    def _read_ssd(self, entries, part, lay, hed, pag, ssd_off, crc, dst_array, dst) -> ReadPlan:
-        """Read blocks from the SSD into ``dst_array`` at ``dst``, each checked against its CRC.
+    def _read_ssd(self, entries, part, lay, hed, pag, ssd_off, crc, dst_buf: MappedBuffer, dst) -> ReadPlan:
+        """Read blocks from the SSD into ``dst_buf`` at ``dst``, each checked against its CRC.
 
         Block i is of sequence ``entries[part[i]]`` (all of one block size). The reads of
         a chunk (up to :data:`READ_CHUNK_BYTES`, or one read if larger) land in this
@@ -818,7 +822,7 @@ class Store:
                 raise ProtocolError(ErrorCode.IO, f"SSD read failed: {exc}") from None
             idx = by_run[bounds[r0] : bounds[r1]]
             src = base[plan.run_of[idx] - r0] + plan.offset_in_run[idx]
-            ok = verify_scatter(scratch, src, dst_array, dst[idx], bb, tags[idx], crc[idx])
+            ok = dst_buf.write_verified(scratch, src, dst[idx], bb, tags[idx], crc[idx])
             if not ok.all():
                 bad.append(idx[~ok])
             r0 = r1

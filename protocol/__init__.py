@@ -34,6 +34,17 @@ MAX_SEQS_PER_GET = 1024
 SESSION_TOKEN_BYTES = 16
 # Sequences in one list reply at most (a client pages with 'after').
 MAX_LIST = 1000
+# Registered buffers (session socket 'register'): sizes and offsets are bounded by this.
+MAX_BUFFER_BYTES = 1 << 44
+# Buffer kinds of a 'register': a sealed memfd (the default; "shm" is another name for
+# it), or a CUDA allocation named by its IPC handle. hello's 'cuda_ipc' says whether
+# the daemon can open CUDA IPC handles.
+BUFFER_KIND_MEMFD = "memfd"
+BUFFER_KIND_CUDA_IPC = "cuda_ipc"
+# sizeof(cudaIpcMemHandle_t): the handle travels as these bytes, unchanged.
+CUDA_IPC_HANDLE_BYTES = 64
+# Device ordinals a cuda_ipc register may name (the daemon refuses one it does not have).
+MAX_CUDA_DEVICE = 1023
 
 
 class Op(enum.Enum):
@@ -61,6 +72,7 @@ class ErrorCode(enum.Enum):
     CHECKSUM = "checksum"
     IO = "io"
     UNSUPPORTED = "unsupported"
+    CUDA_UNAVAILABLE = "cuda_unavailable"
     SESSION = "session"
     EXPIRED = "expired"
     BUSY = "busy"

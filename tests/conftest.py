@@ -79,6 +79,24 @@ class DaemonProcess:
             self.proc.wait()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need a CUDA device: skipped, with the reason, where torch sees none."""
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if not gpu:
+        return
+    try:
+        import torch  # noqa: PLC0415 - only when a gpu test was collected
+
+        usable = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - a torch without CUDA support, or a broken install
+        usable = False
+    if usable:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: torch.cuda.is_available() is false")
+    for item in gpu:
+        item.add_marker(skip)
+
+
 @pytest.fixture
 def daemon_at():
     """Daemons over directories the test chose (one other users can reach, say); killed at the end."""
