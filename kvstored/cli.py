@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         "write-behind: acknowledged before, flushed within a second (a power loss may lose acknowledged puts)",
     )
     p.add_argument("--engine", choices=ENGINES, default="auto",
-                   help="SSD read engine: auto takes kvikio where a CUDA driver is present, else Linux AIO on an "
+                   help="SSD read engine: auto takes kvikio where cuFile reports GPUDirect Storage active, else Linux AIO on an "
                         "O_DIRECT file, else preadv on --io-threads threads")
     p.add_argument("--no-direct", action="store_true", help="buffered I/O instead of O_DIRECT (reads may hit the page cache)")
     p.add_argument("--parent-pid", type=int, default=0, metavar="PID",

@@ -296,14 +296,25 @@ def probe_kvikio() -> tuple[bool, str]:
     except OSError:
         return False, "no CUDA driver (libcuda.so.1 not found)"
     try:
-        import kvikio  # noqa: F401, PLC0415
+        import kvikio  # noqa: PLC0415
     except ImportError as exc:
         return False, f"kvikio not importable ({exc}); install the 'gpu' extra"
-    return True, "CUDA driver and kvikio present"
+    # A loadable libcufile is not GPUDirect Storage: without nvidia-fs cuFile reads through
+    # POSIX in compatibility mode, which is no better than Linux AIO. Ask cuFile itself.
+    try:
+        if hasattr(kvikio, "cufile_driver"):
+            gds = bool(kvikio.cufile_driver.properties.is_gds_available)
+        else:
+            gds = bool(kvikio.DriverProperties().is_gds_available)
+    except Exception as exc:  # noqa: BLE001 - any failure of the driver query means no GDS
+        return False, f"cuFile could not be asked whether GPUDirect Storage is active ({type(exc).__name__}: {exc})"
+    if not gds:
+        return False, "cuFile reports GPUDirect Storage not active (it would read in compatibility mode)"
+    return True, "CUDA driver, kvikio and GPUDirect Storage active"
 
 
 def choose_engine(kind: str, threads: int, data_path: str, direct: bool = True) -> IOEngine:
-    """The engine ``kind`` names; ``auto``: kvikio where a CUDA driver is present, else
+    """The engine ``kind`` names; ``auto``: kvikio where cuFile reports GPUDirect Storage active, else
     Linux AIO on an O_DIRECT file, else ``preadv`` on ``threads`` threads. Logs the choice."""
     if kind not in ENGINES:
         raise ValueError(f"unknown I/O engine {kind!r} (one of {', '.join(ENGINES)})")

@@ -167,3 +167,34 @@ def test_daemon_serves_ssd_gets_with_each_engine(daemon_factory, tmp_path, engin
     np.testing.assert_array_equal(c.get(seq, blocks), data[blocks[:, 0], blocks[:, 1], blocks[:, 2]])
     counters = c.stats()["counters"]
     assert counters["blocks_ssd"] == 70 and 0 < counters["ssd_reads"] < 70
+
+
+def _fake_kvikio(monkeypatch, gds):
+    """A driver that loads and a kvikio whose cuFile answers ``gds`` (an exception: raises it)."""
+    import sys
+    import types
+
+    from kvstored import io_engine
+
+    monkeypatch.setattr(io_engine.ctypes, "CDLL", lambda name: object())
+    class Properties:
+        @property
+        def is_gds_available(self):
+            if isinstance(gds, Exception):
+                raise gds
+            return gds
+
+    props = Properties()
+    kvikio = types.ModuleType("kvikio")
+    kvikio.cufile_driver = types.SimpleNamespace(properties=props)
+    monkeypatch.setitem(sys.modules, "kvikio", kvikio)
+    return io_engine.probe_kvikio()
+
+
+def test_kvikio_is_chosen_only_where_cufile_reports_gpudirect_storage(monkeypatch):
+    ok, why = _fake_kvikio(monkeypatch, True)
+    assert ok and "GPUDirect Storage active" in why
+    ok, why = _fake_kvikio(monkeypatch, False)
+    assert not ok and "not active" in why
+    ok, why = _fake_kvikio(monkeypatch, RuntimeError("cuFileDriverOpen failed"))
+    assert not ok and "cuFileDriverOpen failed" in why
