@@ -16,6 +16,7 @@ import torch
 
 from kvdrive.kernels import cpu
 from kvdrive.kernels import reference as ref
+from kvdrive.kernels.transfer import HostTransfer
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -31,6 +32,8 @@ class Kernels:
         self.device = device
         self._one_thread = one_thread
         self._widen_half = widen_half
+        #: How fetched pages reach the device (:mod:`kvdrive.kernels.transfer`); for_device sets the CUDA one.
+        self.transfer = HostTransfer(device)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.device})"

@@ -31,6 +31,7 @@ class Fetch:
     n: int
     staging: object
     started: float
+    slot: int = 0
 
 
 class StoreIO:
@@ -151,11 +152,16 @@ class StoreIO:
     # ------------------------------------------------------------ gets
 
     def _staging_buffer(self, slot: int, nbytes: int):
+        """Staging buffer ``slot``, at least ``nbytes`` large, once the last copy out of it is done."""
+        transfer = self.ctx.kernels.transfer
+        transfer.before_reuse(slot)
         buf = self._staging[slot]
         if buf is None or buf.size < nbytes:
             if buf is not None:
+                transfer.unregister(buf.array)
                 self.store.unregister(buf)
             buf = self._staging[slot] = self.store.register(max(nbytes, 1 << 20))
+            transfer.register(buf.array)
         return buf
 
     def submit(self, layer: int, row0: int, host: HostPlacement, slot: int) -> Fetch | None:
@@ -176,7 +182,7 @@ class StoreIO:
                 uids[where] = np.array([seq.uid for seq in seqs], dtype=np.int64)[rows[where]]
         first = (self.base_seqs if in_base[0] else self.seqs)[int(rows[0])]
         started = time.perf_counter()
-        return Fetch(layer, self.store.get_async(first, blocks, staging, seqs=uids), n, staging, started)
+        return Fetch(layer, self.store.get_async(first, blocks, staging, seqs=uids), n, staging, started, slot)
 
     def wait(self, fetch: Fetch, mb: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Wait for a fetch; its pages as ``[n, S, D]`` K and V on the compute device.
@@ -194,7 +200,7 @@ class StoreIO:
         ctx.stats["blocks_ssd"] += reply["ssd"]
         s, d, bb = ctx.cfg.page_size, ctx.shape.head_dim, self.block_bytes
         raw = torch.from_numpy(fetch.staging.array[: fetch.n * bb]).view(ctx.shape.dtype).reshape(fetch.n, 2, s, d)
-        raw = raw.to(ctx.device)
+        raw = ctx.kernels.transfer.to_device(raw, fetch.slot)
         ctx.stats["bytes_fetched"] += fetch.n * bb
         ctx.stats["fetch_wait_ms"] += (t1 - t0) * 1e3
         ctx.stats["fetch_ms"] += worked * 1e3
@@ -206,6 +212,7 @@ class StoreIO:
         self.flush()
         for i, buf in enumerate(self._staging):
             if buf is not None:
+                self.ctx.kernels.transfer.unregister(buf.array)
                 self.store.unregister(buf)
                 self._staging[i] = None
         if not self.ctx.cfg.keep:

@@ -119,3 +119,29 @@ def test_one_torch_thread_keeps_the_kernels_threads(threads):
     threads(1)
     with cpu.one_torch_thread():
         assert torch.get_num_threads() == 1 and cpu.kernel_threads() == 1
+
+
+def test_fetched_pages_reach_a_cuda_device_through_pinned_staging_and_a_copy_stream():
+    """Choosing kernels for a CUDA device needs no CUDA context; the copy path is CUDA's own."""
+    from kvdrive.kernels import for_device
+    from kvdrive.kernels.transfer import CudaTransfer, HostTransfer
+
+    assert type(for_device("cpu").transfer) is HostTransfer
+    assert type(for_device("cpu", "reference").transfer) is HostTransfer
+    assert isinstance(for_device("cuda").transfer, CudaTransfer)
+    host = torch.arange(6.0)
+    assert for_device("cpu").transfer.to_device(host, 0) is host  # read in place on the CPU
+
+
+@pytest.mark.gpu
+def test_cuda_transfer_copies_from_a_pinned_shared_buffer():
+    from kvdrive.kernels.transfer import CudaTransfer
+
+    t = CudaTransfer(torch.device("cuda"))
+    array = np.zeros(1 << 20, dtype=np.uint8)
+    array[:8] = np.arange(8)
+    t.register(array)
+    out = t.to_device(torch.from_numpy(array[:8]), slot=0)
+    t.before_reuse(0)
+    assert out.device.type == "cuda" and out.cpu().tolist() == list(range(8))
+    t.unregister(array)
