@@ -438,8 +438,9 @@ def _cache_bytes_in_use(session) -> int:
 class DenseAttention:
     """All KV of every layer resident in preallocated tensors; exact attention each step."""
 
-    def __init__(self, layers: int, batch: int, heads: int, tokens: int, head_dim: int, dtype: torch.dtype, scaling: float):
-        self.k = [torch.empty(batch, heads, tokens, head_dim, dtype=dtype) for _ in range(layers)]
+    def __init__(self, layers: int, batch: int, heads: int, tokens: int, head_dim: int, dtype: torch.dtype, scaling: float,
+                 device: torch.device | str = "cpu"):
+        self.k = [torch.empty(batch, heads, tokens, head_dim, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.empty_like(self.k[0]) for _ in range(layers)]
         self.n = [0] * layers
         self.scaling = scaling
@@ -459,46 +460,54 @@ class DenseAttention:
         self.n[layer] = n + 1
         b, h, _, d = self.k[layer].shape
         keys, values = self.k[layer][:, :, : n + 1], self.v[layer][:, :, : n + 1]
-        valid = torch.ones(b, h, n + 1, dtype=torch.bool)
+        valid = torch.ones(b, h, n + 1, dtype=torch.bool, device=keys.device)
         # The kernels' attention dtype: float32 for half K/V on the CPU, as KVDrive's own attention.
         out = for_device(keys.device).dense_attention(q.reshape(b, h, -1, d), keys, values, valid, self.scaling)
         return out.to(values.dtype).reshape(b, -1, d)
 
 
 def _run_attention(workload, c: Config, store, steps: int, windows, cfg: BenchConfig,
-                   where: str) -> tuple[float, Counter, int, int, float | None]:
-    """Prefill and decode one configuration; (seconds over measured steps, stats delta, block bytes, cache bytes, overlap)."""
+                   where: str, device: torch.device | str = "cpu") -> tuple[float, Counter, int, int, float | None]:
+    """Prefill and decode one configuration; (seconds over measured steps, stats delta, block bytes, cache bytes, overlap).
+
+    ``device``: where the KV, the queries and the attention live (the workload makes CPU
+    tensors; they are moved there untimed). On a CUDA device each layer's decode is timed
+    to its end (the device synchronised)."""
     from kvdrive_client.engine import SparseKV  # noqa: PLC0415
 
     w = workload
+    device = torch.device(device)
+    sync = device.type == "cuda"
     total_steps = cfg.warmup + steps
     if not c.store:
         kv = DenseAttention(w.num_layers, w.batch, w.num_kv_heads, w.context_tokens + total_steps, w.head_dim, w.dtype,
-                            w.scaling)
+                            w.scaling, device=device)
         for layer in range(w.num_layers):
             _, keys, values = w.prefill_kv(layer)
-            kv.prefill(layer, keys, values)
+            kv.prefill(layer, keys.to(device), values.to(device))
             del keys, values
     else:
         options = _options(c, cfg, w.batch)
         if c.profile:
             options["head_multipliers"] = windows
-        kv = SparseKV(store, w.shape, batch=w.batch, **options)
+        kv = SparseKV(store, w.shape, batch=w.batch, device=device, **options)
         observer = OverlapObserver() if c.name == "kvdrive-pipe" else None
         if observer:
             kv.session.add_observer(observer)
         for layer in range(w.num_layers):
             q_obs, keys, values = w.prefill_kv(layer)
-            kv.prefill(layer, q_obs, keys, values)
+            kv.prefill(layer, q_obs.to(device), keys.to(device), values.to(device))
             del q_obs, keys, values
     seconds, before = 0.0, Counter()
     for step in range(total_steps):
         if step == cfg.warmup:
             before = Counter(kv.stats) if c.store else Counter()
         for layer in range(w.num_layers):
-            q, k, v = w.step(step, layer)
+            q, k, v = (x.to(device) for x in w.step(step, layer))
             t0 = time.perf_counter()
             kv.decode(layer, q, k, v)
+            if sync:
+                torch.cuda.synchronize(device)
             if step >= cfg.warmup:
                 seconds += time.perf_counter() - t0
     if not c.store:
