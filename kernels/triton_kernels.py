@@ -1,0 +1,667 @@
+"""Triton kernels for CUDA devices: paged sparse decode attention and fused low-rank page scores.
+
+None of these kernels has run on a GPU yet. They are written for sm_90 (H100/H200) and
+checked two ways without one: under Triton's interpreter on CPU tensors against the torch
+references (``kvdrive.kernels.reference``), and compiled ahead of time for sm_90, where
+:func:`compile_report` reads each kernel's registers and spills from the cubin.
+
+The interpreter is chosen when a function is decorated with ``@triton.jit``: triton's own
+helpers (``tl.zeros``, ``tl.sum``, ``tl.max``, ...) when ``triton`` is first imported, the
+kernels here when this module is. ``TRITON_INTERPRET=1`` must therefore be in the
+environment before the first ``import triton`` of the process, and torch imports triton
+early (``torch._dynamo``, which loading a transformers model pulls in): in practice, set
+it before the process starts. Set later, the two halves disagree and importing this
+module raises ImportError. :data:`INTERPRETED` says which way it went.
+
+Shapes as in ``reference``: ``B`` batch, ``H`` KV heads, ``G`` query heads per KV head,
+``C`` cache slots per head, ``S`` tokens per page, ``D`` head dim.
+
+**Attention** (:func:`sparse_attention`) reads K and V straight from the device-cache
+slots and the local window, no gathered copy. The attended tokens of a (row, KV head),
+the selected pages then the local window, are split into chunks ("split-K"): the grid is
+``(B * H, splits)``, so that a decode step's few (row, head) pairs still fill the GPU.
+Each program runs an online softmax over its chunk, ``BLOCK_N`` tokens at a time, all
+``G`` query heads of the KV head together (one ``tl.dot`` per tile, the query heads
+padded to 16 rows), accumulating in float32, and writes its normalised partial output
+and log-sum-exp per query head; a second small kernel merges the chunks through their
+log-sum-exps. With one chunk the partial output is the result and no merge runs.
+
+**Low-rank scores** (:func:`lowrank_scores`) are ``reference.score_lowrank`` over codes
+packed as ``reference.pack_lowrank_codes`` lays them out, unpacked in the kernel: the grid
+is ``(B * H, splits)`` over pages; each program projects the query (``q @ qproj`` times
+the channel scales), takes the estimated logits of a tile of pages with one ``tl.dot``
+and writes each page's log-sum-exp per query head. A second kernel normalises those per
+query head over all pages and sums each page's mass over the query heads. The page size
+must be a power of two (the tile is reshaped to pages); :class:`TritonKernels` falls back
+to the reference otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from kvdrive.kernels import reference as ref
+from kvdrive.kernels.backends import Kernels
+
+NEG_INF = float("-inf")
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Enough programs for a GPU of 132 SMs (H100/H200) to hold two each: a step whose
+# (row, head) pairs are fewer splits its tokens until there are about this many.
+TARGET_PROGRAMS = 264
+# A chunk has at least this many attended tokens (pages: this many tokens' worth), so
+# the partial results and their merge stay small next to the K/V read.
+MIN_CHUNK_TOKENS = 256
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(max(int(n), 1)))
+
+
+def _splits(pairs: int, units: int, block: int, min_units: int, num_splits: int | None) -> tuple[int, int]:
+    """(splits, units per split, a multiple of ``block``) for ``units`` (tokens or pages) per (row, head).
+
+    Under the interpreter one split by default: there is no GPU to fill, and every program
+    costs its Python overhead (tests of the splits pass ``num_splits``)."""
+    if num_splits is None and INTERPRETED:
+        num_splits = 1
+    if num_splits is None:
+        num_splits = min(triton.cdiv(TARGET_PROGRAMS, max(pairs, 1)), triton.cdiv(units, max(min_units, block)))
+    num_splits = max(1, min(int(num_splits), triton.cdiv(units, block)))
+    chunk = triton.cdiv(triton.cdiv(units, num_splits), block) * block
+    return triton.cdiv(units, chunk), chunk
+
+
+# ---------------------------------------------------------------- sparse decode attention
+
+
+@triton.jit
+def _softmax_step(q, kt, v, ok, m_i, l_i, acc, scaling, F32_DOT: tl.constexpr):
+    """One tile of the online softmax: ``kt`` ``[BLOCK_D, BLOCK_N]`` keys (transposed), ``v``
+    ``[BLOCK_N, BLOCK_D]`` values, ``ok`` ``[BLOCK_N]`` which of the tile's tokens count."""
+    if F32_DOT:
+        s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q, kt)
+    s = tl.where(ok[None, :], s * scaling, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: exp(-inf) stays 0
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if F32_DOT:
+        acc = tl.dot(p, v.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+#: Whether the kernels here run under Triton's interpreter (decided when this module was imported).
+INTERPRETED = not isinstance(_softmax_step, JITFunction)
+
+if INTERPRETED == isinstance(tl.zeros, JITFunction):
+    raise ImportError(
+        f"TRITON_INTERPRET is {os.environ.get('TRITON_INTERPRET')!r} now but was not so when triton was first "
+        f"imported: triton's helpers {'do not ' if INTERPRETED else ''}run under the interpreter, these kernels "
+        f"{'would' if INTERPRETED else 'would not'}. Set TRITON_INTERPRET=1 before the process starts (torch "
+        f"imports triton early) or not at all")
+
+
+def _interpreter_loop_bounds() -> None:
+    """Let the interpreter take tensors as loop bounds under numpy >= 2.4.
+
+    Triton 3.6's interpreter turns a scalar (a one-element array) into a Python int with
+    ``int(array)``, which numpy 2.4 refuses for arrays of one dimension: every loop whose
+    bound is a kernel argument or a value computed in the kernel fails. This wraps the
+    interpreter's per-launch patching of ``tl.tensor`` so that ``__index__`` takes the
+    element; it changes nothing with older numpy and nothing outside the interpreter.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if np.lib.NumpyVersion(np.__version__) < "2.4.0":
+        return
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "kvdrive_loop_bounds", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor.kvdrive_loop_bounds = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if INTERPRETED:
+    _interpreter_loop_bounds()
+
+
+# The interpreter patches triton.language for the length of a launch and keeps the grid in
+# a global: two launches at once (a decode pipeline's front thread scoring while the main
+# thread attends) break each other. Interpreted launches take turns; compiled ones do not wait.
+_launch_lock = threading.Lock() if INTERPRETED else nullcontext()
+
+
+@triton.jit
+def _sparse_attention_kernel(
+    q_ptr, kc_ptr, vc_ptr, slots_ptr, lk_ptr, lv_ptr, valid_ptr, part_ptr, lse_ptr,
+    scaling, H, G, D, K, L, chunk, splits,
+    sq_b, sq_h, sq_g, sq_d,
+    skc_b, skc_h, skc_c, skc_s, skc_d,
+    svc_b, svc_h, svc_c, svc_s, svc_d,
+    ssl_b, ssl_h, ssl_k,
+    slk_b, slk_h, slk_l, slk_d,
+    slv_b, slv_h, slv_l, slv_d,
+    sva_b, sva_h, sva_n,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    """Program (row x head, split): attention over attended tokens ``[split * chunk, (split + 1) * chunk)``.
+
+    Writes the normalised partial output ``[B, H, splits, G, D]`` and the log-sum-exp
+    ``[B, H, splits, G]`` (float32, contiguous; -inf and zeros where nothing was valid).
+    """
+    pair = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (pair // H).to(tl.int64)
+    h = (pair % H).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gm = g < G
+    dm = d < D
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :] * sq_d,
+                mask=gm[:, None] & dm[None, :], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    paged = K * PAGE
+    start = split * chunk
+    end = tl.minimum(start + chunk, paged + L)
+    # The chunk's tokens in the selected pages, straight from their cache slots (-1: none).
+    page_end = tl.minimum(end, paged)
+    for n0 in range(start, page_end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        inside = n < page_end
+        ok = tl.load(valid_ptr + b * sva_b + h * sva_h + n * sva_n, mask=inside, other=0) != 0
+        slot = tl.load(slots_ptr + b * ssl_b + h * ssl_h + (n // PAGE) * ssl_k, mask=inside, other=-1)
+        ok = ok & inside & (slot >= 0)
+        slot = tl.maximum(slot, 0).to(tl.int64)
+        t = n % PAGE
+        kt = tl.load(kc_ptr + (b * skc_b + h * skc_h + slot * skc_c + t * skc_s)[None, :] + d[:, None] * skc_d,
+                     mask=ok[None, :] & dm[:, None], other=0.0)
+        v = tl.load(vc_ptr + (b * svc_b + h * svc_h + slot * svc_c + t * svc_s)[:, None] + d[None, :] * svc_d,
+                    mask=ok[:, None] & dm[None, :], other=0.0)
+        m_i, l_i, acc = _softmax_step(q, kt, v, ok, m_i, l_i, acc, scaling, F32_DOT)
+    # The chunk's tokens in the local window.
+    for n0 in range(tl.maximum(start, paged), end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        inside = n < end
+        ok = (tl.load(valid_ptr + b * sva_b + h * sva_h + n * sva_n, mask=inside, other=0) != 0) & inside
+        i = n - paged
+        kt = tl.load(lk_ptr + (b * slk_b + h * slk_h + i * slk_l)[None, :] + d[:, None] * slk_d,
+                     mask=ok[None, :] & dm[:, None], other=0.0)
+        v = tl.load(lv_ptr + (b * slv_b + h * slv_h + i * slv_l)[:, None] + d[None, :] * slv_d,
+                    mask=ok[:, None] & dm[None, :], other=0.0)
+        m_i, l_i, acc = _softmax_step(q, kt, v, ok, m_i, l_i, acc, scaling, F32_DOT)
+    some = l_i > 0
+    out = acc / tl.where(some, l_i, 1.0)[:, None]
+    lse = tl.where(some, m_i + tl.log(tl.where(some, l_i, 1.0)), float("-inf"))
+    row = (pair.to(tl.int64) * splits + split) * G
+    tl.store(part_ptr + (row + g[:, None]) * D + d[None, :], out, mask=gm[:, None] & dm[None, :])
+    tl.store(lse_ptr + row + g, lse, mask=gm)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, G, D, splits, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (row x head): the chunks' partial outputs weighted by their log-sum-exps -> ``[B, H, G, D]``."""
+    pair = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gm = g < G
+    mask = gm[:, None] & (d < D)[None, :]
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for s in range(0, splits):
+        row = (pair * splits + s) * G
+        lse = tl.load(lse_ptr + row + g, mask=gm, other=float("-inf"))
+        part = tl.load(part_ptr + (row + g[:, None]) * D + d[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(lse - m_safe)
+        acc = acc * alpha[:, None] + w[:, None] * part
+        l = l * alpha + w
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + (pair * G + g[:, None]) * D + d[None, :], out, mask=mask)
+
+
+def _scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A float32 buffer every element of which a kernel here writes (results, partial results)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def _check_kv(cache_k, cache_v, local_k, local_v) -> None:
+    if cache_k.dtype not in _DTYPES:
+        raise TypeError(f"sparse_attention reads float32, float16 or bfloat16 K/V, got {cache_k.dtype}")
+    for name, t in (("cache_v", cache_v), ("local_k", local_k), ("local_v", local_v)):
+        if t.dtype != cache_k.dtype:
+            raise TypeError(f"cache_k is {cache_k.dtype} but {name} is {t.dtype}")
+
+
+def _as_bytes(valid: torch.Tensor) -> torch.Tensor:
+    return valid.view(torch.uint8) if valid.dtype == torch.bool else valid
+
+
+def _f32_dot(dtype: torch.dtype) -> bool:
+    """Dots in float32 (IEEE, not TF32): float32 K/V, and bfloat16 under the interpreter,
+    whose ``tl.dot`` multiplies bfloat16 bits as integers."""
+    return dtype == torch.float32 or (INTERPRETED and dtype == torch.bfloat16)
+
+
+def attention_block_n(dtype: torch.dtype) -> int:
+    """Tokens per attention tile: the largest that compiles for sm_90 without spills at a
+    head dim of 128 (:func:`sm90_configs`): 32 for half precision, 16 for float32, whose
+    IEEE dots take the FMA path and hold their operands in registers. Under the
+    interpreter 128: its cost is per operation, whatever the tile's size (tests of small
+    tiles pass ``block_n``)."""
+    if INTERPRETED:
+        return 128
+    return 16 if dtype == torch.float32 else 32
+
+
+def sparse_attention(query: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
+                     local_k: torch.Tensor, local_v: torch.Tensor, valid: torch.Tensor, scaling: float, *,
+                     block_n: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Decode attention over cache slots, then the local window, in two Triton kernels (not yet run on a GPU).
+
+    Arguments as :func:`kvdrive.kernels.reference.sparse_attention`: query ``[B, H, G, D]``,
+    ``cache_k``/``cache_v`` ``[B, H, C, S, D]``, ``slots`` ``[B, H, k]`` (-1: no page),
+    ``local_k``/``local_v`` ``[B, H, L, D]``, ``valid`` ``[B, H, >= k*S + L]`` bool for
+    the tokens in that order. K/V float32, float16 or bfloat16, any strides; the query
+    is cast to their dtype. Returns float32 ``[B, H, G, D]``, zeros for a (row, head)
+    with nothing valid. ``block_n``: tokens per tile (None: :func:`attention_block_n`);
+    ``num_splits`` forces the chunks per (row, head) (None: enough for
+    :data:`TARGET_PROGRAMS` programs, at least :data:`MIN_CHUNK_TOKENS` tokens each).
+    """
+    _check_kv(cache_k, cache_v, local_k, local_v)
+    b, h, g, d = query.shape
+    k, s, l = slots.shape[2], cache_k.shape[3], local_k.shape[2]
+    n = k * s + l
+    if valid.shape[2] < n:
+        raise ValueError(f"valid covers {valid.shape[2]} tokens, the pages and local window {n}")
+    if b * h * g == 0 or n == 0:
+        return torch.zeros(b, h, g, d, dtype=torch.float32, device=query.device)
+    query = query.to(cache_k.dtype)
+    valid = _as_bytes(valid)
+    block_n = block_n or attention_block_n(cache_k.dtype)
+    splits, chunk = _splits(b * h, n, block_n, MIN_CHUNK_TOKENS, num_splits)
+    part = _scratch((b, h, splits, g, d), query.device)
+    lse = _scratch((b, h, splits, g), query.device)
+    block_g, block_d = _pow2(g), _pow2(d)
+    out = part.view(b, h, g, d) if splits == 1 else _scratch((b, h, g, d), query.device)
+    with _launch_lock:
+        _sparse_attention_kernel[(b * h, splits)](
+            query, cache_k, cache_v, slots, local_k, local_v, valid, part, lse,
+            float(scaling), h, g, d, k, l, chunk, splits,
+            *query.stride(), *cache_k.stride(), *cache_v.stride(), *slots.stride(),
+            *local_k.stride(), *local_v.stride(), *valid.stride(),
+            PAGE=s if k else 1, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d,
+            F32_DOT=_f32_dot(cache_k.dtype), num_warps=4,
+        )
+        if splits > 1:
+            _merge_kernel[(b * h,)](part, lse, out, g, d, splits, BLOCK_G=block_g, BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                    scaling: float, **kwargs) -> torch.Tensor:
+    """:func:`kvdrive.kernels.reference.decode_attention` over ``[B, H, N, D]`` keys/values
+    (``valid`` ``[B, H, N]``) by :func:`sparse_attention` with no pages; float32."""
+    no_pages = torch.empty(*keys.shape[:2], 0, dtype=torch.int64, device=keys.device)
+    return sparse_attention(query, keys[:, :, None], values[:, :, None], no_pages, keys, values, valid, scaling,
+                            **kwargs)
+
+
+# ---------------------------------------------------------------- low-rank page scores
+
+
+@triton.jit
+def _lowrank_page_lse_kernel(
+    q_ptr, qp_ptr, scale_ptr, codes_ptr, valid_ptr, plse_ptr,
+    scaling, H, G, D, R, WIDE, P, pages_per_split,
+    sq_b, sq_h, sq_g, sq_d,
+    sqp_b, sqp_h, sqp_d, sqp_r,
+    ssc_b, ssc_h, ssc_r,
+    scd_b, scd_h, scd_r, scd_t,
+    sva_b, sva_t,
+    PAGE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Program (row x head, split): for pages ``[split * pages_per_split, ...)``, each page's
+    log-sum-exp of the estimated logits per query head -> ``plse`` ``[B, H, G, P]`` float32."""
+    pair = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (pair // H).to(tl.int64)
+    h = (pair % H).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    r = tl.arange(0, BLOCK_R)
+    gm, dm, rm = g < G, d < D, r < R
+    # The logit weights of the sketch channels: w[g, r] = (q @ qproj)[g, r] * scale[r] * scaling.
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :] * sq_d,
+                mask=gm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+    qp = tl.load(qp_ptr + b * sqp_b + h * sqp_h + d[:, None] * sqp_d + r[None, :] * sqp_r,
+                 mask=dm[:, None] & rm[None, :], other=0.0).to(tl.float32)
+    sc = tl.load(scale_ptr + b * ssc_b + h * ssc_h + r * ssc_r, mask=rm, other=0.0).to(tl.float32)
+    w = tl.dot(q, qp, input_precision="ieee") * (sc * scaling)[None, :]
+    # Channel r's code row and nibble: int8 rows first, then two int4 channels a row (low nibble first).
+    wide = r < WIDE
+    code_row = tl.where(wide, r, WIDE + (r - WIDE) // 2)
+    high = (r - WIDE) % 2 == 1
+    first = split * pages_per_split
+    last = tl.minimum(first + pages_per_split, P)
+    for p0 in range(first, last, BLOCK_P):
+        t = p0 * PAGE + tl.arange(0, BLOCK_P * PAGE)
+        tm = t < last * PAGE
+        x = tl.load(codes_ptr + b * scd_b + h * scd_h + code_row[:, None] * scd_r + t[None, :] * scd_t,
+                    mask=rm[:, None] & tm[None, :], other=0).to(tl.int32)
+        nibble = tl.where(high[:, None], x >> 4, ((x & 15) ^ 8) - 8)
+        codes = tl.where(wide[:, None], x, nibble).to(tl.float32)
+        logits = tl.dot(w, codes, input_precision="ieee")  # [BLOCK_G, BLOCK_P * PAGE]
+        ok = (tl.load(valid_ptr + b * sva_b + t * sva_t, mask=tm, other=0) != 0) & tm
+        logits = tl.where(ok[None, :], logits, float("-inf"))
+        per_page = tl.reshape(logits, (BLOCK_G, BLOCK_P, PAGE))
+        top = tl.max(per_page, axis=2)
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        total = tl.sum(tl.exp(per_page - top_safe[:, :, None]), axis=2)
+        page_lse = tl.where(total > 0, top_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        p = p0 + tl.arange(0, BLOCK_P)
+        tl.store(plse_ptr + ((pair.to(tl.int64) * G + g[:, None]) * P + p[None, :]), page_lse,
+                 mask=gm[:, None] & (p < last)[None, :])
+
+
+@triton.jit
+def _lowrank_mass_kernel(plse_ptr, out_ptr, G, P, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Program (row x head): page scores ``[B, H, P]``, the log of each page's mass summed
+    over the query heads, each head's logits normalised over all pages (-inf: no mass)."""
+    pair = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    gm = g < G
+    rows = plse_ptr + (pair * G + g[:, None]) * P
+    # Each query head's log-sum-exp over every page (0 where it has nothing, as the reference's).
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        x = tl.load(rows + p[None, :], mask=gm[:, None] & (p < P)[None, :], other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l = l * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
+        m = m_new
+    norm = tl.where(l > 0, m + tl.log(tl.where(l > 0, l, 1.0)), 0.0)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        pm = p < P
+        y = tl.load(rows + p[None, :], mask=gm[:, None] & pm[None, :], other=float("-inf")) - norm[:, None]
+        top = tl.max(y, axis=0)
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        total = tl.sum(tl.exp(y - top_safe[None, :]), axis=0)
+        score = tl.where(total > 0, top_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        tl.store(out_ptr + pair * P + p, score, mask=pm)
+
+
+def lowrank_supported(page_size: int) -> bool:
+    """Whether :func:`lowrank_scores` takes this page size (a power of two)."""
+    return page_size >= 1 and page_size & (page_size - 1) == 0
+
+
+def lowrank_block_p(page_size: int) -> int:
+    """Pages per low-rank tile: 128 tokens' worth (one page if pages are longer); under the
+    interpreter 1024 tokens' worth (its cost is per operation, whatever the tile's size)."""
+    return max(1, (1024 if INTERPRETED else 128) // page_size)
+
+
+def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor, scaling: float,
+                   codes: torch.Tensor, valid: torch.Tensor, num_pages: int, page_size: int,
+                   int8_channels: int | None = None, *, block_p: int | None = None,
+                   num_splits: int | None = None) -> torch.Tensor:
+    """Fused :func:`kvdrive.kernels.reference.score_lowrank` from packed codes, in two Triton
+    kernels (not yet run on a GPU).
+
+    Arguments as :func:`kvdrive.kernels.cpu.lowrank_scores`: query ``[B, H, G, D]``, qproj
+    ``[B, H, D, R]``, scale ``[B, H, R]``, ``codes`` ``[B, H, rows, >= P*S]`` int8 as
+    :func:`reference.pack_lowrank_codes` lays them out (``int8_channels`` int8 rows, None:
+    all), ``valid`` ``[B, >= P*S]``; spare capacity past ``num_pages`` is not read. The page
+    size must be a power of two. Returns float32 ``[B, H, P]`` (-inf: a page with no mass).
+    ``block_p``: pages per tile (None: :func:`lowrank_block_p`); ``num_splits`` as
+    :func:`sparse_attention`'s, in pages.
+    """
+    if not lowrank_supported(page_size):
+        raise ValueError(f"lowrank_scores takes a power-of-two page size, got {page_size}")
+    b, h, g, d = query.shape
+    rank = qproj.shape[3]
+    wide = rank if int8_channels is None else min(int8_channels, rank)
+    out = _scratch((b, h, num_pages), query.device)
+    if b * h == 0 or num_pages == 0:
+        return out
+    block_p = block_p or lowrank_block_p(page_size)
+    splits, per_split = _splits(b * h, num_pages, block_p, triton.cdiv(MIN_CHUNK_TOKENS, page_size), num_splits)
+    plse = _scratch((b, h, g, num_pages), query.device)
+    valid = _as_bytes(valid)
+    block_g = _pow2(g)
+    with _launch_lock:
+        _lowrank_page_lse_kernel[(b * h, splits)](
+            query, qproj, scale, codes, valid, plse,
+            float(scaling), h, g, d, rank, wide, num_pages, per_split,
+            *query.stride(), *qproj.stride(), *scale.stride(), *codes.stride(), *valid.stride(),
+            PAGE=page_size, BLOCK_P=block_p, BLOCK_G=block_g, BLOCK_D=_pow2(d), BLOCK_R=_pow2(rank), num_warps=4,
+        )
+        _lowrank_mass_kernel[(b * h,)](plse, out, g, num_pages, BLOCK_G=block_g, BLOCK_P=128, num_warps=4)
+    return out
+
+
+def lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, int8_channels,
+                   **kwargs):
+    """:func:`kvdrive.kernels.reference.lowrank_select` with the scores of :func:`lowrank_scores`
+    (torch's top-k afterwards)."""
+    scores = lowrank_scores(query, qproj, scale, scaling, codes, valid, selectable.shape[1], page_size,
+                            int8_channels, **kwargs)
+    pages, top = ref.topk_pages(scores.masked_fill(~selectable[:, None, :], NEG_INF), k)
+    return pages, top, None if cached is None else ref.gather_scores(scores, cached)
+
+
+# ---------------------------------------------------------------- the kernel set
+
+
+class TritonKernels(Kernels):
+    """Attention and low-rank scoring in Triton; selection's other parts, placement and
+    validity stay the torch references. Not yet run on a GPU: on CUDA tensors, or on
+    CPU tensors under the interpreter (``TRITON_INTERPRET=1``). Attention returns float32
+    and attends in one pass, after the fetched pages land."""
+
+    name = "triton"
+    attends_in_parts = False
+
+    def __init__(self, device: torch.device) -> None:
+        device = torch.device(device)
+        if device.type == "cpu" and not INTERPRETED:
+            raise ValueError("kernels='triton' runs on CPU tensors only under Triton's interpreter: set "
+                             "TRITON_INTERPRET=1 before kvdrive.kernels.triton_kernels is first imported")
+        super().__init__(device, one_thread=device.type == "cpu", widen_half=True)
+
+    def lowrank_scores(self, query, qproj, scale, scaling, codes, valid, num_pages, page_size, wide):
+        if not lowrank_supported(page_size):
+            return super().lowrank_scores(query, qproj, scale, scaling, codes, valid, num_pages, page_size, wide)
+        return lowrank_scores(query, qproj, scale, scaling, codes, valid, num_pages, page_size, wide)
+
+    def lowrank_select(self, query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, wide):
+        if not lowrank_supported(page_size):
+            return super().lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size,
+                                          cached, wide)
+        return lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, wide)
+
+    def attention(self, query, cache_k, cache_v, slots, local_k, local_v, valid, scaling, partial=None):
+        if partial is not None:
+            raise NotImplementedError(f"{self.name} kernels attend in one pass")
+        return sparse_attention(query, cache_k, cache_v, slots, local_k, local_v, valid, scaling)
+
+    def dense_attention(self, query, keys, values, valid, scaling):
+        return dense_attention(query, keys, values, valid, scaling)
+
+
+# ---------------------------------------------------------------- ahead-of-time compilation
+
+#: The GPU every kernel here is compiled for ahead of time: H100/H200 (compute capability 9.0, warps of 32).
+SM90 = ("cuda", 90, 32)
+
+
+def nvidia_tool(name: str) -> Path | None:
+    """A CUDA tool bundled with triton (``ptxas``, ``cuobjdump``), or on the PATH; None if neither."""
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if bundled.is_file() and os.access(bundled, os.X_OK):
+        return bundled
+    found = shutil.which(name)
+    return Path(found) if found else None
+
+
+def compile_report(kernel, signature: dict[str, str], constants: dict[str, object], target=SM90,
+                   num_warps: int = 4, num_stages: int = 3, divisible: tuple[str, ...] = ()) -> dict:
+    """Compile ``kernel`` for ``target`` (no GPU needed) and read its resource use from the cubin.
+
+    ``signature``: every argument's Triton type (``"*fp16"``, ``"i32"``, ``"fp32"``;
+    ``"constexpr"`` for those in ``constants``); ``divisible``: arguments known to be
+    multiples of 16 (pointers, strides), as the JIT would specialise them. Returns
+    ``registers``, ``spill_stores``/``spill_loads`` (bytes, from ``ptxas -v``),
+    ``local``/``stack``/``shared`` (bytes, from ``cuobjdump --dump-resource-usage``) and
+    ``num_warps``. Needs the kernels compiled, not interpreted (``TRITON_INTERPRET`` unset
+    when this module was imported), and the bundled ``ptxas`` and ``cuobjdump``.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if not isinstance(kernel, JITFunction):
+        raise RuntimeError("compile_report needs compiled kernels: import kvdrive.kernels.triton_kernels "
+                           "with TRITON_INTERPRET unset")
+    ptxas, cuobjdump = nvidia_tool("ptxas"), nvidia_tool("cuobjdump")
+    if ptxas is None or cuobjdump is None:
+        raise FileNotFoundError("ptxas and cuobjdump not found (neither bundled with triton nor on the PATH)")
+    names = kernel.arg_names
+    sig = {name: signature[name] for name in names}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in divisible}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=dict(constants), attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget(*target), options={"num_warps": num_warps,
+                                                                        "num_stages": num_stages})
+    ptx = compiled.asm["ptx"]
+    arch = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_path, cubin_path = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        ptx_path.write_text(ptx)
+        cubin_path.write_bytes(compiled.asm["cubin"])
+        ptxas_log = subprocess.run([str(ptxas), "-v", f"-arch={arch}", str(ptx_path), "-o", str(Path(tmp) / "v.o")],
+                                   capture_output=True, text=True, check=True).stderr
+        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin_path)],
+                               capture_output=True, text=True, check=True).stdout
+
+    def field(text, pattern):
+        found = re.search(pattern, text)
+        if found is None:
+            raise RuntimeError(f"no {pattern!r} in:\n{text}")
+        return int(found.group(1))
+
+    return {
+        "kernel": kernel.__name__,
+        "arch": arch,
+        "num_warps": compiled.metadata.num_warps,
+        "registers": field(usage, r"REG:(\d+)"),
+        "stack": field(usage, r"STACK:(\d+)"),
+        "local": field(usage, r"LOCAL:(\d+)"),
+        "shared": field(usage, r"SHARED:(\d+)"),
+        "spill_stores": field(ptxas_log, r"(\d+) bytes spill stores"),
+        "spill_loads": field(ptxas_log, r"(\d+) bytes spill loads"),
+        "ptxas_registers": field(ptxas_log, r"Used (\d+) registers"),
+    }
+
+
+_TL = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _attention_signature(dtype: torch.dtype, page: int, g: int, d: int, block_n: int | None = None):
+    """Signature and constants of :func:`_sparse_attention_kernel` as :func:`sparse_attention`
+    launches it on contiguous K/V (head dim stride 1, the rest multiples of 16)."""
+    kv = "*" + _TL[dtype]
+    sig = {name: "i32" for name in _sparse_attention_kernel.arg_names}
+    sig.update(q_ptr=kv, kc_ptr=kv, vc_ptr=kv, lk_ptr=kv, lv_ptr=kv, slots_ptr="*i64", valid_ptr="*u8",
+               part_ptr="*fp32", lse_ptr="*fp32", scaling="fp32")
+    const = dict(PAGE=page, BLOCK_N=block_n or attention_block_n(dtype), BLOCK_G=_pow2(g), BLOCK_D=_pow2(d),
+                 F32_DOT=dtype == torch.float32, sq_d=1, skc_d=1, svc_d=1, ssl_k=1, slk_d=1, slv_d=1, sva_n=1)
+    for name in const:
+        sig[name] = "constexpr"
+    divisible = ("q_ptr", "kc_ptr", "vc_ptr", "lk_ptr", "lv_ptr", "slots_ptr", "valid_ptr", "part_ptr", "lse_ptr",
+                 "skc_b", "skc_h", "skc_c", "skc_s", "svc_b", "svc_h", "svc_c", "svc_s", "slk_b", "slk_h", "slk_l",
+                 "slv_b", "slv_h", "slv_l")
+    return sig, const, divisible
+
+
+def _merge_signature(g: int, d: int):
+    sig = dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*fp32", G="i32", D="i32", splits="i32",
+               BLOCK_G="constexpr", BLOCK_D="constexpr")
+    return sig, dict(BLOCK_G=_pow2(g), BLOCK_D=_pow2(d)), ("part_ptr", "lse_ptr", "out_ptr")
+
+
+def _lowrank_signature(dtype: torch.dtype, page: int, g: int, d: int, rank: int):
+    sig = {name: "i32" for name in _lowrank_page_lse_kernel.arg_names}
+    sig.update(q_ptr="*" + _TL[dtype], qp_ptr="*fp32", scale_ptr="*fp32", codes_ptr="*i8", valid_ptr="*u8",
+               plse_ptr="*fp32", scaling="fp32")
+    const = dict(PAGE=page, BLOCK_P=lowrank_block_p(page), BLOCK_G=_pow2(g), BLOCK_D=_pow2(d), BLOCK_R=_pow2(rank),
+                 sq_d=1, sqp_r=1, ssc_r=1, scd_t=1, sva_t=1)
+    for name in const:
+        sig[name] = "constexpr"
+    return sig, const, ("q_ptr", "qp_ptr", "scale_ptr", "codes_ptr", "valid_ptr", "plse_ptr")
+
+
+def _mass_signature(g: int):
+    sig = dict(plse_ptr="*fp32", out_ptr="*fp32", G="i32", P="i32", BLOCK_G="constexpr", BLOCK_P="constexpr")
+    return sig, dict(BLOCK_G=_pow2(g), BLOCK_P=128), ("plse_ptr", "out_ptr")
+
+
+def sm90_configs() -> dict[str, tuple]:
+    """Every kernel in the shapes KVDrive runs (Llama-3-8B: G 4, D 128; SmolLM2-135M: G 3, D 64;
+    pages of 16; low-rank rank 16 / 32): name -> (kernel, signature, constants, divisible)."""
+    configs = {}
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for g, d in ((4, 128), (3, 64)):
+            configs[f"attention {_TL[dtype]} G{g} D{d}"] = (_sparse_attention_kernel,
+                                                            *_attention_signature(dtype, 16, g, d))
+    configs["merge G4 D128"] = (_merge_kernel, *_merge_signature(4, 128))
+    for dtype, g, d, rank in ((torch.float16, 4, 128, 32), (torch.bfloat16, 3, 64, 16)):
+        configs[f"lowrank {_TL[dtype]} G{g} D{d} R{rank}"] = (_lowrank_page_lse_kernel,
+                                                               *_lowrank_signature(dtype, 16, g, d, rank))
+    configs["lowrank mass G4"] = (_lowrank_mass_kernel, *_mass_signature(4))
+    return configs
+
+
+def sm90_reports() -> dict[str, dict]:
+    """:func:`compile_report` of every :func:`sm90_configs` entry."""
+    return {name: compile_report(kernel, sig, const, divisible=div)
+            for name, (kernel, sig, const, div) in sm90_configs().items()}
+
+
+if __name__ == "__main__":  # python -m kvdrive.kernels.triton_kernels: the sm_90 resource report as JSON
+    import json
+
+    print(json.dumps(sm90_reports(), indent=1))

@@ -1,0 +1,99 @@
+"""attach(kernels="triton") under Triton's interpreter decodes as kernels="cpu" does.
+
+The Triton kernels (attention, low-rank scoring) run on CPU tensors here, under the
+interpreter; they have not run on a GPU yet. The interpreter is chosen when triton is
+first imported, and torch imports it early (``torch._dynamo``, which these tests' model
+fixtures load): run with ``TRITON_INTERPRET=1`` in the environment; without it these
+tests are skipped.
+"""
+
+import pytest
+import torch
+
+from kvdrive_client import attach
+
+from test_attach_tiny import generate, left_padded
+from test_smollm2 import batch_from, max_logit_diff
+
+pytest.importorskip("triton")
+try:
+    from kvdrive.kernels import triton_kernels as tk
+    NOT_INTERPRETED = None if tk.INTERPRETED else (
+        "the Triton kernels need Triton's interpreter here: run with TRITON_INTERPRET=1 in the environment "
+        "(torch._dynamo imports triton, before this module)")
+except ImportError as e:
+    NOT_INTERPRETED = f"the Triton kernels do not load: {e}"
+pytestmark = pytest.mark.skipif(NOT_INTERPRETED is not None, reason=NOT_INTERPRETED or "")
+
+NEW = 8
+# Logits: both sets compute in float32; the CPU's low-rank exponential is a polynomial
+# (1e-4 relative) and the sums run in other orders (the CPU attends in two parts).
+TINY_LOGIT_TOL = 1e-4
+SMOLLM2_LOGIT_TOL = 1e-3
+# SmolLM2 prompt length. The interpreter runs every program of every launch in Python, at a
+# cost per operation that hardly depends on the tiles' sizes: a decode step costs about the
+# same at any length, and the pair of tests below took 2.5 minutes at 512 tokens, 3.5 at 1024.
+SMOLLM2_TOKENS = 512
+
+
+@pytest.fixture
+def triton_calls(monkeypatch):
+    """Calls of each Triton kernel wrapper, counted."""
+    calls = {}
+
+    def counted(name):
+        fn = getattr(tk, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(tk, name, wrapper)
+
+    for name in ("sparse_attention", "dense_attention", "lowrank_scores", "lowrank_select"):
+        counted(name)
+    return calls
+
+
+def decode_with(kernels, model, store, ids, mask, **options):
+    handle = attach(model, store, kernels=kernels, **options)
+    try:
+        return generate(model, ids, mask, new=NEW), handle.stats()
+    finally:
+        handle.detach()
+
+
+def assert_alike(out, stats, tol, calls):
+    assert calls.get("sparse_attention", 0) > 0 and calls.get("lowrank_select", 0) > 0, calls
+    assert torch.equal(out["cpu"].sequences, out["triton"].sequences)
+    assert max_logit_diff(out["cpu"], out["triton"]) < tol
+    assert stats["triton"]["steps"] == NEW - 1
+    for key in ("hits", "misses", "attended_tokens"):
+        assert stats["cpu"][key] == stats["triton"][key], key
+
+
+# A random model's attention is near uniform, so low-rank page scores tie within the CPU
+# scorer's 1e-4 and a tie may break either way: the low-rank index at full budget here
+# (every page selected and fetched, no cache), sparse selection on SmolLM2.
+@pytest.mark.parametrize("lengths", [[900], [900, 610]], ids=["batch1", "batch2-padded"])
+def test_triton_and_cpu_kernels_decode_a_tiny_model_alike(daemon, make_tiny, triton_calls, lengths):
+    model = make_tiny("qwen2", layers=2)
+    ids, mask = left_padded(lengths)
+    out, stats = {}, {}
+    with daemon.client() as store:
+        for kernels in ("cpu", "triton"):
+            out[kernels], stats[kernels] = decode_with(kernels, model, store, ids, mask, index="lowrank", budget=1.0,
+                                                       cache_multiplier=0)
+    assert_alike(out, stats, TINY_LOGIT_TOL, triton_calls)
+
+
+@pytest.mark.parametrize("lengths", [[SMOLLM2_TOKENS], [SMOLLM2_TOKENS, SMOLLM2_TOKENS * 3 // 4]],
+                         ids=["batch1", "batch2-padded"])
+def test_triton_and_cpu_kernels_decode_smollm2_alike(smollm2, license_ids, daemon, triton_calls, lengths):
+    model, _ = smollm2
+    ids, mask = batch_from(license_ids, lengths, [3000, 9000][: len(lengths)])
+    out, stats = {}, {}
+    with daemon.client() as store:
+        for kernels in ("cpu", "triton"):
+            out[kernels], stats[kernels] = decode_with(kernels, model, store, ids, mask, budget=0.0625)
+    assert_alike(out, stats, SMOLLM2_LOGIT_TOL, triton_calls)
+    assert stats["triton"]["misses"] > 0
