@@ -239,7 +239,9 @@ class StoreClient:
 
     def register(self, size: int) -> SharedBuffer:
         """A new shared buffer of ``size`` bytes, registered with the daemon (a memfd)."""
-        buf = SharedBuffer(size)
+        return self._register(SharedBuffer(size))
+
+    def _register(self, buf):
         try:
             with self._session_lock:
                 buf.buf_id = self.session().register(buf)
@@ -258,15 +260,7 @@ class StoreClient:
         :class:`~kvdrive_client.errors.CudaUnavailableError` (its hello says
         ``cuda_ipc: false``). This path has never run on a GPU (see docs/protocol.md).
         """
-        buf = target if isinstance(target, CudaIpcBuffer) else CudaIpcBuffer.from_tensor(target)
-        try:
-            with self._session_lock:
-                buf.buf_id = self.session().register(buf)
-                self._buffers.append(buf)
-        except BaseException:
-            buf.close()
-            raise
-        return buf
+        return self._register(target if isinstance(target, CudaIpcBuffer) else CudaIpcBuffer.from_tensor(target))
 
     def unregister(self, buf: SharedBuffer | CudaIpcBuffer) -> None:
         with self._session_lock:

@@ -725,13 +725,21 @@ def micro_copy(device, sizes_mib: tuple[int, ...] = (8, 64)) -> dict:
     return result
 
 
-def stage_micro(ctx: Context, data: dict) -> None:
+def _stage_device(ctx: Context):
+    """The stage's torch device (refused when CUDA is asked for and torch sees none); no gradients."""
     import torch  # noqa: PLC0415
 
     device = torch.device(ctx.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("torch sees no CUDA device")
     torch.set_grad_enabled(False)
+    return device
+
+
+def stage_micro(ctx: Context, data: dict) -> None:
+    import torch  # noqa: PLC0415
+
+    device = _stage_device(ctx)
     shape, reps = (TINY, 3) if ctx.dry_run else (MicroShape(), 20)
     data["device"] = str(device)
     broken = None  # a CUDA error that outlives its call (an illegal address, say) fails all later work here
@@ -804,10 +812,7 @@ def stage_decode(ctx: Context, data: dict) -> None:
     from kvdrive.tools.decode_workload import SyntheticAttention  # noqa: PLC0415
     from kvdrive_client import connect  # noqa: PLC0415
 
-    device = torch.device(ctx.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("torch sees no CUDA device")
-    torch.set_grad_enabled(False)
+    device = _stage_device(ctx)
     if ctx.dry_run:
         cfg = bd.BenchConfig(quick=True, workloads=("b",), layers_b=1, context_b=2048, batch_b=2, steps_b=2,
                              warmup=bd.QUICK_WARMUP_STEPS)
