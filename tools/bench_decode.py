@@ -147,6 +147,7 @@ class BenchConfig:
     seed: int = 0
     text: Path | None = None
     warmup: int = WARMUP_STEPS
+    device: str = "cpu"  # workloads b and c: where the KV, the queries and the attention live
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "BenchConfig":
@@ -164,6 +165,11 @@ class BenchConfig:
             c = replace(c, workloads=tuple(args.workloads))
         if args.text is not None:
             c = replace(c, text=args.text)
+        if getattr(args, "device", None):
+            c = replace(c, device=args.device)
+        if c.device != "cpu" and "a" in c.workloads:
+            raise InputError(f"--device {c.device} runs the attention-only workloads b and c (workload a decodes "
+                             f"SmolLM2 on the CPU): add --workloads b,c")
         for name in ("context_a", "context_b"):
             if getattr(c, name) < 512 or getattr(c, name) % PAGE_SIZE:
                 raise InputError(f"--{name.replace('_', '-')} must be a multiple of {PAGE_SIZE} and >= 512")
@@ -534,18 +540,18 @@ def _attention_side_by_side(workload, configs: list[Config], dram: int, kv_bytes
             contextlib.ExitStack() as stack:
         sessions = []
         for c in configs:
-            kv = SparseKV(store, w.shape, batch=w.batch, **_options(c, cfg, w.batch))
+            kv = SparseKV(store, w.shape, batch=w.batch, device=cfg.device, **_options(c, cfg, w.batch))
             stack.callback(kv.close)
             sessions.append(kv)
         for layer in range(w.num_layers):
-            q_obs, keys, values = w.prefill_kv(layer)
+            q_obs, keys, values = (x.to(cfg.device) for x in w.prefill_kv(layer))
             for kv in sessions:
                 kv.prefill(layer, q_obs, keys, values)
             del q_obs, keys, values
         fed: list = []  # one step's inputs per layer, the same for every session
 
         def make_inputs(step: int) -> None:
-            fed[:] = [w.step(step, layer) for layer in range(w.num_layers)]
+            fed[:] = [tuple(x.to(cfg.device) for x in w.step(step, layer)) for layer in range(w.num_layers)]
 
         def take_step(j: int, _step: int) -> None:
             for layer, (q, k, v) in enumerate(fed):
@@ -615,7 +621,7 @@ def run_workloads_bc(cfg: BenchConfig, configs: list[Config], rows: list[Row], i
                         windows, info["b_profile_bytes"], info["b_profile_shrink"] = _attention_profile(base, store, steps)
                     _note(f"workload b: {tier}: {c.name} ({base.num_layers} layers x {base.context_tokens} tokens x batch {base.batch})")
                     seconds, stats, bb, used, overlap = _run_attention(base, c, store, steps, windows, cfg,
-                                                                       f"workload b: {tier}: {c.name}")
+                                                                       f"workload b: {tier}: {c.name}", cfg.device)
                 row = _row("b", c, tier, base.batch, steps, seconds, stats, bb, used)
                 row.overlap = overlap
                 b_rows.append(row)
@@ -633,7 +639,8 @@ def run_workloads_bc(cfg: BenchConfig, configs: list[Config], rows: list[Row], i
                 if c.name != "kvdrive+pipe":
                     continue
                 _note(f"workload c: dram {dram >> 20} MiB for {kv_bytes >> 20} MiB of KV: {c.name}")
-                seconds, stats, bb, used, _ = _run_attention(base, c, store, steps, windows, cfg, f"workload c: {c.name}")
+                seconds, stats, bb, used, _ = _run_attention(base, c, store, steps, windows, cfg, f"workload c: {c.name}",
+                                                             cfg.device)
                 rows.append(_row("c", c, "dram/3", base.batch, steps, seconds, stats, bb, used))
 
 
@@ -807,6 +814,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps-b", type=int, default=None, help="workload b/c measured decode steps after warm-up (default 12)")
     p.add_argument("--text", type=Path, default=None, help="text for workload a (default: the bundled license texts)")
     p.add_argument("--seed", type=int, default=None, help="seed of the synthetic workload (default 0)")
+    p.add_argument("--device", default=None,
+                   help="workloads b and c on this torch device, e.g. cuda (dense-in-HBM is then the dense row; "
+                        "default cpu)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write one row per workload x config x tier")
     p.add_argument("--png", type=Path, default=None, metavar="FILE", help="also draw tokens/s per configuration (matplotlib)")
 

@@ -73,6 +73,7 @@ def test_the_default_and_hierarchical_index_also_decode_side_by_side(capsys):
     (["--quick", "--steps-a", "2"], "warm-up"),
     (["--batches-a", "0"], "batch sizes"),
     (["--configs", "kvdrive+pipe,nope"], "unknown nope"),
+    (["--device", "cuda"], "add --workloads b,c"),
 ])
 def test_bad_options_are_refused_before_anything_runs(argv, message, capsys):
     assert main(["decode", *argv]) == 2
