@@ -167,6 +167,8 @@ class Session:
             ob.on_prefill_layer(layer, keys, values, query, mask)
         self.valid = planning.valid_from_mask(self.ctx, mask, keys.shape[2])
         if layer == 0:
+            # Left padding: a row's sink starts at its first page holding a real token.
+            self.ctx.first_page = self.valid.int().argmax(dim=1) // self.cfg.page_size
             self.io.create_sequences()
         finish_layer(self.ctx, self.io, layer, query, self.valid)
 

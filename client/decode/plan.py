@@ -39,11 +39,18 @@ def cache_capacity(ctx: Context, layer: int, first_local: int) -> tuple[int, tup
     return max(1, math.ceil(ctx.multiplier * k) + sink), None
 
 
+def sink_pages(ctx: Context, sink: int, first_local: int) -> torch.Tensor:
+    """``[B, sink]``: each row's sink, its first ``sink`` pages from its first real one (a
+    left-padded row's sink is its prompt's start, not the padding); -1 past the local window's start."""
+    pages = ctx.first_page[:, None] + torch.arange(sink, device=ctx.device)
+    return pages.masked_fill(pages >= first_local, -1)
+
+
 def _selectable(ctx: Context, valid: torch.Tensor, num_pages: int, sink: int, first_local: int) -> torch.Tensor:
-    """Pages a step may choose: between sink and local window, holding a real token."""
+    """Pages a step may choose: after the row's sink, before the local window, holding a real token."""
     s = ctx.cfg.page_size
-    sel = torch.zeros(ctx.batch, num_pages, dtype=torch.bool, device=ctx.device)
-    sel[:, sink:first_local] = True
+    page = torch.arange(num_pages, device=ctx.device)
+    sel = (page[None, :] >= (ctx.first_page + sink)[:, None]) & (page[None, :] < first_local)
     sel &= valid[:, : num_pages * s].reshape(ctx.batch, num_pages, s).any(dim=2)
     return sel.contiguous()
 
@@ -56,4 +63,5 @@ def build_plan(ctx: Context, valid: torch.Tensor, t: int, num_pages: int, micro_
     size = ctx.batch if ctx.observers else min(micro_batch, ctx.batch)  # observers see whole batches
     groups = [(lo, min(lo + size, ctx.batch)) for lo in range(0, ctx.batch, size)]
     selectable = _selectable(ctx, valid, num_pages, sink, first_local) if k else None
-    return StepPlan(ctx.step, valid, t, num_pages, first_local, sink, k, selectable, groups)
+    return StepPlan(ctx.step, valid, t, num_pages, first_local, sink, k, selectable, groups,
+                    sink_pages(ctx, sink, first_local))

@@ -47,7 +47,10 @@ def _seed_cache(ctx: Context, ls: LayerState, keys, values, score: torch.Tensor,
     if n == 0:
         return
     score = score[:, :, :first_local].clone()
-    score[:, :, :sink] = float("inf")  # sink pages always sit in the cache
+    page = torch.arange(first_local, device=score.device)
+    start = ctx.first_page[:, None]
+    in_sink = (page[None, :] >= start) & (page[None, :] < start + sink)  # a row's sink: its first real pages
+    score.masked_fill_(in_sink[:, None, :], float("inf"))  # sink pages always sit in the cache
     pages = score.topk(n, dim=2).indices
     b, h, t, d = keys.shape
     s = ctx.cfg.page_size

@@ -22,7 +22,7 @@ def choose(ctx: Context, plan: StepPlan, layer: int, mb: MicroBatch) -> None:
     selector = ls.selector if whole else ls.selector.rows(mb.lo, mb.hi)
     cached = ls.cache.slot_page[mb.lo : mb.hi]
     lookahead = ctx.cfg.eviction is EvictionPolicy.LOOKAHEAD and ls.cache.reuse
-    chosen = torch.arange(plan.sink, device=ctx.device).expand(mb.rows, ctx.shape.num_kv_heads, plan.sink)
+    chosen = plan.sink_pages[mb.lo : mb.hi, None, :].expand(mb.rows, ctx.shape.num_kv_heads, plan.sink)
     slot_scores = None
     if plan.k:
         picked, scores, slot_scores = selector.select_and_score(mb.query, plan.selectable[mb.lo : mb.hi], plan.k,

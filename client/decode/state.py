@@ -135,6 +135,7 @@ class Context:
     multiplier: float = 1.0  # device cache per (layer, KV head) as a multiple of a step's selection
     step: int = 0
     counts: DeviceCounts | None = None
+    first_page: torch.Tensor | None = None  # [B] each row's first page holding a real token (left padding)
 
     def __post_init__(self) -> None:
         self.counts = DeviceCounts(self.device)
@@ -153,6 +154,7 @@ class StepPlan:
     k: int  # pages selected per (row, KV head) besides the sink
     selectable: torch.Tensor | None  # [B, num_pages]: pages the step may choose (None when k == 0)
     groups: list[tuple[int, int]]  # micro-batches: row ranges [lo, hi)
+    sink_pages: torch.Tensor | None = None  # [B, sink]: each row's first real pages (-1: none)
 
     @property
     def attends_pages(self) -> bool:
