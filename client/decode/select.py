@@ -59,7 +59,7 @@ def to_host(ctx: Context, io: StoreIO, mb: MicroBatch) -> None:
     with the figures counted on the device and the decode pages ready for the store; put
     those pages; add the micro-batch's hits, misses and stage times to the session's figures."""
     counts, pages = ctx.counts.take(), io.take_pages()
-    extra = [t.view(torch.uint8) for t in (counts,) if t is not None] + ([pages[1]] if pages else [])
+    extra = ([] if counts is None else [counts.view(torch.uint8)]) + ([] if pages is None else [pages[1]])
     mb.host, tail = mb.placement.to_host(torch.cat(extra) if extra else None)
     if counts is not None:
         n = counts.numel() * counts.element_size()
