@@ -28,13 +28,13 @@ import mmap
 import os
 import stat
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from kvstored.checksum import verify_scatter
 from kvstored.copy import gather_scatter
+from kvstored.limits import BufferLimits
 from kvstored.protocol import ErrorCode, ProtocolError
 
 if TYPE_CHECKING:
@@ -84,14 +84,6 @@ class MappedBuffer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(buf_id={self.buf_id}, size={self.size})"
-
-
-@dataclass(frozen=True)
-class BufferLimits:
-    """What one session may register (see docs/protocol.md, Limits)."""
-
-    max_buffers: int = 64
-    max_bytes: int = 256 << 30
 
 
 class BufferRegistry:

@@ -1,63 +1,107 @@
-"""``kvstored``: the KVDrive storage daemon."""
+"""``kvstored``: the KVDrive storage daemon.
+
+Start-up runs in the order that lets a mistake cost its operator one line and no
+wait: the options (the command line over ``--config FILE``), the checks of
+kvstored/preflight.py (the SSD directory, the socket, the DRAM size), the metrics
+port, and only then the store, whose DRAM tier is pre-faulted (minutes for a large
+``--dram``). Nothing heavy is imported before the options are read: ``--help`` is fast.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
-from kvstored.buffers import BufferLimits
 from kvstored.config import ENGINES, DaemonConfig, SyncPolicy, default_runtime_dir, parse_size
-from kvstored.sessions import SessionLimits
+from kvstored.limits import BufferLimits, SessionLimits
+from kvstored.options import ConfigFileError, load_config_file
+
+if TYPE_CHECKING:
+    from kvstored.metrics import Metrics
 
 log = logging.getLogger("kvstored")
 
+# Exit codes: an option or config file kvstored cannot use; a host that cannot run it as configured.
+EXIT_USAGE = 2
+EXIT_CANNOT_START = 1
+
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every option's help states its default once, in the text itself ("(default: ...)")."""
     p = argparse.ArgumentParser(
         prog="kvstored",
         description="KVDrive storage daemon: holds every sequence's KV blocks in a DRAM tier and an SSD tier "
         "and serves sparse block reads to clients over ZeroMQ.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Every option but --config may also be set in the --config file (TOML; keys are the long option "
+        "names, e.g. ssd = \"/var/lib/kvstored\", dram = \"96G\"); the command line wins over the file.",
     )
-    p.add_argument("--ssd", required=True, metavar="DIR", help="directory of the SSD tier (data file, LMDB metadata)")
-    p.add_argument("--dram", required=True, metavar="SIZE", help="DRAM tier size, e.g. 512M or 96G (K/M/G/T = powers of 1024)")
-    p.add_argument("--ssd-max", default="1T", metavar="SIZE", help="cap on the SSD tier; puts past it get a 'full' error")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="read options from this TOML file (default: none; options come from the command line only)")
+    p.add_argument("--ssd", default=None, metavar="DIR",
+                   help="directory of the SSD tier (data file, LMDB metadata); required, here or in --config")
+    p.add_argument("--dram", default=None, metavar="SIZE",
+                   help="DRAM tier size, e.g. 512M or 96G (K/M/G/T = powers of 1024); required, here or in --config")
+    p.add_argument("--ssd-max", default="1T", metavar="SIZE",
+                   help="cap on the SSD tier; puts past it get a 'full' error (default: 1T)")
     p.add_argument("--index-max", default="4G", metavar="SIZE",
                    help="cap on the in-memory block index (32 bytes per (layer, head, page) of each sequence's page "
-                        "window); puts and creates past it get a 'full' error")
-    p.add_argument(
-        "--listen", default="", metavar="ADDR",
-        help=f"ipc://PATH or tcp://127.0.0.1:PORT (default ipc://{default_runtime_dir()}/kvstored.sock)",
-    )
+                        "window); puts and creates past it get a 'full' error (default: 4G)")
+    p.add_argument("--listen", default="", metavar="ADDR",
+                   help=f"ipc://PATH or tcp://127.0.0.1:PORT (default: ipc://{default_runtime_dir()}/kvstored.sock)")
     p.add_argument("--session-socket", default="", metavar="PATH",
                    help="the session socket clients open sessions and register buffers on (default: the ipc socket's "
                         "path + '.session', or kvstored.session in the runtime directory)")
     p.add_argument("--socket-mode", default="0660", metavar="MODE",
                    help="permissions of both sockets (octal): who may connect; what a client may touch is decided "
-                        "by its uid, which the kernel reports")
+                        "by its uid, which the kernel reports (default: 0660)")
     p.add_argument("--max-client-buffers", default="256G", metavar="SIZE",
-                   help="client buffer bytes one session may register")
+                   help="client buffer bytes one session may register (default: 256G)")
     p.add_argument("--max-mapped", default="16T", metavar="SIZE",
-                   help="client buffer bytes all sessions together may register (the daemon maps them)")
-    p.add_argument("--io-threads", type=int, default=8, help="threads issuing SSD reads (posix and kvikio engines)")
-    p.add_argument("--get-workers", type=int, default=4,
-                   help="gets that read the SSD served at once (small DRAM-only gets are served on the main thread)")
-    p.add_argument("--max-gap", default="64K", metavar="SIZE", help="read through holes up to this size when coalescing")
-    p.add_argument("--max-io", default="4M", metavar="SIZE", help="largest single read")
+                   help="client buffer bytes all sessions together may register (the daemon maps them) (default: 16T)")
+    p.add_argument("--io-threads", type=int, default=8, metavar="N",
+                   help="threads issuing SSD reads (posix and kvikio engines) (default: 8)")
+    p.add_argument("--get-workers", type=int, default=4, metavar="N",
+                   help="gets that read the SSD served at once (small DRAM-only gets are served on the main thread) "
+                        "(default: 4)")
+    p.add_argument("--max-gap", default="64K", metavar="SIZE",
+                   help="read through holes up to this size when coalescing (default: 64K)")
+    p.add_argument("--max-io", default="4M", metavar="SIZE", help="largest single read (default: 4M)")
     p.add_argument(
         "--sync", choices=SyncPolicy.ALL, default=SyncPolicy.DURABLE,
         help="durable: a put is acknowledged after fdatasync and an fsynced LMDB commit; "
-        "write-behind: acknowledged before, flushed within a second (a power loss may lose acknowledged puts)",
+        "write-behind: acknowledged before, flushed within a second (a power loss may lose acknowledged puts) "
+        f"(default: {SyncPolicy.DURABLE})",
     )
     p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="SSD read engine: auto takes kvikio where cuFile reports GPUDirect Storage active, else Linux AIO on an "
-                        "O_DIRECT file, else preadv on --io-threads threads")
-    p.add_argument("--no-direct", action="store_true", help="buffered I/O instead of O_DIRECT (reads may hit the page cache)")
+                        "O_DIRECT file, else preadv on --io-threads threads (default: auto)")
+    p.add_argument("--no-direct", action="store_true",
+                   help="buffered I/O instead of O_DIRECT (reads may hit the page cache) (default: O_DIRECT)")
+    p.add_argument("--metrics", default="", metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics, e.g. 127.0.0.1:9464 (default: none)")
     p.add_argument("--parent-pid", type=int, default=0, metavar="PID",
-                   help="shut down when process PID is no longer this daemon's parent (embedded daemons use it)")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+                   help="shut down when process PID is no longer this daemon's parent (embedded daemons use it) "
+                        "(default: 0, none)")
+    p.add_argument("--ephemeral-dir", default=None, metavar="DIR",
+                   help="a private directory holding --ssd, removed with everything in it when the daemon stops "
+                        "(embedded daemons use it, with --parent-pid) (default: none)")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="least severe log messages written to stderr (default: INFO)")
     return p
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The command line over ``--config``'s file; raises :class:`ConfigFileError` for a file it cannot use."""
+    args = parser.parse_args(argv)
+    if args.config:
+        parser.set_defaults(**load_config_file(args.config, parser))
+        args = parser.parse_args(argv)
+    for name in ("ssd", "dram"):
+        if getattr(args, name) is None:
+            parser.error(f"--{name} is required: give it on the command line or in the --config file")
+    return args
 
 
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:
@@ -75,10 +119,12 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         engine=args.engine,
         direct_io=not args.no_direct,
         parent_pid=args.parent_pid,
+        ephemeral_dir=args.ephemeral_dir,
         session_socket=args.session_socket,
         socket_mode=_octal(args.socket_mode),
         session_limits=SessionLimits(buffers=BufferLimits(max_bytes=parse_size(args.max_client_buffers))),
         max_mapped_bytes=parse_size(args.max_mapped),
+        metrics_address=args.metrics,
     )
 
 
@@ -90,28 +136,60 @@ def _octal(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        args = parse_args(parser, argv)
+    except ConfigFileError as exc:
+        print(f"kvstored: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         cfg = config_from_args(args)
     except ValueError as exc:
         print(f"kvstored: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    if args.config:
+        log.info("options from %s (flags on the command line win)", args.config)
+    from kvstored.preflight import PreflightError, run_checks  # noqa: PLC0415 - keep --help fast
+
+    try:
+        run_checks(cfg, str(args.dram))
+    except PreflightError as exc:
+        log.error("cannot start: %s", exc)
+        return EXIT_CANNOT_START
+    metrics = None
+    if cfg.metrics_endpoint is not None:
+        from kvstored.metrics import Metrics, MetricsPortError  # noqa: PLC0415
+
+        metrics = Metrics()
+        try:
+            metrics.serve(*cfg.metrics_endpoint)
+        except MetricsPortError as exc:
+            log.error("cannot start: %s", exc)
+            return EXIT_CANNOT_START
+    try:
+        return _serve(cfg, metrics)
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+def _serve(cfg: DaemonConfig, metrics: "Metrics | None") -> int:
     from kvstored.server import Server, install_signal_handlers  # noqa: PLC0415 - keep --help fast
 
     try:
-        server = Server(cfg)
+        server = Server(cfg, metrics)
     except Exception as exc:  # start-up failures are reported plainly, not as a traceback
         log.error("cannot start: %s", startup_reason(exc))
         log.debug("cannot start", exc_info=True)
-        return 1
+        return EXIT_CANNOT_START
     try:
         server.bind()
     except Exception as exc:  # a socket directory refused, another daemon on the socket, ...
         log.error("cannot start: %s", startup_reason(exc))
         log.debug("cannot start", exc_info=True)
         server.store.close()
-        return 1
+        return EXIT_CANNOT_START
     install_signal_handlers(server)
     server.serve_forever()
     return 0

@@ -8,7 +8,9 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstored.sessions import SessionLimits
+# Shared with the clients: connect() with no address finds a daemon started without --listen.
+from kvdrive.protocol.address import default_runtime_dir
+from kvstored.limits import SessionLimits
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
@@ -32,9 +34,14 @@ def format_size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def default_runtime_dir() -> Path:
-    base = os.environ.get("RUNTIME_DIRECTORY") or os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvdrive-{os.getuid()}"
-    return Path(base.split(":")[0])
+def parse_host_port(text: str, option: str = "--metrics") -> tuple[str, int]:
+    """'127.0.0.1:9464' -> ('127.0.0.1', 9464); an IPv6 host goes in brackets: '[::1]:9464'."""
+    host, sep, port = str(text).rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{option} {text!r} is not HOST:PORT with a port in 1..65535 (e.g. 127.0.0.1:9464)")
+    return host, int(port)
 
 
 class UnsafeDirectoryError(RuntimeError):
@@ -103,6 +110,8 @@ class DaemonConfig:
     engine: str = "auto"
     # Stop when this process is no longer our parent (a private daemon outliving a crashed client).
     parent_pid: int = 0
+    # A private daemon's own directory (kvdrive_client.embedded), holding ssd_dir: removed at shutdown.
+    ephemeral_dir: Path | None = None
     # The session socket (kvstored/sessions.py); default: beside an ipc socket, else in the runtime directory.
     session_socket: str = ""
     # Both sockets: owner and group may connect by default; what a client may touch is decided by its uid.
@@ -110,6 +119,8 @@ class DaemonConfig:
     session_limits: SessionLimits = field(default_factory=SessionLimits)
     # Client buffers all sessions together may map.
     max_mapped_bytes: int = 16 << 40
+    # HOST:PORT of the Prometheus endpoint (kvstored/metrics.py); empty: none.
+    metrics_address: str = ""
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -138,10 +149,21 @@ class DaemonConfig:
             raise ValueError(f"--max-mapped must be at least 1M, got {self.max_mapped_bytes}")
         if self.session_limits.buffers.max_bytes < 4096:
             raise ValueError(f"--max-client-buffers must be at least 4K, got {self.session_limits.buffers.max_bytes}")
+        if self.ephemeral_dir is not None:
+            object.__setattr__(self, "ephemeral_dir", Path(self.ephemeral_dir))
+            if not self.ephemeral_dir.is_absolute() or not self.ssd_dir.is_relative_to(self.ephemeral_dir):
+                raise ValueError(f"--ephemeral-dir {self.ephemeral_dir} must be an absolute path that contains --ssd "
+                                 f"{self.ssd_dir} (it is removed, with everything in it, when the daemon stops)")
+        if self.metrics_address:
+            parse_host_port(self.metrics_address)
         if self.address and not (self.address.startswith("ipc://") or self.address.startswith("tcp://127.")):
             raise ValueError(
                 f"--listen {self.address!r}: use ipc://PATH or tcp://127.0.0.1:PORT (the daemon serves this host only)"
             )
+
+    @property
+    def metrics_endpoint(self) -> tuple[str, int] | None:
+        return parse_host_port(self.metrics_address) if self.metrics_address else None
 
     @property
     def session_socket_path(self) -> Path:

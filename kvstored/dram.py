@@ -9,6 +9,7 @@ least recently used); this class only owns the bytes and the free slots.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import threading
@@ -16,10 +17,16 @@ import threading
 import numpy as np
 
 from kvdrive.layout.allocator import ExtentAllocator, SpaceError
+from kvstored.config import format_size
+from kvstored.files import StoreOpenError
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 << 20
+
+
+class DramAllocationError(StoreOpenError):
+    """The DRAM tier could not be mapped: ``--dram`` asks for more than the kernel gives."""
 
 
 class DramTier:
@@ -27,7 +34,15 @@ class DramTier:
         self.capacity = capacity
         self.lock = threading.Lock()
         if capacity:
-            self._map = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            try:
+                self._map = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            except OSError as exc:
+                if exc.errno != errno.ENOMEM:
+                    raise
+                raise DramAllocationError(
+                    f"--dram {format_size(capacity)}: the kernel refused to map that much memory (ENOMEM); "
+                    "choose a smaller --dram"
+                ) from None
             # Gets touch scattered blocks all over the arena: 2 MiB pages spare most of
             # the TLB misses that 4 KiB pages would cost. Asked for before the first
             # touch, so the faults below already allocate huge pages where the kernel has them.
@@ -41,6 +56,11 @@ class DramTier:
         self._chunks = ExtentAllocator(capacity, align=4096)
         self._free: dict[int, list[int]] = {}
         self._resident: dict[int, int] = {}
+
+    def usage(self) -> tuple[int, int]:
+        """(bytes, blocks) held now, read under the lock (for a reader on another thread)."""
+        with self.lock:
+            return sum(bb * n for bb, n in self._resident.items()), sum(self._resident.values())
 
     @property
     def used_bytes(self) -> int:

@@ -162,7 +162,8 @@ def lock_exclusive(fd: int, path: Path, store: Path) -> None:
     except BlockingIOError:
         pid = _flock_holder(fd)
         who = f"pid {pid}" if pid else "pid unknown"
-        raise StoreBusyError(f"another kvstored ({who}) serves {store}: it holds {path.name} locked") from None
+        raise StoreBusyError(f"another kvstored ({who}) serves {store}: it holds {path.name} locked; stop it or "
+                             "choose another --ssd") from None
 
 
 def _flock_holder(fd: int) -> int | None:

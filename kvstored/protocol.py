@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from kvdrive.protocol import (
 __all__ = [
     "GET_ARRAYS", "MAX_HEADER_BYTES", "MAX_LAYERS_PER_PUT", "MAX_LIST", "MAX_NAME_BYTES", "MAX_SEQS_PER_GET",
     "PROTOCOL_VERSION", "PUT_ARRAYS", "SESSION_TOKEN_BYTES", "ErrorCode", "Op", "encode", "error_reply", "ok_reply",
-    "request_frames", "ProtocolError", "Hello", "Create", "OpenSeq", "ListSeqs", "Delete", "Put", "Get", "Stats",
+    "request_frames", "ProtocolError", "ErrorTally", "Hello", "Create", "OpenSeq", "ListSeqs", "Delete", "Put", "Get", "Stats",
     "Request", "Envelope", "parse_request", "RegisterMemfd", "RegisterCudaIpc", "parse_register",
 ]
 
@@ -42,6 +43,22 @@ class ProtocolError(Exception):
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class ErrorTally:
+    """Error replies sent, by code, since the daemon started (any thread may count)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(ErrorCode, 0)
+
+    def add(self, code: ErrorCode | str) -> None:
+        with self._lock:
+            self._counts[ErrorCode(code)] += 1
+
+    def snapshot(self) -> dict[ErrorCode, int]:
+        with self._lock:
+            return dict(self._counts)
 
 
 # ---------------------------------------------------------------- requests

@@ -22,13 +22,14 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import zmq
 
@@ -36,10 +37,14 @@ from kvstored import cuda_ipc
 from kvstored.config import DaemonConfig, SyncPolicy, check_private_dir
 from kvstored.protocol import (
     Create, Delete, Envelope, ErrorCode, Get, Hello, ListSeqs, OpenSeq, ProtocolError, Put, Stats,
-    error_reply, ok_reply, parse_request,
+    ErrorTally, error_reply, ok_reply, parse_request,
 )
+from kvstored.preflight import daemon_answers
 from kvstored.sessions import Session, SessionServer, SessionTable
 from kvstored.store import PreparedPut, Store
+
+if TYPE_CHECKING:
+    from kvstored.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +65,13 @@ SHUTDOWN_LINGER_MS = 5000
 
 
 class Server:
-    def __init__(self, cfg: DaemonConfig) -> None:
+    def __init__(self, cfg: DaemonConfig, metrics: "Metrics | None" = None) -> None:
         self.cfg = cfg
+        # Error replies by code; with --metrics, also get and put latencies (kvstored/metrics.py).
+        self.errors = ErrorTally()
+        self.metrics = metrics
+        self._observe_get = metrics.get_latency.observe if metrics is not None else _ignore
+        self._observe_put = metrics.put_latency.observe if metrics is not None else _ignore
         self.address = cfg.bind_address
         self.store = Store(cfg)
         self.cuda_ipc = cuda_ipc.probe()  # once: whether CUDA IPC buffers can be served, logged with why
@@ -77,6 +87,8 @@ class Server:
         self._queues: dict[bytes, deque] = {}
         self._in_flight: Counter[bytes] = Counter()
         self._session_server: SessionServer | None = None
+        if metrics is not None:
+            metrics.watch(self)
 
     # ------------------------------------------------------------ life cycle
 
@@ -86,7 +98,7 @@ class Server:
         if self.address.startswith("ipc://"):
             path = Path(self.address[len("ipc://"):])
             check_private_dir(path.parent, create=True)
-            _refuse_live_socket(path, self.ctx)
+            _refuse_live_socket(path)
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, 2 * self.cfg.max_message_bytes)
@@ -99,7 +111,7 @@ class Server:
                           "max_message_bytes": self.cfg.max_message_bytes,
                           # register may name a CUDA allocation by its IPC handle (kvstored/cuda_ipc.py)
                           "cuda_ipc": self.cuda_ipc.available}
-        self._session_server = SessionServer(session_path, self.sessions, self.cfg.socket_mode)
+        self._session_server = SessionServer(session_path, self.sessions, self.cfg.socket_mode, self.errors)
         self._session_server.start()
         log.info("kvstored %d serving %s, sessions on %s (instance %s)", os.getpid(), self.address,
                  session_path, self.sessions.instance)
@@ -128,13 +140,15 @@ class Server:
         self._shutdown()
 
     def _shutdown(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()  # before the store closes under a scrape
         waiting = sum(len(q) for q in self._queues.values())
         log.info("shutting down: finishing started work, refusing %d requests not started", waiting)
         for ident, q in self._queues.items():
             while q:
                 env_or_frames = q.popleft()
                 req_id = _peek_id(env_or_frames)
-                self.router.send_multipart([ident, *error_reply(req_id, ErrorCode.UNAVAILABLE, "kvstored is shutting down")])
+                self.router.send_multipart([ident, *self._error(req_id, ErrorCode.UNAVAILABLE, "kvstored is shutting down")])
         self._queues.clear()
         self._pool.shutdown(wait=True)
         self._writes.put(_STOP)
@@ -154,6 +168,11 @@ class Server:
             Path(self.address[len("ipc://"):]).unlink(missing_ok=True)
         self.store.close()
         self.ctx.term()
+        if self.cfg.ephemeral_dir is not None:
+            # A private daemon's directory (kvdrive_client.embedded): its client is gone or done with it.
+            shutil.rmtree(self.cfg.ephemeral_dir, ignore_errors=True)
+            if self.cfg.ephemeral_dir.exists():
+                log.warning("could not remove all of the private directory %s", self.cfg.ephemeral_dir)
         log.info("kvstored stopped cleanly")
 
     # ------------------------------------------------------------ main thread
@@ -170,7 +189,7 @@ class Server:
                 q = self._queues[ident] = deque()
             if len(q) >= MAX_QUEUED:
                 self.store.counters["requests_busy"] += 1
-                self.router.send_multipart([ident, *error_reply(
+                self.router.send_multipart([ident, *self._error(
                     _peek_id(body), ErrorCode.BUSY,
                     f"this connection has {len(q)} requests waiting (limit {MAX_QUEUED}); wait for replies",
                 )])
@@ -204,6 +223,7 @@ class Server:
 
     def _handle(self, ident: bytes, body: list) -> None:
         req_id = None
+        t0 = time.perf_counter()
         try:
             env = parse_request(body, self.cfg.max_message_bytes, self.cfg.max_blocks_per_request)
             req_id, req = env.req_id, env.request
@@ -217,24 +237,31 @@ class Server:
                     # A DRAM-only get is a copy of a few MiB at most: served here, it saves
                     # two thread hand-offs (to a worker, and its reply back), about half of
                     # a small get's round trip on a busy host.
-                    self.router.send_multipart([ident, *ok_reply(req_id, **self.store.get(req, session))])
+                    reply = ok_reply(req_id, **self.store.get(req, session))
                     self.store.counters["gets_inline"] += 1
+                    self._observe_get(time.perf_counter() - t0)  # before the reply: a scrape after it sees this get
+                    self.router.send_multipart([ident, *reply])
                 else:
                     self._in_flight[ident] += 1
-                    self._pool.submit(self._run, ident, env, lambda: self.store.get(req, session))
+                    self._pool.submit(self._run, ident, env, lambda: self.store.get(req, session), self._observe_get, t0)
             elif isinstance(req, (Put, Create, Delete)):
                 self._in_flight[ident] += 1
-                self._writes.put((ident, env, session))
+                self._writes.put((ident, env, session, t0))
             else:
                 self.router.send_multipart([ident, *ok_reply(req_id, **self._inline(req, session))])
         except ProtocolError as exc:
             req_id = getattr(exc, "req_id", req_id)
             self.store.counters["bad_requests"] += 1
             log.debug("refused request %s: %s", req_id, exc)
-            self.router.send_multipart([ident, *error_reply(req_id, exc.code, str(exc))])
+            self.router.send_multipart([ident, *self._error(req_id, exc.code, str(exc))])
         except Exception as exc:  # keep serving everyone else; the client gets the reason
             log.exception("internal error on request %s", req_id)
-            self.router.send_multipart([ident, *error_reply(req_id, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")])
+            self.router.send_multipart([ident, *self._error(req_id, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")])
+
+    def _error(self, req_id: int | None, code: ErrorCode, message: str) -> list:
+        """An error reply's frames, counted by code (any thread)."""
+        self.errors.add(code)
+        return error_reply(req_id, code, message)
 
     def _hello(self) -> dict:
         return {**self.store.hello(), **self._identity}
@@ -262,16 +289,20 @@ class Server:
                 self._push_sockets.append(sock)
         sock.send_multipart(frames)
 
-    def _run(self, ident: bytes, env: Envelope, fn: Callable[[], dict]) -> None:
+    def _run(self, ident: bytes, env: Envelope, fn: Callable[[], dict],
+             observe: Callable[[float], None] | None = None, t0: float = 0.0) -> None:
         req_id = env.req_id
         try:
             _check_deadline(env)
-            self._send([ident, *ok_reply(req_id, **fn())])
+            reply = ok_reply(req_id, **fn())
+            if observe is not None:
+                observe(time.perf_counter() - t0)
+            self._send([ident, *reply])
         except ProtocolError as exc:
-            self._send([ident, *error_reply(req_id, exc.code, str(exc))])
+            self._send([ident, *self._error(req_id, exc.code, str(exc))])
         except Exception as exc:
             log.exception("internal error on request %s", req_id)
-            self._send([ident, *error_reply(req_id, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")])
+            self._send([ident, *self._error(req_id, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")])
 
     def _writer_loop(self) -> None:
         dirty_since: float | None = None
@@ -299,18 +330,18 @@ class Server:
                     dirty_since = None
 
     def _write_batch(self, batch: list) -> None:
-        prepared: list[tuple[bytes, int, PreparedPut]] = []
-        for ident, env, session in batch:
+        prepared: list[tuple[bytes, int, PreparedPut, float]] = []
+        for ident, env, session, t0 in batch:
             req_id, req = env.req_id, env.request
             if isinstance(req, Put):
                 try:
                     _check_deadline(env)
-                    prepared.append((ident, req_id, self.store.prepare_put(req, session)))
+                    prepared.append((ident, req_id, self.store.prepare_put(req, session), t0))
                 except ProtocolError as exc:
-                    self._send([ident, *error_reply(req_id, exc.code, str(exc))])
+                    self._send([ident, *self._error(req_id, exc.code, str(exc))])
                 except Exception as exc:
                     log.exception("internal error preparing put %s", req_id)
-                    self._send([ident, *error_reply(req_id, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")])
+                    self._send([ident, *self._error(req_id, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")])
             else:
                 # Catalog changes commit on their own, after the puts gathered so far.
                 self._commit(prepared)
@@ -319,7 +350,7 @@ class Server:
                 self._run(ident, env, lambda fn=fn, req=req: fn(req, session.uid))
         self._commit(prepared)
 
-    def _commit(self, prepared: list[tuple[bytes, int, PreparedPut]]) -> None:
+    def _commit(self, prepared: list[tuple[bytes, int, PreparedPut, float]]) -> None:
         """Commit a write group; every put of it is told what became of it.
 
         Only the shared commit (fsync, LMDB) fails the whole group, and then none of it is
@@ -328,21 +359,22 @@ class Server:
         if not prepared:
             return
         try:
-            refused = self.store.commit_puts([p for _, _, p in prepared])
+            refused = self.store.commit_puts([p for _, _, p, _ in prepared])
         except ProtocolError as exc:
             log.error("commit of %d puts failed: %s", len(prepared), exc)
-            for ident, req_id, _ in prepared:
-                self._send([ident, *error_reply(req_id, exc.code, str(exc))])
+            for ident, req_id, _, _ in prepared:
+                self._send([ident, *self._error(req_id, exc.code, str(exc))])
             return
         except Exception as exc:
             log.exception("commit of %d puts failed", len(prepared))
-            for ident, req_id, _ in prepared:
-                self._send([ident, *error_reply(req_id, ErrorCode.INTERNAL, f"commit failed: {exc.__class__.__name__}: {exc}")])
+            for ident, req_id, _, _ in prepared:
+                self._send([ident, *self._error(req_id, ErrorCode.INTERNAL, f"commit failed: {exc.__class__.__name__}: {exc}")])
             return
-        for i, (ident, req_id, p) in enumerate(prepared):
+        for i, (ident, req_id, p, t0) in enumerate(prepared):
             if i in refused:
-                self._send([ident, *error_reply(req_id, refused[i].code, str(refused[i]))])
+                self._send([ident, *self._error(req_id, refused[i].code, str(refused[i]))])
             else:
+                self._observe_put(time.perf_counter() - t0)
                 self._send([ident, *ok_reply(req_id, blocks=len(p.pages))])
 
 
@@ -364,18 +396,17 @@ def _peek_id(body: list) -> int | None:
         return None
 
 
-def _refuse_live_socket(path: Path, ctx: zmq.Context) -> None:
+def _refuse_live_socket(path: Path) -> None:
+    """The preflight check again (another daemon may have started since), then a stale socket file goes."""
     if path.exists():
-        probe = ctx.socket(zmq.DEALER)
-        probe.setsockopt(zmq.LINGER, 0)
-        probe.connect(f"ipc://{path}")
-        probe.send(b"\x80")
-        alive = probe.poll(300, zmq.POLLIN)
-        probe.close()
-        if alive:
-            raise RuntimeError(f"another kvstored is serving ipc://{path}")
+        if daemon_answers(f"ipc://{path}"):
+            raise RuntimeError(f"another kvstored is serving ipc://{path}; stop it or choose another --listen")
         log.info("removing stale socket %s", path)
         path.unlink()
+
+
+def _ignore(_: float) -> None:
+    pass
 
 
 def install_signal_handlers(server: Server) -> None:

@@ -54,27 +54,15 @@ from typing import Callable
 
 import msgpack
 
-from kvstored.buffers import BufferLimits, BufferRegistry, MappedBudget, MappedBuffer
+from kvstored.buffers import BufferRegistry, MappedBudget, MappedBuffer
 from kvstored.cuda_ipc import CudaIpc, unavailable
-from kvstored.protocol import PROTOCOL_VERSION, ErrorCode, ProtocolError, RegisterCudaIpc, parse_register
+from kvstored.limits import SessionLimits
+from kvstored.protocol import PROTOCOL_VERSION, ErrorCode, ErrorTally, ProtocolError, RegisterCudaIpc, parse_register
 
 log = logging.getLogger(__name__)
 
 MAX_PACKET = 4096
 _UCRED = struct.Struct("3i")  # pid, uid, gid
-
-
-@dataclass(frozen=True)
-class SessionLimits:
-    max_sessions: int = 1024
-    max_sessions_per_uid: int = 64
-    buffers: BufferLimits = field(default_factory=BufferLimits)
-
-    def to_dict(self) -> dict:
-        return {
-            "max_sessions": self.max_sessions, "max_sessions_per_uid": self.max_sessions_per_uid,
-            "max_buffers": self.buffers.max_buffers, "max_buffer_bytes": self.buffers.max_bytes,
-        }
 
 
 @dataclass
@@ -149,13 +137,20 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._by_token)
 
+    def buffer_count(self) -> int:
+        """Buffers registered now, all sessions (their bytes: ``budget.used``)."""
+        with self._lock:
+            sessions = list(self._by_token.values())
+        return sum(len(s.buffers) for s in sessions)
+
 
 class SessionServer:
     """The session socket: accepts connections, opens sessions, takes buffer descriptors."""
 
-    def __init__(self, path: Path, table: SessionTable, mode: int) -> None:
+    def __init__(self, path: Path, table: SessionTable, mode: int, errors: ErrorTally | None = None) -> None:
         self.path = path
         self.table = table
+        self.errors = errors if errors is not None else ErrorTally()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         path.unlink(missing_ok=True)
         self._listener.bind(str(path))
@@ -235,6 +230,8 @@ class SessionServer:
                 reply = _error(ErrorCode.TOO_LARGE, f"a session message is at most {MAX_PACKET} bytes with one descriptor")
             else:
                 reply = self._handle(conn, msg, fds)
+            if not reply["ok"]:
+                self.errors.add(reply["code"])
             try:
                 conn.sendall(msgpack.packb(reply, use_bin_type=True))
             except OSError as exc:

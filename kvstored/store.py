@@ -889,7 +889,8 @@ def _lock_directory(path: Path) -> int:
     except BlockingIOError:
         other = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
-        raise StoreBusyError(f"another kvstored (pid {other or 'unknown'}) serves {path}") from None
+        raise StoreBusyError(f"another kvstored (pid {other or 'unknown'}) serves {path}; stop it or choose "
+                             "another --ssd") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
