@@ -2,8 +2,15 @@
 
 - :func:`attach` — make a transformers model decode through KVDrive.
 - :func:`connect` — the low-level client of ``kvstored``: sequences, block puts,
-  sparse gets into shared buffers.
+  sparse gets into shared buffers. ``connect()`` reaches the default daemon,
+  ``connect(None)`` starts a private one.
+- :class:`kvdrive_client.engine.SparseKV` — sparse decode attention for engines that
+  are not transformers.
+
+What ``Handle.stats()`` and ``StoreClient.stats()`` report is in docs/stats.md.
 """
+
+import importlib.metadata as _metadata
 
 from kvdrive_client.errors import (
     ChecksumError,
@@ -17,6 +24,11 @@ from kvdrive_client.errors import (
 )
 from kvdrive_client.store import PendingGet, Sequence, StoreClient, connect
 from kvdrive.layout.geometry import DType, Geometry
+
+try:
+    __version__ = _metadata.version("kvdrive")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed: pyproject.toml's version
+    __version__ = "0.1.0"
 
 __all__ = [
     "ChecksumError",

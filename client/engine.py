@@ -4,8 +4,10 @@ The engine runs its own model and its own dense prefill attention; KVDrive takes
 each layer's keys and values (post-RoPE) and, per decode step and layer, returns
 the attention output for the step's query::
 
+    from kvdrive_client import connect
     from kvdrive_client.engine import ModelShape, SparseKV
 
+    store = connect()                              # or connect(None): a private daemon
     kv = SparseKV(store, ModelShape(32, 8, 32, 128, torch.float16), batch=1, budget=0.0625)
     for layer in range(32):                      # prefill
         kv.prefill(layer, query, keys, values)   # [B, Hq, T, D], [B, H, T, D], [B, H, T, D]
@@ -14,7 +16,9 @@ the attention output for the step's query::
             out = kv.decode(layer, q, k, v)      # q [B, Hq, D], k/v [B, H, D] -> [B, Hq, D]
     kv.close()
 
-``valid`` (``[B, T]`` bool) marks real tokens of left-padded rows at prefill.
+``valid`` (``[B, T]`` bool) marks real tokens of left-padded rows at prefill. Every
+layer's prefill comes before the first decode step, and each step calls ``decode``
+for layers 0, 1, ... in order (the first layer of a step plans it for all).
 """
 
 from __future__ import annotations
@@ -32,9 +36,16 @@ __all__ = ["ModelShape", "SparseKV"]
 
 
 class SparseKV:
-    """KVDrive for one batch: ``shape`` the model's (``ModelShape(num_layers, num_kv_heads,
-    num_q_heads, head_dim, dtype[, scaling])``, scaling default ``head_dim ** -0.5``);
-    ``options`` as :class:`~kvdrive_client.config.AttachConfig`'s."""
+    """KVDrive for one batch of ``batch`` sequences, from prefill to the end of decode.
+
+    ``store``: a :class:`~kvdrive_client.store.StoreClient` (``connect()``), left open
+    at :meth:`close`. ``shape``: the model's, ``ModelShape(num_layers, num_kv_heads,
+    num_q_heads, head_dim, dtype[, scaling])`` (scaling default ``head_dim ** -0.5``;
+    dtype float16, bfloat16 or float32, as the K/V handed in). ``device``: where K/V,
+    the index and the device cache live. ``options``: as
+    :class:`~kvdrive_client.config.AttachConfig`'s (``budget``, ``page_size``, ...).
+    The batch's store sequences are deleted at :meth:`close` unless ``keep=True``.
+    """
 
     def __init__(self, store: StoreClient, shape: ModelShape, batch: int, device: str | torch.device = "cpu",
                  **options) -> None:
@@ -48,18 +59,26 @@ class SparseKV:
 
     @property
     def stats(self) -> Counter:
-        """The session's figures so far (those counted on the device copied over first)."""
+        """The session's figures so far (those counted on the device copied over first); the
+        keys are those of ``Handle.stats()`` that the session counts (docs/stats.md)."""
         return self.session.fold_counts()
 
     def prefill(self, layer: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 valid: torch.Tensor | None = None) -> None:
-        """Store, index and cache one layer's prompt KV (the engine computed its attention)."""
+        """Store, index and cache one layer's prompt K/V (the engine computed its attention).
+
+        ``query`` ``[B, Hq, T, D]`` (the prompt's queries: the index is fitted to them and
+        page importance read from the last ones), ``keys``/``values`` ``[B, H, T, D]``
+        post-RoPE, ``valid`` ``[B, T]`` bool or None (every token real).
+        """
         self.session.update(keys, values, layer)
         mask = None if valid is None else valid[:, None, None, :]
         self.session.finish_prefill(layer, query, mask)
 
     def decode(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """Append one token's K/V and attend: ``[B, Hq, D]`` -> ``[B, Hq, D]``."""
+        """Append one token's K/V and attend: ``query`` ``[B, Hq, D]``, ``key``/``value``
+        ``[B, H, D]`` -> ``[B, Hq, D]``, exact softmax attention over the sink, the pages
+        selected for this step and the local window (the new token included)."""
         with self.session.decode_threads():
             self.session.update(key[:, :, None], value[:, :, None], layer)
             valid = self.session.valid
@@ -70,4 +89,6 @@ class SparseKV:
         return out[:, :, 0]
 
     def close(self) -> None:
+        """Write the pages completed while decoding, free the buffers, delete the sequences
+        (unless ``keep``); :attr:`stats` keeps the final figures."""
         self.session.close()

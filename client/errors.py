@@ -10,6 +10,8 @@ class KVDriveError(Exception):
 
 
 class StoreError(KVDriveError):
+    """An error of the store: the daemon's reply said so (``code`` is its error code), or no daemon answered."""
+
     code: ErrorCode = ErrorCode.INTERNAL
 
     def __init__(self, message: str, code: ErrorCode | None = None) -> None:
@@ -19,6 +21,8 @@ class StoreError(KVDriveError):
 
 
 class NotFoundError(StoreError, KeyError):
+    """No such sequence for this user, or a get named a block never put."""
+
     code = ErrorCode.NOT_FOUND
 
     def __str__(self) -> str:  # KeyError would quote the message
@@ -26,18 +30,26 @@ class NotFoundError(StoreError, KeyError):
 
 
 class ExistsError(StoreError):
+    """The sequence exists (with another geometry, or ``exist_ok`` was not given), or a put's block is stored already."""
+
     code = ErrorCode.EXISTS
 
 
 class StoreFullError(StoreError):
+    """The SSD tier reached ``--ssd-max`` (or its disk is full), or the block index ``--index-max``: delete sequences."""
+
     code = ErrorCode.FULL
 
 
 class ChecksumError(StoreError):
+    """A block read from the SSD does not match its CRC-32C: it is damaged (``kvstore-inspect --verify`` lists them)."""
+
     code = ErrorCode.CHECKSUM
 
 
 class BufferError_(StoreError):
+    """A registered buffer the daemon cannot use for the request (unknown, too small for the blocks)."""
+
     code = ErrorCode.BUFFER
 
 
@@ -46,7 +58,8 @@ class RequestError(StoreError):
 
 
 class StoreUnavailableError(StoreError):
-    """No daemon answered in time, or the daemon ended this client's session."""
+    """No daemon at the address (no socket there, or one nobody listens on), none answered in
+    time, or the daemon ended this client's session; the message says which, and how to start one."""
 
 
 class SessionLostError(StoreUnavailableError):
@@ -96,6 +109,7 @@ _BY_CODE = {
 
 
 def error_from_reply(reply: dict) -> StoreError:
+    """The error a failed reply stands for: one type per error code, the daemon's message kept."""
     try:
         code = ErrorCode(reply.get("code"))
     except ValueError:

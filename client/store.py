@@ -1,8 +1,13 @@
 """The low-level client of kvstored: sequences, puts, sparse gets.
 
-``connect(address)`` talks to a running daemon; ``connect(None)`` starts a private
-one in a temporary directory and stops it on :meth:`StoreClient.close`. One client
-may have many gets in flight (``get_async``); it is safe to share between threads.
+- ``connect()`` talks to the default daemon: ``$KVDRIVE_ADDRESS``, else the one a plain
+  ``kvstored --ssd DIR --dram SIZE`` started (``ipc://RUNTIME/kvstored.sock``), else the
+  systemd unit's (``ipc:///run/kvdrive/kvstored.sock``); see :mod:`kvdrive_client.locate`.
+- ``connect("ipc://PATH")`` (or ``tcp://127.0.0.1:PORT``) talks to that daemon.
+- ``connect(None)`` starts a private daemon in a temporary directory and stops it,
+  directory and all, on :meth:`StoreClient.close` (or when this process dies).
+
+One client may have many gets in flight (``get_async``); it is safe to share between threads.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from kvdrive.layout.geometry import Geometry
 from kvdrive_client.embedded import EmbeddedDaemon
 from kvdrive_client.channel import SessionChannel
 from kvdrive_client.errors import RequestError, SessionLostError, StoreUnavailableError, error_from_reply
+from kvdrive_client.locate import DEFAULT, Default, check_socket, resolve
 from kvdrive_client.shm import CudaIpcBuffer, SharedBuffer
 from kvdrive.protocol import BadReplyError, Op, decode_reply, request_frames
 
@@ -31,7 +37,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Sequence:
-    """A stored sequence: its uid (used in puts and gets) and geometry."""
+    """A stored sequence, as :meth:`StoreClient.create` or :meth:`StoreClient.open` returns it.
+
+    ``uid`` names it in puts and gets; ``ns``/``name`` are what it was created as;
+    ``num_blocks`` the blocks stored so far and ``complete_pages`` the pages stored for
+    every (layer, KV head), both as of the reply.
+    """
 
     uid: int
     ns: str
@@ -46,14 +57,22 @@ class Sequence:
 
 
 class PendingGet:
-    """A sparse get in flight; :meth:`wait` returns the daemon's summary."""
+    """A sparse get in flight (:meth:`StoreClient.get_async`)."""
 
     def __init__(self, client: "StoreClient", req_id: int) -> None:
         self._client = client
         self.req_id = req_id
 
     def wait(self, timeout: float | None = None) -> dict:
+        """Wait until the blocks are in the buffer; the daemon's summary of the get: ``n`` blocks,
+        of which ``dram`` came from the DRAM tier and ``ssd`` from the SSD in ``reads`` reads of
+        ``bytes_read`` bytes, in ``ms`` milliseconds of the daemon's time. Raises the store's error
+        (:class:`~kvdrive_client.errors.NotFoundError` for a block never put, ...) if it failed."""
         return self._client._wait(self.req_id, timeout)
+
+
+class PendingPut(PendingGet):
+    """A put in flight; :meth:`wait` returns the daemon's reply (``blocks``: how many it stored)."""
 
 
 ZERO_COPY_MIN_BYTES = 256 << 10
@@ -62,7 +81,14 @@ _SAFE_TO_RETRY = frozenset({Op.HELLO, Op.OPEN, Op.LIST, Op.STATS})
 
 
 class StoreClient:
-    """A connection to kvstored and one session on it.
+    """A connection to kvstored and one session on it; :func:`connect` makes one.
+
+    Sequences (:meth:`create`, :meth:`open`, :meth:`list`, :meth:`delete`) hold blocks:
+    a block is the K and V of one page of one (layer, KV head), addressed
+    ``(layer, head, page)``, ``geometry.block_bytes`` bytes (K then V, each
+    ``[page_size, head_dim]`` of the geometry's dtype). Blocks are written once
+    (:meth:`put`) and read in any sparse set (:meth:`get`, :meth:`get_async` into a
+    buffer from :meth:`register`). ``timeout`` (seconds) bounds every request.
 
     The session is opened on first use (see kvdrive_client.channel). When the daemon
     ends it (a restart, a crash), the client notices at once: a request waiting for
@@ -188,6 +214,7 @@ class StoreClient:
                 self._sent_in.pop(req_id, None)
 
     def call(self, op: Op, fields: dict | None = None, arrays: dict | None = None, timeout: float | None = None) -> dict:
+        """Send one request and wait for its reply (the methods below are made of this)."""
         try:
             return self._wait(self._submit(op, fields, arrays, timeout), timeout)
         except SessionLostError:
@@ -197,6 +224,7 @@ class StoreClient:
             return self._wait(self._submit(op, fields, arrays, timeout), timeout)
 
     def ping(self, timeout: float = 1.0) -> bool:
+        """Whether the daemon answers a hello within ``timeout`` seconds."""
         try:
             self.server_info = self.call(Op.HELLO, timeout=timeout)
             return True
@@ -206,10 +234,17 @@ class StoreClient:
     # ------------------------------------------------------------ sequences
 
     def create(self, ns: str, seq: str, geometry: Geometry, exist_ok: bool = False) -> Sequence:
+        """A new, empty sequence ``ns/seq`` of this user with ``geometry``.
+
+        One that exists raises :class:`~kvdrive_client.errors.ExistsError`, unless
+        ``exist_ok`` and its geometry is the same: then it is returned as it is.
+        """
         r = self.call(Op.CREATE, {"ns": ns, "seq": seq, "geometry": geometry.to_dict(), "exist_ok": exist_ok})
         return Sequence.from_reply(r)
 
     def open(self, ns: str, seq: str) -> Sequence:
+        """This user's sequence ``ns/seq`` (also one stored before a daemon restart);
+        :class:`~kvdrive_client.errors.NotFoundError` if there is none."""
         return Sequence.from_reply(self.call(Op.OPEN, {"ns": ns, "seq": seq}))
 
     def list(self, ns: str | None = None) -> list[dict]:
@@ -224,6 +259,7 @@ class StoreClient:
             after = r["sequences"][-1]["uid"]
 
     def delete(self, ns: str, seq: str) -> dict:
+        """Delete ``ns/seq`` and free its blocks; :class:`~kvdrive_client.errors.NotFoundError` if there is none."""
         return self.call(Op.DELETE, {"ns": ns, "seq": seq})
 
     def hello(self) -> dict:
@@ -233,6 +269,8 @@ class StoreClient:
         return self.server_info
 
     def stats(self) -> dict:
+        """The daemon's figures: its tiers, its counters since start, this user's sequence count
+        (every key, with its unit, in docs/stats.md)."""
         return self.call(Op.STATS)
 
     # ------------------------------------------------------------ buffers
@@ -263,6 +301,7 @@ class StoreClient:
         return self._register(target if isinstance(target, CudaIpcBuffer) else CudaIpcBuffer.from_tensor(target))
 
     def unregister(self, buf: SharedBuffer | CudaIpcBuffer) -> None:
+        """Tell the daemon to forget ``buf`` (it unmaps it) and free it here."""
         with self._session_lock:
             if buf in self._buffers:
                 self._buffers.remove(buf)
@@ -280,18 +319,38 @@ class StoreClient:
 
     # ------------------------------------------------------------ data
 
-    def put_from(self, seq: Sequence, layers, pages, buffer: SharedBuffer | CudaIpcBuffer, offset: int = 0,
-                 cluster=None, order=None, importance=None) -> int:
-        """Store blocks already laid out ``[layers, heads, pages, block_bytes]`` in ``buffer``."""
+    def put_async(self, seq: Sequence, layers, pages, buffer: SharedBuffer | CudaIpcBuffer, offset: int = 0,
+                  cluster=None, order=None, importance=None) -> PendingPut:
+        """Start storing blocks laid out ``[layers, heads, pages, block_bytes]`` in ``buffer`` at
+        ``offset``; those bytes must stay as they are until the returned put's ``wait()``
+        returns (the daemon reads them while it stores them). A put's errors are raised by
+        ``wait()``."""
         arrays = {}
         for name, arr, dtype in (("cluster", cluster, np.int32), ("order", order, np.int32), ("importance", importance, np.float32)):
             if arr is not None:
                 arrays[name] = np.ascontiguousarray(np.asarray(arr, dtype=dtype).ravel())
         fields = {"seq": seq.uid, "layers": _int_list(layers), "pages": _int_list(pages), "buf": buffer.buf_id, "offset": offset}
-        return self.call(Op.PUT, fields, arrays)["blocks"]
+        return PendingPut(self, self._submit(Op.PUT, fields, arrays))
+
+    def put_from(self, seq: Sequence, layers, pages, buffer: SharedBuffer | CudaIpcBuffer, offset: int = 0,
+                 cluster=None, order=None, importance=None) -> int:
+        """Store blocks already laid out ``[layers, heads, pages, block_bytes]`` in ``buffer`` at ``offset``
+        (no copy on this side); the other arguments as :meth:`put`'s. Returns the blocks stored."""
+        return self.put_async(seq, layers, pages, buffer, offset, cluster, order, importance).wait()["blocks"]
 
     def put(self, seq: Sequence, layers, pages, data, cluster=None, order=None, importance=None) -> int:
-        """Store ``data`` shaped ``[layers, heads, pages, ...]`` (numpy or torch, block_bytes per block)."""
+        """Store the blocks of ``layers`` x every KV head x ``pages``; returns how many.
+
+        ``data`` (numpy or torch, any dtype) holds ``len(layers) * num_kv_heads *
+        len(pages) * block_bytes`` bytes in that order: for example an array
+        ``[layers, heads, pages, 2, page_size, head_dim]`` of the geometry's dtype, K
+        before V in each block. Blocks are written once: a page already stored for one
+        of these (layer, head) is refused. Optional, one value per block
+        (``[layers, heads, pages]``): ``cluster`` (int) and ``order`` (int) say which
+        blocks the SSD layout packs side by side and in what order; ``importance``
+        (float) which ones the DRAM tier keeps first. Acknowledged once durable (see
+        docs/durability.md).
+        """
         raw = _as_bytes(data)
         g = seq.geometry
         expect = len(_int_list(layers)) * g.num_kv_heads * len(_int_list(pages)) * g.block_bytes
@@ -308,7 +367,7 @@ class StoreClient:
         Block i lands at ``offset + dst[i]`` (default ``offset + i * block_bytes``).
         ``seqs`` (uids, one per block) gathers blocks of several sequences of one block
         size in one request (daemons whose hello says ``get_seqs``); ``seq`` is then
-        only the default.
+        only the default. Returns at once; :meth:`PendingGet.wait` waits for the blocks.
         """
         blocks = np.ascontiguousarray(np.asarray(blocks, dtype=np.int32).reshape(-1, 3))
         arrays = {"blocks": blocks}
@@ -319,10 +378,12 @@ class StoreClient:
         return PendingGet(self, self._submit(Op.GET, {"seq": seq.uid, "buf": buffer.buf_id, "offset": offset}, arrays))
 
     def get_into(self, seq: Sequence, blocks, buffer: SharedBuffer | CudaIpcBuffer, offset: int = 0, dst=None) -> dict:
+        """:meth:`get_async` and wait: the daemon's summary of the get."""
         return self.get_async(seq, blocks, buffer, offset, dst).wait()
 
     def get(self, seq: Sequence, blocks) -> np.ndarray:
-        """Fetch blocks and return a copy, ``[N, block_bytes]`` uint8."""
+        """The blocks named by ``(layer, head, page)`` rows, copied out: ``[N, block_bytes]`` uint8
+        (``.view(dtype).reshape(N, 2, page_size, head_dim)`` gives K and V)."""
         blocks = np.asarray(blocks, dtype=np.int32).reshape(-1, 3)
         bb = seq.geometry.block_bytes
         staging = self._staging_buffer(len(blocks) * bb)
@@ -351,15 +412,39 @@ class StoreClient:
         self.close()
 
 
-def connect(address: str | None = None, *, dram: str = "256M", ssd_max: str = "8G", timeout: float = 120.0,
-            daemon_args: list[str] | None = None) -> StoreClient:
-    """Connect to kvstored at ``address``, or start a private one when ``address`` is None."""
-    if address is not None:
-        client = StoreClient(address, timeout)
-        if not client.ping(timeout=min(timeout, 10.0)):
-            client.close()
-            raise StoreUnavailableError(f"no kvstored answers at {address}")
-        return client
+def connect(address: str | None | Default = DEFAULT, *, dram: str = "256M", ssd_max: str = "8G",
+            timeout: float = 120.0, daemon_args: list[str] | None = None) -> StoreClient:
+    """A client of kvstored.
+
+    - ``connect()``: the default daemon, the first of ``$KVDRIVE_ADDRESS``; the user's
+      runtime-directory socket ``ipc://RUNTIME/kvstored.sock`` (``$RUNTIME_DIRECTORY``,
+      else ``$XDG_RUNTIME_DIR``, else ``/tmp/kvdrive-UID``), where ``kvstored --ssd DIR
+      --dram SIZE`` listens when started without ``--listen``; and, when that socket
+      does not exist, ``ipc:///run/kvdrive/kvstored.sock`` (the systemd unit's).
+    - ``connect("ipc://PATH")`` or ``connect("tcp://127.0.0.1:PORT")``: that daemon.
+    - ``connect(None)``: a private daemon, started here in a temporary directory with a
+      ``dram`` DRAM tier and at most ``ssd_max`` on its SSD tier (``daemon_args``: more
+      ``kvstored`` flags); :meth:`StoreClient.close` stops it and removes the directory,
+      and so does the daemon itself if this process dies first.
+
+    ``timeout`` (seconds) bounds every request. An ipc:// path with no daemon behind it
+    (no socket file, or a stale one) raises :class:`StoreUnavailableError` at once, saying
+    how to start one; a daemon that does not answer within ``min(timeout, 10)`` seconds
+    raises it too.
+    """
+    if address is None:
+        return _connect_embedded(dram, ssd_max, timeout, daemon_args)
+    address, by_default = resolve(address)
+    check_socket(address, by_default)
+    client = StoreClient(address, timeout)
+    wait = min(timeout, 10.0)
+    if not client.ping(timeout=wait):
+        client.close()
+        raise StoreUnavailableError(f"no kvstored answers at {address} within {wait:g} s")
+    return client
+
+
+def _connect_embedded(dram: str, ssd_max: str, timeout: float, daemon_args: list[str] | None) -> StoreClient:
     daemon = EmbeddedDaemon(dram=dram, ssd_max=ssd_max, extra_args=daemon_args)
     client = StoreClient(daemon.address, timeout, daemon)
     try:

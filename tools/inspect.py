@@ -3,7 +3,9 @@
 It reads the directory of ``kvstored --ssd DIR`` itself: the LMDB catalog, opened
 read-only as a registered reader (so it is safe next to a running daemon), and the
 data file, with plain preads. ``--address`` adds what only a running daemon knows:
-the DRAM tier, the SSD cap, which blocks are resident.
+the DRAM tier, the SSD cap, which blocks are resident; ``--address`` with no value asks
+the daemon ``kvdrive_client.connect()`` reaches (``$KVDRIVE_ADDRESS``, else the user's
+runtime-directory socket, else ``/run/kvdrive/kvstored.sock``).
 
 Terms: a *partition* is one (sequence, layer, KV head). Its pages live in
 *extents*, one per put, with the pages of one cluster packed side by side. A *run*
@@ -22,15 +24,20 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import lmdb
 import numpy as np
 
 from kvdrive.layout.allocator import ExtentAllocator
 from kvdrive.layout.format import DATA_FILE, FORMAT_VERSION, META_DIR
 from kvdrive.layout.geometry import Geometry
-from kvstored.catalog import Catalog, CatalogDamagedError, CatalogMissingError, ExtentRecord, SeqRecord, StoreOpenError
-from kvstored.config import DaemonConfig, format_size, parse_size
+from kvdrive.protocol.address import ADDRESS_ENV, SOCKET_NAME, SYSTEM_SOCKET, default_runtime_dir
+
+if TYPE_CHECKING:
+    from kvstored.catalog import Catalog, CatalogDamagedError, CatalogMissingError, ExtentRecord, SeqRecord
+
+# kvstored.catalog and kvstored.config load numba (about half a second): they are imported
+# where the store is read, so that --help and usage errors answer at once.
 
 PROG = "kvstore-inspect"
 READ_CHUNK = 16 << 20
@@ -41,6 +48,12 @@ UNBOUNDED = 1 << 62
 
 class InspectError(Exception):
     """Something the user can fix: a wrong directory, an unknown sequence, no daemon. Exit status 2."""
+
+
+def _format_size(n: float) -> str:
+    from kvstored.config import format_size  # noqa: PLC0415
+
+    return format_size(n)
 
 
 # ---------------------------------------------------------------- reading the store
@@ -85,6 +98,11 @@ class Layout:
 
 
 def open_layout(ssd_dir: Path) -> Layout:
+    import lmdb  # noqa: PLC0415
+
+    from kvstored.catalog import Catalog, CatalogDamagedError, CatalogMissingError, StoreOpenError  # noqa: PLC0415
+    from kvstored.config import DaemonConfig  # noqa: PLC0415
+
     if not ssd_dir.exists():
         raise InspectError(f"{ssd_dir}: no such directory")
     if not ssd_dir.is_dir():
@@ -124,19 +142,22 @@ class Live:
 
 
 def query_daemon(address: str, timeout: float) -> Live:
-    if not (address.startswith("ipc://") or address.startswith("tcp://")):
-        raise InspectError(f"--address {address!r}: use ipc://PATH or tcp://HOST:PORT")
-    if address.startswith("ipc://") and not Path(address[len("ipc://"):]).exists():
-        raise InspectError(f"no kvstored answers at {address} (no socket there)")
-    from kvdrive_client import StoreClient, StoreError  # noqa: PLC0415 - only live mode needs ZeroMQ
+    """The live figures of the daemon at ``address`` ('' for the default daemon, as ``connect()``)."""
+    from kvdrive_client import StoreError, connect  # noqa: PLC0415 - only live mode needs ZeroMQ
+    from kvdrive_client.locate import DEFAULT  # noqa: PLC0415
 
-    client = StoreClient(address, timeout=timeout)
+    if address and not (address.startswith("ipc://") or address.startswith("tcp://")):
+        hint = (f"; to inspect the directory {address} with the default daemon, put it before --address"
+                if Path(address).is_dir() else "")
+        raise InspectError(f"--address {address!r}: use ipc://PATH or tcp://HOST:PORT{hint}")
     try:
-        if not client.ping(timeout=timeout):
-            raise InspectError(f"no kvstored answers at {address} within {timeout:g} s")
-        return Live(address, client.stats(), client.list())
+        client = connect(address or DEFAULT, timeout=timeout)
     except StoreError as exc:
-        raise InspectError(f"kvstored at {address}: {exc}") from None
+        raise InspectError(str(exc)) from None
+    try:
+        return Live(client.address, client.stats(), client.list())
+    except StoreError as exc:
+        raise InspectError(f"kvstored at {client.address}: {exc}") from None
     finally:
         client.close()
 
@@ -311,7 +332,7 @@ class Progress:
         now = time.monotonic()
         if self.enabled and now - self._shown >= self.interval:
             self._shown = now
-            text = f"verify: {100 * self.done / self.total:5.1f}% of {format_size(self.total)}"
+            text = f"verify: {100 * self.done / self.total:5.1f}% of {_format_size(self.total)}"
             sys.stderr.write(f"\r{text}" if self.tty else f"{text}\n")
             sys.stderr.flush()
 
@@ -463,7 +484,7 @@ def print_text(report: dict, show_partitions: bool) -> None:
     if st["address"]:
         where.append(f"live: kvstored pid {st['pid']} at {st['address']}")
     print(f"store  {'; '.join(where)} (format {st['format']})")
-    fs = format_size
+    fs = _format_size
     cap = f"cap {fs(ssd['cap_bytes'])}, {fs(ssd['free_bytes'])} free" if ssd["cap_bytes"] else "cap unknown (give --ssd-max)"
     if "file_bytes" in ssd:
         print(f"SSD    used {fs(ssd['used_bytes'])} in {ssd['extents']} extents; file {fs(ssd['file_bytes'])}; {cap}")
@@ -534,7 +555,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(not a store, another format version, unknown sequence or partition, no daemon at the address).",
     )
     p.add_argument("dir", nargs="?", type=Path, metavar="DIR", help="store directory (kvstored --ssd DIR)")
-    p.add_argument("--address", metavar="ADDR", help="a running kvstored, ipc://PATH or tcp://HOST:PORT")
+    p.add_argument("--address", nargs="?", const="", metavar="ADDR",
+                   help="a running kvstored, ipc://PATH or tcp://HOST:PORT; with no ADDR, the daemon "
+                        f"kvdrive_client.connect() reaches: ${ADDRESS_ENV} if set, else ipc://{default_runtime_dir() / SOCKET_NAME} "
+                        f"(where kvstored listens without --listen), else ipc://{SYSTEM_SOCKET} if only that one exists"),
     p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds to wait for the daemon (default 5)")
     p.add_argument("--ssd-max", metavar="SIZE", help="the daemon's --ssd-max, for free space of a stopped store "
                    "(a live daemon reports its own)")
@@ -555,12 +579,15 @@ def run(args: argparse.Namespace) -> int:
     if args.png and not args.partition:
         raise InspectError("--png needs --partition NS/ID:LAYER:HEAD")
     if args.dir is None and args.address is None:
-        raise InspectError("give a store directory DIR, --address ADDR, or both")
+        raise InspectError("give a store directory DIR, --address [ADDR] (no ADDR: the default daemon), or both")
+    from kvstored.catalog import CatalogDamagedError, CatalogMissingError  # noqa: PLC0415
+    from kvstored.config import parse_size  # noqa: PLC0415
+
     try:
         cap = parse_size(args.ssd_max) if args.ssd_max else None
     except ValueError as exc:
         raise InspectError(f"--ssd-max: {exc}") from None
-    live = query_daemon(args.address, args.timeout) if args.address else None
+    live = query_daemon(args.address, args.timeout) if args.address is not None else None
     ssd_dir = args.dir
     if ssd_dir is None and live is not None and live.stats.get("ssd_dir"):
         reported = Path(live.stats["ssd_dir"])

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     from kvdrive_client import connect  # noqa: PLC0415
 
-    with connect() as store:
+    with connect(None) as store:  # a private embedded daemon
         for kernels in args.kernels:
             r = count_decode(store, kernels, steps=args.steps)
             print(f"kernels={kernels}: {r['ops_per_layer_step']:.1f} torch ops, {r['syncs_per_layer_step']:.1f} "

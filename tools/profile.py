@@ -25,15 +25,18 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from kvdrive.tools.bench_common import InputError, TraceObserver
 from kvdrive.tools.text_table import text_table
-from kvdrive_client.config import AttachConfig
 from kvdrive_client.models import MODELS
 from kvdrive_client.profile import DEFAULT_CHOICES, UNIFORM_WINDOW, WindowProfile, capacity_pages
-from kvstored.config import format_size, parse_size
+
+if TYPE_CHECKING:
+    from kvdrive_client.config import AttachConfig
+
+# torch, transformers, the SDK's decode path (AttachConfig, bench_common) and kvstored.config
+# (numba) take seconds to import: they are imported where a run needs them, so that --help
+# answers at once.
 
 PROG = "kvdrive-profile"
 DEFAULT_CONTEXT, QUICK_CONTEXT = 2048, 512
@@ -43,6 +46,8 @@ WARMUP_STEPS = 0  # the replay starts from the prefill seeding, as the session d
 MIN_STEPS = 2
 MIN_SELECTABLE_PAGES = 16
 DRAM = "1G"
+# AttachConfig's budget and page_size, for --help (tests/tools/test_cli_help.py checks they agree).
+DEFAULT_BUDGET, DEFAULT_PAGE_SIZE = 0.0625, 16
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,8 @@ class ProfileRun:
     model: str = "smollm2"
 
     def __post_init__(self) -> None:
+        from kvdrive.tools.bench_common import InputError  # noqa: PLC0415
+
         if self.model not in MODELS:
             raise InputError(f"--model {self.model!r}: choose one of {', '.join(MODELS)}")
         attach_cfg = self.attach_config()  # budget and page size are checked there
@@ -81,6 +88,9 @@ class ProfileRun:
             raise InputError(f"--out {self.out}: no directory {self.out.parent}")
 
     def attach_config(self) -> AttachConfig:
+        from kvdrive.tools.bench_common import InputError  # noqa: PLC0415
+        from kvdrive_client.config import AttachConfig  # noqa: PLC0415
+
         try:
             return AttachConfig(budget=self.budget, page_size=self.page_size)
         except ValueError as exc:
@@ -92,6 +102,7 @@ def _note(text: str) -> None:
 
 
 def _tokens(run: ProfileRun, tok, max_positions: int):
+    from kvdrive.tools.bench_common import InputError  # noqa: PLC0415
     from kvdrive_client.models import license_text  # noqa: PLC0415
 
     if run.text is None:
@@ -114,6 +125,9 @@ def _tokens(run: ProfileRun, tok, max_positions: int):
 def _check_cache_bytes(run: ProfileRun, attach_cfg: AttachConfig, num_streams: int, page_bytes: int,
                        k: int | None = None) -> None:
     """Refuse a cache budget below the smallest window everywhere; ``k`` None: before the run, from its first step."""
+    from kvdrive.tools.bench_common import InputError  # noqa: PLC0415
+    from kvstored.config import format_size  # noqa: PLC0415
+
     if run.cache_bytes is None:
         return
     if k is None:
@@ -164,6 +178,10 @@ def profile_model(run: ProfileRun) -> tuple[WindowProfile, dict]:
 def record_trace(model, handle, ids, run: ProfileRun, info: dict):
     """Prefill ``run.context`` tokens of each of ``run.sequences`` consecutive text windows (one batch) through
     ``handle``, decode ``run.steps`` more teacher-forced; the trace (streams: sequence, layer, KV head)."""
+    import torch  # noqa: PLC0415
+
+    from kvdrive.tools.bench_common import TraceObserver  # noqa: PLC0415
+
     need = run.context + run.steps
     windows = ids[0, : need * run.sequences].reshape(run.sequences, need)
     ctx, fed = windows[:, : run.context], windows[:, run.context :]
@@ -198,6 +216,8 @@ def _window(w: float) -> str:
 
 
 def render(p: WindowProfile, info: dict) -> str:
+    from kvstored.config import format_size  # noqa: PLC0415
+
     u_window, u_bytes, u_fetched = p.uniform()
     u_at = p.choices.index(u_window)
     lines = [
@@ -242,7 +262,6 @@ def render(p: WindowProfile, info: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    defaults = AttachConfig()
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Choose a device-cache window per (layer, KV head) of a model for a total cache budget, from "
@@ -265,10 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-bytes", default=None, metavar="SIZE",
                    help=f"total device-cache budget, all layers and heads, e.g. 24M (K/M/G: powers of 1024; "
                         f"default: what window x{UNIFORM_WINDOW:g} everywhere takes)")
-    p.add_argument("--budget", type=float, default=defaults.budget,
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET,
                    help=f"pages selected per step: a fraction of the selectable pages, as attach(budget=) "
-                        f"(default {defaults.budget:g})")
-    p.add_argument("--page-size", type=int, default=defaults.page_size, help=f"tokens per page, as attach(page_size=) (default {defaults.page_size})")
+                        f"(default {DEFAULT_BUDGET:g})")
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE,
+                   help=f"tokens per page, as attach(page_size=) (default {DEFAULT_PAGE_SIZE})")
     p.add_argument("--windows", type=float, nargs="+", default=list(DEFAULT_CHOICES), metavar="W",
                    help=f"the windows to choose from, multiples of k (default {' '.join(f'{w:g}' for w in DEFAULT_CHOICES)})")
     return p
@@ -276,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from kvdrive.tools.bench_common import InputError  # noqa: PLC0415
+    from kvstored.config import parse_size  # noqa: PLC0415
+
     try:
         cache_bytes = None if args.cache_bytes is None else parse_size(args.cache_bytes)
     except ValueError as exc:

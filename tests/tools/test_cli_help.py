@@ -1,0 +1,68 @@
+"""Every console script answers --help at once, exit status 0, each option's default told once."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from kvdrive.tools import profile
+from kvdrive.tools.bench import BENCHMARKS
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"])
+# Generous for a loaded 2-core host: the scripts take about half a second when it is idle.
+HELP_BOUND_S = 3.0
+# These benchmarks' modules import torch and the decode path at import, and their options
+# come from those modules: their --help costs that import (about 2.5 s on an idle 2-core host).
+TORCH_AT_IMPORT = {"fidelity", "decode", "prefill"}
+TORCH_HELP_BOUND_S = 30.0
+
+
+def run_help(*argv: str) -> tuple[str, float]:
+    exe = Path(sys.executable).parent / argv[0]
+    assert exe.exists(), f"the {argv[0]} console script is not installed (pip install -e .)"
+    t0 = time.monotonic()
+    out = subprocess.run([str(exe), *argv[1:], "--help"], capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert out.returncode == 0, out.stderr
+    return out.stdout, took
+
+
+def defaults_told_twice(text: str) -> list[str]:
+    """The options whose help tells their default more than once."""
+    options = re.split(r"\n(?=  -)", text)[1:]
+    return [o.split()[0] for o in options if len(re.findall(r"\(default", o)) > 1 or o.count("(default:") > 1]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_console_script_help_is_fast(script):
+    text, took = run_help(script)
+    assert took < HELP_BOUND_S, f"{script} --help took {took:.1f} s: import what only a run needs inside the run"
+    assert "usage:" in text and not defaults_told_twice(text), defaults_told_twice(text)
+
+
+@pytest.mark.parametrize("bench", sorted(BENCHMARKS))
+def test_bench_subcommand_help(bench):
+    text, took = run_help("kvdrive-bench", bench)
+    bound = TORCH_HELP_BOUND_S if bench in TORCH_AT_IMPORT else HELP_BOUND_S
+    assert took < bound, f"kvdrive-bench {bench} --help took {took:.1f} s"
+    assert f"kvdrive-bench {bench}" in text and not defaults_told_twice(text), defaults_told_twice(text)
+
+
+def test_profile_help_tells_attach_configs_defaults():
+    from kvdrive_client.config import AttachConfig  # noqa: PLC0415 - loads torch; the tool's --help does not
+
+    defaults = AttachConfig()
+    assert (profile.DEFAULT_BUDGET, profile.DEFAULT_PAGE_SIZE) == (defaults.budget, defaults.page_size)
+
+
+def test_the_help_tools_do_not_import_torch():
+    probe = "import sys, kvdrive.tools.profile, kvdrive.tools.inspect, kvdrive.tools.bench; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
