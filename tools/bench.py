@@ -44,7 +44,21 @@ BENCHMARKS: dict[str, Benchmark] = {
         "end-to-end decode tokens/s of KVDrive against dense, whole-layer fetch, Quest-style and ShadowKV-style "
         "configurations, on SmolLM2 and an attention-only Llama-3-8B-shaped workload, DRAM and DRAM+SSD tiers",
     ),
+    "prefill": Benchmark(
+        "bench_prefill",
+        "a prompt's prefill through KVDrive beside plain transformers', side by side, and where KVDrive's extra "
+        "time goes (index build, importance, store puts, cache seed)",
+    ),
 }
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds an option's default to its help unless the help already tells it or there is none to tell."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or "") or action.default is None or action.default is False or action.default == "":
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
@@ -53,7 +67,7 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     for name, bench in BENCHMARKS.items():
         sp = sub.add_parser(name, help=bench.summary, description=bench.summary,
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=HelpFormatter)
         if name == selected:
             bench.load().add_arguments(sp)
     return p

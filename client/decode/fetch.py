@@ -9,6 +9,7 @@ while decoding are written at the end of the step, all layers in one put per row
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -18,8 +19,10 @@ import torch
 
 from kvdrive_client.decode.state import Context
 from kvdrive_client.device_cache import HostPlacement
-from kvdrive_client.errors import NotFoundError, RequestError
+from kvdrive_client.errors import NotFoundError, RequestError, StoreError
 from kvdrive_client.store import Sequence, StoreClient
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,6 +49,9 @@ class StoreIO:
         self.base_pages = 0
         self.restored = False
         self._staging: list = [None, None]
+        # Prefill puts in flight, by put buffer (layers alternate between two).
+        self._put_staging: list = [None, None]
+        self._puts: list[list] = [[], []]
         self._page_parts: dict[int, list] = {}
         if not store.hello().get("get_seqs"):
             raise RequestError(f"kvstored at {store.address} does not take gets across sequences; "
@@ -88,32 +94,83 @@ class StoreIO:
 
     # ------------------------------------------------------------ puts
 
-    def _blocks(self, keys: torch.Tensor, values: torch.Tensor, num_pages: int) -> np.ndarray:
-        """``[B, H, P*S, D]`` K and V -> ``[B, H, P, block_bytes]`` bytes (K then V per block)."""
-        b, h, _, d = keys.shape
-        s = self.ctx.cfg.page_size
-        kv = torch.stack([keys[:, :, : num_pages * s].reshape(b, h, num_pages, s, d),
-                          values[:, :, : num_pages * s].reshape(b, h, num_pages, s, d)], dim=3)
-        return kv.detach().contiguous().cpu().view(torch.uint8).numpy().reshape(b, h, num_pages, -1)
-
     def put_layer(self, layer: int, keys, values, num_pages: int, cluster, importance) -> None:
-        """A layer's prefill pages, with their cluster ids and importance; below ``base_pages``
-        into the kept prefix sequences (unless they came from there)."""
+        """Start storing a layer's prefill pages, with their cluster ids and importance; below
+        ``base_pages`` into the kept prefix sequences (unless they came from there).
+
+        The puts are asynchronous: the bytes are copied into one of two put buffers and the
+        daemon writes them while the model computes the next layer (a durable put waits for
+        the disk). A buffer is reused two layers later, once its puts are acknowledged;
+        :meth:`finish_puts` waits for the rest, and a put's error is raised there.
+        """
         t0 = time.perf_counter()
-        blocks = self._blocks(keys, values, num_pages)
+        slot = layer % 2
+        self._wait_puts(slot)
+        b, h, _, d = keys.shape
+        s, bb = self.ctx.cfg.page_size, self.block_bytes
         imp = importance.detach().float().cpu().numpy()
         clu = None if cluster is None else cluster.detach().cpu().numpy().astype(np.int32)
         split = min(self.base_pages, num_pages)
         parts = [(self.seqs, split, num_pages)] + ([(self.base_seqs, 0, split)] if split and not self.restored else [])
+        parts = [(seqs, lo, hi) for seqs, lo, hi in parts if hi > lo]
+        buf = self._put_buffer(slot, sum(b * h * (hi - lo) * bb for _, lo, hi in parts))
+        offset, pending = 0, []
         for seqs, lo, hi in parts:
-            if lo == hi:
-                continue
+            n = hi - lo
+            region = torch.from_numpy(buf.array[offset : offset + b * h * n * bb])
+            kv = region.view(keys.dtype).view(b, h, n, 2, s, d)  # one block: its page's K then V
+            kv[:, :, :, 0].copy_(keys[:, :, lo * s : hi * s].reshape(b, h, n, s, d))
+            kv[:, :, :, 1].copy_(values[:, :, lo * s : hi * s].reshape(b, h, n, s, d))
             for row, seq in enumerate(seqs):
-                self.store.put(seq, [layer], range(lo, hi), blocks[row : row + 1, :, lo:hi],
-                               cluster=None if clu is None else clu[row : row + 1, :, lo:hi],
-                               importance=imp[row : row + 1, :, lo:hi])
-        self.ctx.stats["bytes_put"] += blocks.nbytes
-        self.ctx.stats["put_ms"] += (time.perf_counter() - t0) * 1e3
+                pending.append(self.store.put_async(
+                    seq, [layer], range(lo, hi), buf, offset + row * h * n * bb,
+                    cluster=None if clu is None else clu[row : row + 1, :, lo:hi],
+                    importance=imp[row : row + 1, :, lo:hi]))
+            offset += b * h * n * bb
+        self._puts[slot] = pending
+        self.ctx.stats["bytes_put"] += offset
+        self.ctx.stats["prefill_put_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def _put_buffer(self, slot: int, nbytes: int):
+        buf = self._put_staging[slot]
+        if buf is None or buf.size < nbytes:
+            if buf is not None:
+                self.store.unregister(buf)
+            buf = self._put_staging[slot] = self.store.register(max(nbytes, 1 << 20))
+        return buf
+
+    def _wait_puts(self, slot: int) -> None:
+        pending, self._puts[slot] = self._puts[slot], []
+        if not pending:
+            return
+        t0 = time.perf_counter()
+        failed = None
+        for put in pending:  # every reply is taken, even after an error: the buffer is then free
+            try:
+                put.wait()
+            except StoreError as exc:
+                failed = failed or exc
+        self.ctx.stats["prefill_put_wait_ms"] += (time.perf_counter() - t0) * 1e3
+        if failed is not None:
+            raise failed
+
+    def finish_puts(self) -> None:
+        """Wait until every prefill put is stored (raising the first error), then free the put
+        buffers. Called after the last layer's prefill: no page is fetched before it is stored."""
+        t0 = time.perf_counter()
+        try:
+            for slot in range(len(self._puts)):
+                try:
+                    self._wait_puts(slot)
+                except StoreError:
+                    self._wait_puts(1 - slot)  # the other buffer's puts too, before it is freed
+                    raise
+        finally:
+            for slot, buf in enumerate(self._put_staging):
+                if buf is not None:
+                    self.store.unregister(buf)
+                    self._put_staging[slot] = None
+            self.ctx.stats["prefill_put_ms"] += (time.perf_counter() - t0) * 1e3
 
     def queue_page(self, layer: int, page: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """A page completed while decoding, ``[B, H, S, D]``, kept on the device until every layer
@@ -170,6 +227,8 @@ class StoreIO:
         n = host.num_misses
         if n == 0:
             return None
+        if self._puts[0] or self._puts[1]:  # layers prefilled out of order: nothing is fetched before it is stored
+            self.finish_puts()
         staging = self._staging_buffer(slot, n * self.block_bytes)
         rows, page_ids = host.rows + row0, host.missed_pages
         blocks = np.stack([np.full(n, layer), host.heads, page_ids], axis=1)
@@ -209,6 +268,11 @@ class StoreIO:
     # ------------------------------------------------------------ end
 
     def close(self) -> None:
+        if any(self._puts):  # a prefill that did not finish: its puts still use the buffers
+            try:
+                self.finish_puts()
+            except (StoreError, OSError) as exc:
+                log.warning("a prefill put of an unfinished prefill failed: %s", exc)
         self.flush()
         for i, buf in enumerate(self._staging):
             if buf is not None:

@@ -89,9 +89,12 @@ def finish_layer(ctx: Context, io: StoreIO, layer: int, query: torch.Tensor, val
     for ob in ctx.observers:
         ob.on_prefill(layer, keys[:, :, : num_pages * s], valid[:, : num_pages * s])
     cluster = _index(ctx, ls, keys, valid, query)
+    t1 = time.perf_counter()
     score = importance(ctx, query, keys, valid, num_pages)
+    t2 = time.perf_counter()
     if num_pages:
         io.put_layer(layer, keys, values, num_pages, cluster, score)
+    t3 = time.perf_counter()
     first_local = first_local_page(ctx, t, num_pages)
     ls.local_start = first_local * s
     ls.local_k = keys[:, :, ls.local_start :].clone()
@@ -102,9 +105,16 @@ def finish_layer(ctx: Context, io: StoreIO, layer: int, query: torch.Tensor, val
     ls.cache.set_head_capacity(per_head)
     if ls.cache.reuse:
         _seed_cache(ctx, ls, keys, values, score, first_local)
+    t4 = time.perf_counter()
+    if layer == len(ctx.layers) - 1:
+        io.finish_puts()  # decode fetches only pages the store holds
     if ctx.observers and num_pages:
         sink = min(cfg.sink_pages, first_local)
         ranked = score[:, :, sink:first_local].argsort(dim=2, descending=True, stable=True) + sink
         for ob in ctx.observers:
             ob.on_seed(layer, ranked)
-    ctx.stats["prefill_ms"] += (time.perf_counter() - t0) * 1e3
+    stats = ctx.stats
+    stats["prefill_index_ms"] += (t1 - t0) * 1e3
+    stats["prefill_importance_ms"] += (t2 - t1) * 1e3
+    stats["prefill_cache_ms"] += (t4 - t3) * 1e3  # the local window, the cache and its seed
+    stats["prefill_ms"] += (time.perf_counter() - t0) * 1e3

@@ -317,6 +317,30 @@ class FakeStore:
                                           threading.get_ident()))
             return total
 
+    def put_async(self, seq: Sequence, layers, pages, buffer: FakeBuffer, offset: int = 0, cluster=None,
+                  order=None, importance=None) -> FakePendingGet:
+        """The put runs when it is waited for, reading the buffer then: the latest moment the daemon
+        may read it, so a client that reuses the buffer before the reply stores the wrong bytes."""
+        layers, pages = _int_list(layers), _int_list(pages)
+        buf_id = buffer.buf_id
+
+        def run() -> dict:
+            buf = self._buffers.get(buf_id)
+            if buf is None:
+                raise BufferError_(f"[bad_buffer] buffer {buf_id} is not registered")
+            g = self._seq(seq.uid).geometry
+            n = len(layers) * g.num_kv_heads * len(pages) * g.block_bytes
+            if offset < 0 or offset + n > buf.size:
+                raise RequestError(f"[out_of_range] put of {n} bytes at offset {offset} overruns the buffer",
+                                   ErrorCode.OUT_OF_RANGE)
+            data = buf.array[offset : offset + n].copy()
+            return {"blocks": self.put(seq, layers, pages, data, cluster, order, importance)}
+
+        pending = FakePendingGet(self, run)
+        with self._lock:
+            self._unwaited.add(pending)
+        return pending
+
     def get_async(self, seq: Sequence, blocks, buffer: FakeBuffer, offset: int = 0, dst=None,
                   seqs=None) -> FakePendingGet:
         blocks = np.array(np.asarray(blocks, dtype=np.int32).reshape(-1, 3), dtype=np.int64)
