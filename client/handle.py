@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from kvdrive.kernels import compiles_on_cpu, warm_up
 from kvdrive_client.architecture import SLIDING, attention_modules, model_shape
 from kvdrive_client.config import AttachConfig
 from kvdrive_client.errors import StoreError
@@ -22,7 +23,14 @@ log = logging.getLogger("kvdrive_client.hooks")
 
 
 class Handle:
-    """What attach() returns: stats(), detach(), and new_cache() for hand-driven loops."""
+    """What :func:`attach` returns: the model decodes through KVDrive until :meth:`detach`.
+
+    :meth:`stats` reports what decoding did (docs/stats.md); :meth:`new_cache` gives a
+    cache for loops that call the model by hand instead of ``generate()``. ``store`` is
+    the :class:`~kvdrive_client.store.StoreClient` in use; ``cfg`` the
+    :class:`~kvdrive_client.config.AttachConfig`; ``shape`` the model's KVDrive-served
+    layers (``num_layers``, ``num_kv_heads``, ``num_q_heads``, ``head_dim``, ``dtype``).
+    """
 
     def __init__(self, model, cfg: AttachConfig, store: StoreClient, owns_store: bool, architecture=None) -> None:
         self.model = model
@@ -109,6 +117,15 @@ class Handle:
         return KVDriveCache(session, self.kinds)
 
     def stats(self) -> dict:
+        """This handle's figures so far, summed over every generate() (or cache) it served.
+
+        Counts and byte totals (``hits``, ``misses``, ``bytes_fetched``, ``bytes_from_dram``,
+        ``bytes_from_ssd``, ``bytes_put``, ...), milliseconds per stage summed over steps
+        (``select_ms``, ``fetch_ms``, ``attention_ms``, ...), ratios (``hit_rate``,
+        ``attended_fraction``), the index and device-cache sizes, and under ``store`` the
+        daemon's counters. docs/stats.md lists every key with its unit. After
+        :meth:`detach` it returns the final figures.
+        """
         if self.active is not None:
             self.active.fold_counts()
         s = dict(self._stats)
@@ -127,6 +144,10 @@ class Handle:
         return s
 
     def detach(self) -> None:
+        """Stop decoding through KVDrive: the open cache is closed and, once the model's last
+        handle is detached, the model is exactly as before attach() (attention
+        implementation, ``generate``, config). A store attach() started is stopped; one
+        passed in is left open. Detaching twice does nothing."""
         if not self._attached:
             return
         if self.active is not None:
@@ -174,6 +195,14 @@ def _refuse_batch_expansion(model, kwargs: dict) -> None:
         )
 
 
+def _warm_up(handle: Handle) -> None:
+    """Compile the CPU kernels now, or load them from the per-machine cache: left to the
+    first generate(), the compile (about a minute on a 2-core host) would stall its first
+    steps unannounced. Logged at INFO (:func:`kvdrive.kernels.warm_up`)."""
+    if handle.shape.num_layers and compiles_on_cpu(handle.device, handle.cfg.kernels):
+        warm_up(dtypes=(handle.shape.dtype,), indexes=(handle.cfg.index.value,))
+
+
 def _batch_size(args, kwargs) -> int:
     ids = kwargs.get("input_ids", args[0] if args else None)
     if ids is None:
@@ -184,14 +213,20 @@ def _batch_size(args, kwargs) -> int:
 
 
 def attach(model, store: str | StoreClient | None = None, *, dram: str = "256M", **options: Any) -> Handle:
-    """Make ``model.generate()`` decode through KVDrive.
+    """Make ``model.generate()`` decode through KVDrive; returns the :class:`Handle`.
 
-    ``store``: None starts a private embedded kvstored (``dram`` sized); a string is
-    the address of a running one; a StoreClient is used as is. ``options`` are the
+    ``model``: a decoder-only transformers 5.x model (an unsupported one raises
+    :class:`~kvdrive_client.architecture.UnsupportedModelError` before anything starts).
+    ``store``: None (the default) starts a private embedded kvstored with a ``dram``
+    DRAM tier, stopped at :meth:`Handle.detach`; a string is the address of a running
+    one (``"ipc://PATH"``); a :class:`StoreClient` (``connect()`` for the default daemon)
+    is used as is and left open. ``options`` are the
     fields of :class:`AttachConfig` (budget, budget_tokens, page_size, sink_tokens, local_tokens,
     cache_multiplier, cache_bytes, head_multipliers, profile, micro_batch, pipeline, overlap_fetch, trace,
     index, eviction, obs_window, pages_per_cluster, candidate_factor, rank, namespace,
-    keep, reuse, device, kernels).
+    keep, reuse, device, kernels). Each decode step attends the sink (the first
+    ``sink_tokens``), the local window (the last ``local_tokens``) and ``budget`` of the
+    pages in between (or ``budget_tokens`` tokens of them); docs/stats.md has the details.
     """
     cfg = replace(AttachConfig(), **options) if options else AttachConfig()
     shape, kinds = model_shape(model)  # refuse unsupported models before starting anything
@@ -207,6 +242,7 @@ def attach(model, store: str | StoreClient | None = None, *, dram: str = "256M",
     client = store if isinstance(store, StoreClient) else connect(store, dram=dram)
     try:
         handle = Handle(model, cfg, client, owns, (shape, kinds))
+        _warm_up(handle)
         handle._attach()
     except BaseException:
         if owns:

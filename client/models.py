@@ -10,7 +10,9 @@ transformers de-quantises a GGUF file on every load (about a minute for Gemma 3
 270M on a 2-core host), so the first load keeps one de-quantised copy per machine
 under the user's cache directory (``$KVDRIVE_CACHE``, else ``$XDG_CACHE_HOME/kvdrive``,
 else ``~/.cache/kvdrive``), named by the GGUF file's size and modification time;
-later loads read that copy in seconds. Nothing is downloaded.
+later loads read that copy in seconds. Nothing is downloaded. The conversion logs its
+stages and how many tensors are de-quantised (INFO, at most one line every few
+seconds); :func:`load_model`'s ``progress`` receives the same lines.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import importlib.util
 import logging
 import os
 import shutil
+import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,11 +52,11 @@ MODELS = {
 
 
 def cache_dir() -> Path:
-    """Where KVDrive keeps per-machine files it derived (de-quantised models, compiled kernels)."""
-    if os.environ.get("KVDRIVE_CACHE"):
-        return Path(os.environ["KVDRIVE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kvdrive"
+    """Where KVDrive keeps per-machine files it derived (de-quantised models, compiled kernels):
+    :func:`kvdrive.kernels.jit.cache_root`."""
+    from kvdrive.kernels.jit import cache_root  # noqa: PLC0415 - the kernels own the rule: they need it before numba loads
+
+    return cache_root()
 
 
 def _package_dir(spec: ModelSpec) -> Path:
@@ -112,13 +116,26 @@ def _converted_dir(name: str, gguf: Path) -> Path:
     return cache_dir() / "models" / f"{name}-{st.st_size}-{int(st.st_mtime)}"
 
 
-def load_model(name: str = "smollm2", dtype=None):
+Progress = Callable[[str], None]
+
+# A line of conversion progress at most this often (seconds).
+PROGRESS_EVERY = 3.0
+
+
+def _say(progress: Progress | None, msg: str, *args) -> None:
+    log.info(msg, *args)
+    if progress is not None:
+        progress(msg % args)
+
+
+def load_model(name: str = "smollm2", dtype=None, progress: Progress | None = None):
     """``(model, tokenizer)`` for one of :data:`MODELS`, from local disk only.
 
     Weights are de-quantised to float32 (``dtype`` casts them after loading). The
     first load on a machine converts the GGUF file and keeps the result (see the
     module docstring); a damaged or half-written copy is never used: copies are
-    written beside their final name and renamed into place.
+    written beside their final name and renamed into place. ``progress`` gets each
+    progress line of the load (as logged at INFO).
     """
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
@@ -132,13 +149,14 @@ def load_model(name: str = "smollm2", dtype=None):
             converted.parent.mkdir(parents=True, exist_ok=True)
             with _locked(converted.parent / f".{name}.lock"):
                 if not (converted / "config.json").exists():
-                    _convert(name, gguf, converted)
+                    _convert(name, gguf, converted, progress)
     except OSError as exc:
         log.warning("cannot keep a de-quantised copy of %s under %s (%s): loading the GGUF file itself, as every "
                     "load will", name, converted.parent, exc)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype or torch.float32)
         return model.eval(), tok
+    _say(progress, "reading the de-quantised copy of %s (%s)", name, converted)
     tok = AutoTokenizer.from_pretrained(converted)
     model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
     if dtype is not None and dtype != torch.float32:
@@ -148,15 +166,62 @@ def load_model(name: str = "smollm2", dtype=None):
     return model, tok
 
 
-def _convert(name: str, gguf: Path, converted: Path) -> None:
+def _tensor_count(gguf: Path) -> int:
+    """The GGUF header's tensor count (magic, version, then the count as little-endian u64)."""
+    with open(gguf, "rb") as f:
+        head = f.read(16)
+    if len(head) < 16 or head[:4] != b"GGUF":
+        raise ValueError(f"{gguf} is not a GGUF file (its first bytes are {head[:4]!r})")
+    return struct.unpack("<Q", head[8:16])[0]
+
+
+class _CountDequantized:
+    """Reports the tensors transformers de-quantises while the with-block runs.
+
+    transformers calls ``gguf.dequantize`` once per tensor, looked up at each load, and
+    offers no callback of its own: for the block, the module's function is wrapped by one
+    that counts (a line at most every :data:`PROGRESS_EVERY` seconds) and restored after.
+    """
+
+    def __init__(self, total: int, progress: Progress | None) -> None:
+        self.total, self.progress, self.done = total, progress, 0
+
+    def __enter__(self):
+        import gguf  # noqa: PLC0415
+
+        self._module, self._original = gguf, gguf.dequantize
+        self._start = self._last = time.perf_counter()
+
+        def counted(*args, **kwargs):
+            out = self._original(*args, **kwargs)
+            self.done += 1
+            now = time.perf_counter()
+            if now - self._last >= PROGRESS_EVERY or self.done == self.total:
+                self._last = now
+                _say(self.progress, "de-quantised %d/%d tensors, %.0f s into the load", self.done, self.total,
+                     now - self._start)
+            return out
+
+        gguf.dequantize = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._module.dequantize = self._original
+
+
+def _convert(name: str, gguf: Path, converted: Path, progress: Progress | None = None) -> None:
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
     log.warning("de-quantising %s (%s, %.0f MiB) once for this machine into %s (a minute or more on a small "
                 "host); later loads read the copy", name, gguf.name, gguf.stat().st_size / 2**20, converted)
     t0 = time.perf_counter()
+    _say(progress, "reading the tokenizer from %s", gguf.name)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    total = _tensor_count(gguf)
+    _say(progress, "reading the GGUF metadata, then de-quantising %d tensors", total)
+    with _CountDequantized(total, progress):
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are plain float32 now: what transformers kept of the GGUF quantisation
     # would only stop it from saving them.
     model.hf_quantizer = None
@@ -164,20 +229,22 @@ def _convert(name: str, gguf: Path, converted: Path) -> None:
         del model.config.quantization_config
     tmp = converted.with_name(f".{converted.name}.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    _say(progress, "writing the de-quantised copy (%.0f MiB)",
+         sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     os.replace(tmp, converted)
     log.warning("de-quantised %s in %.0f s", name, time.perf_counter() - t0)
 
 
-def load_smollm2(dtype=None):
+def load_smollm2(dtype=None, progress: Progress | None = None):
     """SmolLM2-135M-Instruct and its tokenizer (see :func:`load_model`)."""
-    return load_model("smollm2", dtype)
+    return load_model("smollm2", dtype, progress)
 
 
-def load_gemma3(dtype=None):
+def load_gemma3(dtype=None, progress: Progress | None = None):
     """Gemma 3 270M and its tokenizer (see :func:`load_model`)."""
-    return load_model("gemma3-270m", dtype)
+    return load_model("gemma3-270m", dtype, progress)
 
 
 def license_text(max_chars: int | None = None) -> str:

@@ -6,19 +6,35 @@ tested against it. :func:`for_device` picks the set a session uses; it is the on
 place that decides by device. No kernel here has run on a GPU yet: on a CUDA device
 the client uses the torch references unless ``triton`` is chosen (Triton kernels,
 ``kvdrive.kernels.triton_kernels``, tested under Triton's interpreter only).
+
+The compiled CPU kernels are compiled once per machine and cached under KVDrive's
+cache directory (:mod:`kvdrive.kernels.jit`); :func:`warm_up` compiles or loads them
+before a decode needs them (:mod:`kvdrive.kernels.warmup`).
 """
 
 from __future__ import annotations
 
 import os
 
-import torch
+from kvdrive.kernels import jit
 
-from kvdrive.kernels.backends import CpuKernels, Kernels, ReferenceKernels
+jit.configure_cache()  # before the kernels below import numba: they cache where it says
+
+import torch  # noqa: E402
+
+from kvdrive.kernels.backends import CpuKernels, Kernels, ReferenceKernels  # noqa: E402
+from kvdrive.kernels.warmup import KernelProgress, WarmUpReport, warm_up  # noqa: E402
 
 KERNEL_CHOICES = ("auto", "cpu", "reference", "triton")
 
-__all__ = ["KERNEL_CHOICES", "CpuKernels", "Kernels", "ReferenceKernels", "for_device"]
+__all__ = ["KERNEL_CHOICES", "CpuKernels", "KernelProgress", "Kernels", "ReferenceKernels", "WarmUpReport",
+           "compiles_on_cpu", "for_device", "warm_up"]
+
+
+def compiles_on_cpu(device: torch.device | str, choice: str = "auto") -> bool:
+    """Whether :func:`for_device` gives the compiled CPU kernels for ``(device, choice)``: the
+    kernels :func:`warm_up` prepares."""
+    return torch.device(device).type == "cpu" and choice in ("auto", "cpu")
 
 
 def for_device(device: torch.device | str, choice: str = "auto") -> Kernels:
@@ -44,7 +60,7 @@ def _choose(device: torch.device, choice: str) -> Kernels:
         return _triton(device)
     if choice == "cpu" and not on_cpu:
         raise ValueError(f"kernels='cpu' runs on CPU tensors; the model is on {device} (use 'auto' or 'reference')")
-    if choice == "cpu" or (choice == "auto" and on_cpu):
+    if compiles_on_cpu(device, choice):
         return CpuKernels(device)
     return ReferenceKernels(device, one_thread=on_cpu, widen_half=on_cpu)
 

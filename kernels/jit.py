@@ -11,16 +11,64 @@ compiles (the kernels' on-disk cache keeps code for each setting apart).
 ``KVDRIVE_JIT_VECTOR=256`` keeps LLVM's own choice (for hosts whose clocks drop on
 512-bit code); ``NUMBA_CPU_NAME`` or ``NUMBA_CPU_FEATURES`` set by the user are left
 as they are.
+
+Compiled kernels are kept once per machine: :func:`configure_cache` points numba's
+on-disk cache at ``<KVDrive's cache>/numba`` (:func:`cache_root`), not at the
+``__pycache__`` beside the sources, unless ``NUMBA_CACHE_DIR`` says otherwise.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 VECTOR_ENV = "KVDRIVE_JIT_VECTOR"
+CACHE_ENV = "NUMBA_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """Where KVDrive keeps per-machine files it derived (compiled kernels, de-quantised models):
+    ``$KVDRIVE_CACHE``, else ``$XDG_CACHE_HOME/kvdrive``, else ``~/.cache/kvdrive``.
+
+    Defined here, the lowest layer that needs it: the kernels' cache must be set before
+    numba loads, which is before anything of ``kvdrive_client`` can be imported.
+    """
+    if os.environ.get("KVDRIVE_CACHE"):
+        return Path(os.environ["KVDRIVE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvdrive"
+
+
+def configure_cache() -> Path:
+    """Point numba's on-disk cache at ``cache_root() / "numba"``; returns the directory in use.
+
+    Call before the kernels are defined. Before numba is imported this sets
+    ``NUMBA_CACHE_DIR``, which numba reads at import and which the processes started
+    from here (the embedded kvstored, whose kernels are numba's too) inherit. A
+    ``NUMBA_CACHE_DIR`` the user set is left as it is.
+    """
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    target = cache_root() / "numba"
+    if "numba" not in sys.modules:
+        os.environ[CACHE_ENV] = str(target)
+        return target
+    import numba  # noqa: PLC0415
+
+    if numba.config.CACHE_DIR:  # a .numba_config.yaml of the user's
+        return Path(numba.config.CACHE_DIR)
+    # Setting the variable now would make numba re-read its whole environment at the next
+    # compile, undoing configure()'s vector width; numba's own setting is read when a
+    # kernel is defined, so the kernels still cache in the target.
+    numba.config.CACHE_DIR = str(target)
+    log.warning("numba was imported before KVDrive's kernels: they cache in %s, but processes started from here "
+                "(the embedded kvstored) cache beside their sources (import kvdrive_client before numba, or set %s)",
+                target, CACHE_ENV)
+    return target
 
 
 def wide_vector_features() -> str | None:

@@ -20,7 +20,6 @@ import statistics
 import time
 from pathlib import Path
 
-from kvdrive.tools.bench_common import InputError
 from kvdrive.tools.text_table import text_table
 
 # The parts of a KVDrive prefill that are not the model's own work (session counters, ms).
@@ -45,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _prompt(tok, n: int):
+    from kvdrive.tools.bench_common import InputError
     from kvdrive_client.models import license_text
 
     ids = tok(license_text(), return_tensors="pt").input_ids
@@ -124,6 +124,7 @@ def report(rows: list[dict], dram: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvdrive.tools.bench_common import InputError
     from kvdrive_client import connect
     from kvdrive_client.models import load_smollm2
 

@@ -1,8 +1,10 @@
-"""The kernels' code generation setting: 512-bit vectors where the host has AVX-512, unless told otherwise."""
+"""The kernels' code generation: 512-bit vectors where the host has AVX-512 unless told otherwise, and the
+per-machine cache of compiled kernels under KVDrive's cache directory unless NUMBA_CACHE_DIR says otherwise."""
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +47,43 @@ def test_the_users_numba_cpu_settings_are_left_alone():
     own = wide.replace(",-prefer-256-bit", "")
     width, features, _ = probe(NUMBA_CPU_FEATURES=own)
     assert width.startswith("NUMBA_CPU_NAME / NUMBA_CPU_FEATURES") and features == own
+
+
+# ---------------------------------------------------------------- where compiled kernels are kept
+
+CACHE_PROBE = ("import logging, os, sys; logging.basicConfig(stream=sys.stderr);{first}"
+               "from kvdrive.kernels import cpu;"
+               "print(os.environ.get('NUMBA_CACHE_DIR', '')); print(cpu._place.stats.cache_path)")
+
+
+def cache_probe(tmp_path, first: str = "", **env) -> tuple[str, str, str]:
+    """(NUMBA_CACHE_DIR after the kernels loaded, the cache directory of a kernel, stderr) in a
+    fresh process whose KVDrive cache is ``tmp_path / "kvdrive"``."""
+    e = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "KVDRIVE_CACHE")}
+    e.update(KVDRIVE_CACHE=str(tmp_path / "kvdrive"), **env)
+    proc = subprocess.run([sys.executable, "-c", CACHE_PROBE.format(first=first)], capture_output=True, text=True,
+                          env=e, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    variable, kernel_dir = proc.stdout.rstrip("\n").split("\n")
+    return variable, kernel_dir, proc.stderr
+
+
+def test_kernels_cache_under_the_kvdrive_cache_and_processes_started_inherit_it(tmp_path):
+    variable, kernel_dir, err = cache_probe(tmp_path)
+    target = tmp_path / "kvdrive" / "numba"
+    assert variable == str(target), "the embedded kvstored inherits the variable: its kernels cache there too"
+    assert Path(kernel_dir).parent == target and "numba was imported before" not in err
+
+
+def test_a_numba_cache_dir_the_user_set_is_kept(tmp_path):
+    own = tmp_path / "own"
+    variable, kernel_dir, _ = cache_probe(tmp_path, NUMBA_CACHE_DIR=str(own))
+    assert variable == str(own) and Path(kernel_dir).parent == own
+    assert not (tmp_path / "kvdrive").exists()
+
+
+def test_numba_imported_first_still_caches_the_kernels_there_and_says_what_it_cannot_do(tmp_path):
+    variable, kernel_dir, err = cache_probe(tmp_path, first="import numba;")
+    assert Path(kernel_dir).parent == tmp_path / "kvdrive" / "numba"
+    assert variable == "", "set after numba's import, the variable would reset numba's settings at the next compile"
+    assert "numba was imported before KVDrive's kernels" in err and "embedded kvstored" in err

@@ -20,7 +20,7 @@ SCRIPTS = sorted(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 HELP_BOUND_S = 3.0
 # These benchmarks' modules import torch and the decode path at import, and their options
 # come from those modules: their --help costs that import (about 2.5 s on an idle 2-core host).
-TORCH_AT_IMPORT = {"fidelity", "decode", "prefill"}
+TORCH_AT_IMPORT = {"fidelity", "decode"}
 TORCH_HELP_BOUND_S = 30.0
 
 

@@ -1,0 +1,76 @@
+"""A machine's first use says what it is doing: the model conversion's progress, the demo's heartbeat."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import gguf
+import numpy as np
+import pytest
+
+from kvdrive.tools import demo
+from kvdrive_client import models
+
+
+def tiny_gguf(path, tensors: int):
+    w = gguf.GGUFWriter(str(path), "llama")
+    for i in range(tensors):
+        w.add_tensor(f"t{i}", np.arange(32, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_the_tensor_count_comes_from_the_header_and_a_non_gguf_file_is_named(tmp_path):
+    path = tiny_gguf(tmp_path / "three.gguf", 3)
+    assert models._tensor_count(path) == len(gguf.GGUFReader(path).tensors) == 3
+    other = tmp_path / "model.bin"
+    other.write_bytes(b"PK\x03\x04" + bytes(20))
+    with pytest.raises(ValueError, match="model.bin is not a GGUF file"):
+        models._tensor_count(other)
+
+
+def test_de_quantised_tensors_are_counted_at_most_every_few_seconds_and_the_library_is_restored(tmp_path,
+                                                                                                 monkeypatch):
+    reader = gguf.GGUFReader(tiny_gguf(tmp_path / "three.gguf", 3))
+    original = gguf.dequantize
+    lines = []
+    monkeypatch.setattr(models, "PROGRESS_EVERY", 3600.0)  # only the last tensor is due a line
+    with models._CountDequantized(len(reader.tensors), lines.append):
+        from gguf import dequantize  # as transformers looks it up, at each load
+
+        out = [dequantize(t.data, t.tensor_type) for t in reader.tensors]
+    assert gguf.dequantize is original
+    assert all(np.array_equal(x, np.arange(32, dtype=np.float32)) for x in out)
+    assert len(lines) == 1 and lines[0].startswith("de-quantised 3/3 tensors, ")
+
+
+def test_the_demo_help_returns_at_once():
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "kvdrive.tools.demo", "--help"], capture_output=True, text=True,
+                          timeout=60)
+    took = time.monotonic() - t0
+    assert proc.returncode == 0 and "--max-new-tokens" in proc.stdout, proc.stderr
+    assert took < 3.0, f"--help took {took:.1f} s (about 0.1 s on an idle host): import what only a run needs in the run"
+    probe = "import sys, kvdrive.tools.demo; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60).stdout.strip() == "False"
+
+
+def test_the_demo_says_something_while_a_stage_is_silent(monkeypatch, capsys):
+    monkeypatch.setattr(demo, "HEARTBEAT_S", 0.2)
+    rep = demo.Reporter()
+    try:
+        with rep.stage("compiling") as took:
+            rep.detail("compiling lowrank_select")
+            deadline, out = time.monotonic() + 10, ""
+            while "  ... compiling lowrank_select (" not in out:
+                assert time.monotonic() < deadline, f"no heartbeat line within 10 s: {out!r}"
+                time.sleep(0.05)
+                out += capsys.readouterr().out
+        assert took[0] > 0
+    finally:
+        rep.close()
