@@ -27,14 +27,7 @@ import torch
 
 from kvdrive.kernels import Kernels, for_device
 from kvdrive.kernels import reference as ref
-
-
-class IndexKind(enum.Enum):
-    HIERARCHICAL = "hierarchical"
-    QUEST = "quest"
-    MEAN_KEY = "meankey"
-    LOWRANK = "lowrank"
-    ORACLE = "oracle"
+from kvdrive_client.index_kind import IndexKind
 
 
 class Selector(ABC):

@@ -5,6 +5,9 @@ Every benchmark lives in a sibling module ``bench_<name>.py`` that provides
 - ``add_arguments(parser)``: its options, on the subcommand's parser;
 - ``run(args) -> int``: the measurement; it prints one table and returns the exit code.
 
+A benchmark whose module imports torch keeps its options in ``bench_<name>_options.py``
+(:attr:`Benchmark.options`), so that ``--help`` answers in a fraction of a second.
+
 :data:`BENCHMARKS` names them. A module is imported only when its subcommand is
 chosen, so a benchmark with heavy dependencies (a model, torch) costs nothing to the
 others. Adding one (``fidelity``, ``decode``) is a new module and one line here.
@@ -23,9 +26,13 @@ from types import ModuleType
 class Benchmark:
     module: str
     summary: str
+    options: str | None = None  # the module of add_arguments(), when not ``module``
 
     def load(self) -> ModuleType:
         return importlib.import_module(f"kvdrive.tools.{self.module}")
+
+    def load_options(self) -> ModuleType:
+        return importlib.import_module(f"kvdrive.tools.{self.options or self.module}")
 
 
 BENCHMARKS: dict[str, Benchmark] = {
@@ -38,11 +45,13 @@ BENCHMARKS: dict[str, Benchmark] = {
         "bench_fidelity",
         "sparse decode vs dense on SmolLM2 per selector (recall, loss, KL, index size, selection time), "
         "and eviction policies replayed on the selection trace",
+        options="bench_fidelity_options",
     ),
     "decode": Benchmark(
         "bench_decode",
         "end-to-end decode tokens/s of KVDrive against dense, whole-layer fetch, Quest-style and ShadowKV-style "
         "configurations, on SmolLM2 and an attention-only Llama-3-8B-shaped workload, DRAM and DRAM+SSD tiers",
+        options="bench_decode_options",
     ),
     "prefill": Benchmark(
         "bench_prefill",
@@ -69,7 +78,7 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=bench.summary, description=bench.summary,
                             formatter_class=HelpFormatter)
         if name == selected:
-            bench.load().add_arguments(sp)
+            bench.load_options().add_arguments(sp)
     return p
 
 
