@@ -19,7 +19,6 @@ token frame; ``selectable`` masks the pages a step may choose from.
 from __future__ import annotations
 
 import copy
-import enum
 import math
 from abc import ABC, abstractmethod
 

@@ -55,7 +55,6 @@ import numpy as np
 import torch
 
 from kvdrive.kernels import cpu as cpu_kernels
-from kvdrive.tools.bench_decode_options import add_arguments  # noqa: F401 - the subcommand's options
 from kvdrive.tools.bench_common import InputError, PrefillSnapshot, TraceObserver, compare, in_turns
 from kvdrive.tools.decode_workload import selection_overlap
 from kvdrive.tools.targets import (TARGET_A_BATCH, TARGET_A_VS_SHADOWKV, TARGET_BYTES_VS_X0, TARGET_C_VS_B,

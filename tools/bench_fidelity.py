@@ -78,13 +78,12 @@ import torch
 
 from kvdrive.kernels import cpu as cpu_kernels
 from kvdrive.tools.bench_common import InputError, PrefillSnapshot, TraceObserver, compare, in_turns, teacher_force
-from kvdrive.tools.targets import (DENSE_TARGETS, TARGET_BEST, TARGET_DLOSS_BUDGET, TARGET_INDEX_VS_KV,
+from kvdrive.tools.targets import (TARGET_BEST, TARGET_DLOSS_BUDGET, TARGET_INDEX_VS_KV,
                                    TARGET_INDEX_VS_QUEST, TARGET_LOOKAHEAD_VS_BELADY, TARGET_RECALL_VS_MEANKEY,
                                    TARGET_RECALL_VS_ORACLE, TARGET_SELECT_SPEEDUP, TARGET_SELECT_VS_HIERARCHICAL,
                                    TARGET_WINDOW, DenseTarget, verdict)
 from kvdrive.tools.bench_fidelity_options import (DEFAULT_BUDGETS, DEFAULT_TOKENS, DEFAULT_WINDOWS, MODEL_RUNS,
-                                                  PREFILL_CHUNK, QUICK_BUDGETS, QUICK_TOKENS, QUICK_WINDOWS,
-                                                  SELECTORS, ModelRun, add_arguments)
+                                                  PREFILL_CHUNK, QUICK_BUDGETS, QUICK_TOKENS, QUICK_WINDOWS)
 from kvdrive.tools.text_table import text_table
 from kvdrive_client.cache_sim import CachePolicy, Trace, simulate
 from kvdrive_client.config import AttachConfig
