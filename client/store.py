@@ -30,7 +30,7 @@ from kvdrive_client.channel import SessionChannel
 from kvdrive_client.errors import RequestError, SessionLostError, StoreUnavailableError, error_from_reply
 from kvdrive_client.locate import DEFAULT, Default, check_socket, resolve
 from kvdrive_client.shm import CudaIpcBuffer, SharedBuffer
-from kvdrive.protocol import BadReplyError, Op, decode_reply, request_frames
+from kvdrive.protocol import MAX_LOOKUP, BadReplyError, Op, decode_reply, request_frames
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class PendingPut(PendingGet):
 
 ZERO_COPY_MIN_BYTES = 256 << 10
 # Ops that change nothing: retried once, on a new session, when the daemon no longer knew the old one.
-_SAFE_TO_RETRY = frozenset({Op.HELLO, Op.OPEN, Op.LIST, Op.STATS})
+_SAFE_TO_RETRY = frozenset({Op.HELLO, Op.OPEN, Op.LIST, Op.LOOKUP, Op.STATS})
 
 
 class StoreClient:
@@ -257,6 +257,21 @@ class StoreClient:
             if not r.get("more") or not r["sequences"]:
                 return out
             after = r["sequences"][-1]["uid"]
+
+    def lookup(self, ns: str, names, min_pages: int = 1, timeout: float | None = None) -> dict:
+        """Which of this user's sequences ``ns/names[i]`` exist, in one request per
+        :data:`~kvdrive.protocol.MAX_LOOKUP` names: ``{"uids": [...], "pages": [...],
+        "prefix": n}``, uid 0 and pages -1 where a name has no sequence, ``prefix`` the
+        leading names whose sequences hold at least ``min_pages`` complete pages."""
+        names = list(names)
+        uids: list[int] = []
+        pages: list[int] = []
+        for i in range(0, len(names), MAX_LOOKUP):
+            r = self.call(Op.LOOKUP, {"ns": ns, "seqs": names[i: i + MAX_LOOKUP], "min_pages": min_pages}, timeout=timeout)
+            uids += r["uids"]
+            pages += r["pages"]
+        prefix = next((i for i, n in enumerate(pages) if n < min_pages), len(pages))
+        return {"uids": uids, "pages": pages, "prefix": prefix}
 
     def delete(self, ns: str, seq: str) -> dict:
         """Delete ``ns/seq`` and free its blocks; :class:`~kvdrive_client.errors.NotFoundError` if there is none."""

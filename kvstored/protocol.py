@@ -20,15 +20,15 @@ import numpy as np
 from kvdrive.layout.geometry import MAX_PAGES, Geometry
 from kvdrive.protocol import (
     BUFFER_KIND_CUDA_IPC, BUFFER_KIND_MEMFD, CUDA_IPC_HANDLE_BYTES, MAX_BUFFER_BYTES, MAX_CUDA_DEVICE, GET_ARRAYS,
-    MAX_HEADER_BYTES, MAX_LAYERS_PER_PUT, MAX_LIST, MAX_NAME_BYTES, MAX_SEQS_PER_GET, PROTOCOL_VERSION,
+    MAX_HEADER_BYTES, MAX_LAYERS_PER_PUT, MAX_LIST, MAX_LOOKUP, MAX_NAME_BYTES, MAX_SEQS_PER_GET, PROTOCOL_VERSION,
     PUT_ARRAYS, SESSION_TOKEN_BYTES, ErrorCode, Op, encode, error_reply, ok_reply, request_frames,
 )
 
 # The daemon's code and its tests take the shared wire names from here too.
 __all__ = [
-    "GET_ARRAYS", "MAX_HEADER_BYTES", "MAX_LAYERS_PER_PUT", "MAX_LIST", "MAX_NAME_BYTES", "MAX_SEQS_PER_GET",
+    "GET_ARRAYS", "MAX_HEADER_BYTES", "MAX_LAYERS_PER_PUT", "MAX_LIST", "MAX_LOOKUP", "MAX_NAME_BYTES", "MAX_SEQS_PER_GET",
     "PROTOCOL_VERSION", "PUT_ARRAYS", "SESSION_TOKEN_BYTES", "ErrorCode", "Op", "encode", "error_reply", "ok_reply",
-    "request_frames", "ProtocolError", "ErrorTally", "Hello", "Create", "OpenSeq", "ListSeqs", "Delete", "Put", "Get", "Stats",
+    "request_frames", "ProtocolError", "ErrorTally", "Hello", "Create", "OpenSeq", "ListSeqs", "Delete", "Put", "Get", "Stats", "Lookup",
     "Request", "Envelope", "parse_request", "RegisterMemfd", "RegisterCudaIpc", "parse_register",
 ]
 
@@ -93,6 +93,16 @@ class ListSeqs:
 
 
 @dataclass(frozen=True)
+class Lookup:
+    """Which of the caller's sequences ``ns/names[i]`` exist with at least ``min_pages``
+    complete pages, in one request (an engine asking for a prefix of block keys)."""
+
+    ns: str
+    names: tuple[str, ...]
+    min_pages: int = 1
+
+
+@dataclass(frozen=True)
 class Delete:
     ns: str
     seq: str
@@ -137,7 +147,7 @@ class Stats:
     pass
 
 
-Request = Hello | Create | OpenSeq | ListSeqs | Delete | Put | Get | Stats
+Request = Hello | Create | OpenSeq | ListSeqs | Delete | Put | Get | Stats | Lookup
 
 
 @dataclass(frozen=True)
@@ -246,6 +256,17 @@ class _Fields:
                 f"field {name!r} must be 1..{MAX_NAME_BYTES} printable ASCII characters without spaces",
             )
         return v
+
+    def names(self, name: str, max_len: int) -> tuple[str, ...]:
+        v = self._get(name)
+        if not isinstance(v, list) or not v or len(v) > max_len:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be a list of 1..{max_len} names")
+        if not all(isinstance(x, str) and _NAME_RE.match(x) for x in v):
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"field {name!r} must hold names of 1..{MAX_NAME_BYTES} printable ASCII characters without spaces",
+            )
+        return tuple(v)
 
     def int_array(self, name: str, lo: int, hi: int, max_len: int) -> np.ndarray:
         v = self._get(name)
@@ -367,6 +388,8 @@ def _parse_op(header: dict, frames: list, max_bytes: int, max_blocks: int) -> Re
         return OpenSeq(f.name("ns"), f.name("seq"))
     if op is Op.DELETE:
         return Delete(f.name("ns"), f.name("seq"))
+    if op is Op.LOOKUP:
+        return Lookup(f.name("ns"), f.names("seqs", MAX_LOOKUP), f.int("min_pages", 0, MAX_PAGES, 1))
     if op is Op.LIST:
         return ListSeqs(f.name("ns", required=False), f.int("after", 0, 1 << 62, 0), f.int("limit", 1, MAX_LIST, MAX_LIST))
     if op is Op.PUT:

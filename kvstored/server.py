@@ -36,7 +36,7 @@ import zmq
 from kvstored import cuda_ipc
 from kvstored.config import DaemonConfig, SyncPolicy, check_private_dir
 from kvstored.protocol import (
-    Create, Delete, Envelope, ErrorCode, Get, Hello, ListSeqs, OpenSeq, ProtocolError, Put, Stats,
+    Create, Delete, Envelope, ErrorCode, Get, Hello, ListSeqs, Lookup, OpenSeq, ProtocolError, Put, Stats,
     ErrorTally, error_reply, ok_reply, parse_request,
 )
 from kvstored.preflight import daemon_answers
@@ -275,6 +275,8 @@ class Server:
             return self.store.open(req, session.uid)
         if isinstance(req, ListSeqs):
             return self.store.list(req, session.uid)
+        if isinstance(req, Lookup):
+            return self.store.lookup(req, session.uid)
         raise AssertionError(f"no inline handler for {type(req).__name__}")
 
     # ------------------------------------------------------------ other threads

@@ -52,7 +52,8 @@ from kvstored.gate import ReclaimGate
 from kvstored.index import BlockIndex, Growth, IndexFullError, PageSpanError, SeqEntry
 from kvstored.io_engine import AlignedScratch, choose_engine
 from kvstored.ssd import SsdTier
-from kvstored.protocol import MAX_SEQS_PER_GET, Create, Delete, ErrorCode, Get, ListSeqs, OpenSeq, ProtocolError, Put
+from kvstored.protocol import (MAX_SEQS_PER_GET, Create, Delete, ErrorCode, Get, ListSeqs, Lookup, OpenSeq,
+                               ProtocolError, Put)
 from kvstored.sessions import Session
 
 log = logging.getLogger(__name__)
@@ -306,6 +307,19 @@ class Store:
             key=lambda e: e.uid,
         )
         return {"sequences": [self._describe(e) for e in mine[: req.limit]], "more": len(mine) > req.limit}
+
+    def lookup(self, req: Lookup, owner: int) -> dict:
+        """For each name: the sequence's uid and complete pages, or 0 and -1 where the caller
+        has no such sequence; ``prefix`` counts the leading names with at least ``min_pages``."""
+        uids, pages = [], []
+        with self.index.lock:
+            for name in req.names:
+                entry = self.index.find(owner, req.ns, name)
+                uids.append(0 if entry is None else entry.uid)
+                pages.append(-1 if entry is None else entry.complete_pages)
+        prefix = next((i for i, n in enumerate(pages) if n < req.min_pages), len(pages))
+        self.counters["lookups"] += 1
+        return {"uids": uids, "pages": pages, "prefix": prefix}
 
     def _describe(self, entry: SeqEntry) -> dict:
         with self.index.lock:

@@ -34,6 +34,8 @@ MAX_SEQS_PER_GET = 1024
 SESSION_TOKEN_BYTES = 16
 # Sequences in one list reply at most (a client pages with 'after').
 MAX_LIST = 1000
+# Names in one lookup at most (an engine's prefix of block keys, asked in one request).
+MAX_LOOKUP = 1024
 # Registered buffers (session socket 'register'): sizes and offsets are bounded by this.
 MAX_BUFFER_BYTES = 1 << 44
 # Buffer kinds of a 'register': a sealed memfd (the default; "shm" is another name for
@@ -56,6 +58,7 @@ class Op(enum.Enum):
     PUT = "put"
     GET = "get"
     STATS = "stats"
+    LOOKUP = "lookup"
 
 
 class ErrorCode(enum.Enum):
