@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="buffered I/O instead of O_DIRECT (reads may hit the page cache) (default: O_DIRECT)")
     p.add_argument("--metrics", default="", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics, e.g. 127.0.0.1:9464 (default: none)")
+    p.add_argument("--quota", action="append", default=[], metavar="NS=SIZE",
+                   help="a namespace matching the pattern NS (fnmatch: 'vllm/*' is every vLLM namespace, each apart) "
+                        "holds at most SIZE; past it, its least recently used sequences are deleted; repeatable, the "
+                        "first matching pattern wins (default: no quota)")
     p.add_argument("--parent-pid", type=int, default=0, metavar="PID",
                    help="shut down when process PID is no longer this daemon's parent (embedded daemons use it) "
                         "(default: 0, none)")
@@ -96,8 +100,11 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     """The command line over ``--config``'s file; raises :class:`ConfigFileError` for a file it cannot use."""
     args = parser.parse_args(argv)
     if args.config:
+        given_quotas = list(args.quota)
         parser.set_defaults(**load_config_file(args.config, parser))
         args = parser.parse_args(argv)
+        if given_quotas:  # the command line's --quota options replace the file's, as any flag wins
+            args.quota = given_quotas
     for name in ("ssd", "dram"):
         if getattr(args, name) is None:
             parser.error(f"--{name} is required: give it on the command line or in the --config file")
@@ -125,7 +132,22 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         session_limits=SessionLimits(buffers=BufferLimits(max_bytes=parse_size(args.max_client_buffers))),
         max_mapped_bytes=parse_size(args.max_mapped),
         metrics_address=args.metrics,
+        quotas=tuple(parse_quota(q) for q in args.quota),
     )
+
+
+def parse_quota(text: str) -> tuple[str, int]:
+    """``NS=SIZE`` -> (pattern, bytes); ValueError naming the option for anything else."""
+    pattern, sep, size = str(text).rpartition("=")
+    if not sep or not pattern or not size:
+        raise ValueError(f"--quota {text!r} is not NS=SIZE, e.g. 'vllm/*=200G'")
+    try:
+        limit = parse_size(size)
+    except ValueError as exc:
+        raise ValueError(f"--quota {text!r}: {exc}") from None
+    if limit < 1 << 20:
+        raise ValueError(f"--quota {text!r}: SIZE must be at least 1M")
+    return pattern, limit
 
 
 def _octal(text: str) -> int:

@@ -121,6 +121,9 @@ class DaemonConfig:
     max_mapped_bytes: int = 16 << 40
     # HOST:PORT of the Prometheus endpoint (kvstored/metrics.py); empty: none.
     metrics_address: str = ""
+    # (namespace pattern, bytes): a namespace matching a pattern (fnmatch; the first one wins)
+    # holds at most that many bytes; past it, its least recently used sequences are deleted.
+    quotas: tuple[tuple[str, int], ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

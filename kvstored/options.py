@@ -3,7 +3,7 @@
 A key is an option's long name without the dashes, spelt with dashes or underscores
 (``ssd-max`` or ``ssd_max``); its value has the type the option takes: a string, an
 integer for counts (``io-threads = 8``), a boolean for a flag (``no-direct = true``),
-and for a size either a string with a unit (``dram = "96G"``) or a number of bytes.
+an array of strings for a repeatable option (``quota = ["vllm/*=200G"]``), and for a size either a string with a unit (``dram = "96G"``) or a number of bytes.
 The file's values become the parser's defaults, so a flag on the command line wins.
 Anything else (a key no option has, a value of the wrong type, a choice not offered)
 is a :class:`ConfigFileError` naming the key and the file.
@@ -63,6 +63,10 @@ def _checked(path: Path, key: str, value: object, action: argparse.Action) -> ob
     def wrong(expected: str) -> ConfigFileError:
         return ConfigFileError(f"{path}: key {key!r} must be {expected}, got {_type_name(value)} {value!r:.60}")
 
+    if isinstance(action, argparse._AppendAction):  # noqa: SLF001 - a repeatable option such as --quota
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise wrong(f"an array of strings such as [\"{action.metavar}\"]")
+        return value
     if action.nargs == 0:  # a flag such as --no-direct
         if not isinstance(value, bool):
             raise wrong("true or false")

@@ -372,6 +372,10 @@ class Server:
             for ident, req_id, _, _ in prepared:
                 self._send([ident, *self._error(req_id, ErrorCode.INTERNAL, f"commit failed: {exc.__class__.__name__}: {exc}")])
             return
+        try:
+            self.store.enforce_quotas([p for i, (_, _, p, _) in enumerate(prepared) if i not in refused])
+        except Exception:  # the puts are durable and visible: an eviction that failed is retried at the next commit
+            log.exception("enforcing --quota after a commit failed")
         for i, (ident, req_id, p, t0) in enumerate(prepared):
             if i in refused:
                 self._send([ident, *self._error(req_id, refused[i].code, str(refused[i]))])

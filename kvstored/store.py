@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import fnmatch
 import itertools
 import logging
 import mmap
@@ -140,6 +141,8 @@ class Store:
         self.index = BlockIndex(cfg.index_max_bytes)
         self.gate = ReclaimGate()
         self.counters: Counter[str] = Counter()
+        # Bytes stored per (owner, namespace), for --quota.
+        self._ns_bytes: Counter[tuple[int, str]] = Counter()
         self._tick = itertools.count(1)
         self._inflight: dict[tuple[int, int], list[np.ndarray]] = {}
         self._load()
@@ -178,6 +181,7 @@ class Store:
                 entry.num_blocks += len(ext.pages)
                 used.append((ext.offset, len(ext.pages) * bb))
             entry.num_pages = int(np.count_nonzero(entry.has_page))
+            self._ns_bytes[(entry.owner, entry.ns)] += entry.bytes
         self.ssd.load(used)
         if self.index.num_bytes > self.index.max_bytes:
             log.warning("the block index holds %s, past --index-max %s: puts that grow it are refused until sequences "
@@ -335,21 +339,62 @@ class Store:
         entry = self.index.find(owner, req.ns, req.seq)
         if entry is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no sequence {req.ns}/{req.seq}")
-        rec = SeqRecord(entry.uid, entry.ns, entry.name, entry.geometry, entry.created, entry.owner)
-        # Never refused for want of space: the catalog's reserve is kept for this.
-        with self._catalog_write("delete") as txn:
-            self.catalog.delete_sequence(txn, rec)
-        self.index.remove(entry.uid)
-        with self.index.lock:
-            slots = entry.dram_off[entry.dram_off >= 0].copy()
-            entry.dram_off[:] = -1
-        bb = entry.geometry.block_bytes
-        extents = list(entry.extents)
-        self.gate.retire(lambda: self.dram.release(bb, slots))
-        self.gate.retire(lambda: self._release_extents(extents))
-        self._keep_reserve()
+        self._delete_entries([entry], "delete")
         log.info("deleted %s/%s (%s)", entry.ns, entry.name, format_size(entry.bytes))
         return {"freed_bytes": entry.bytes}
+
+    def _delete_entries(self, entries: list[SeqEntry], what: str) -> None:
+        """Delete sequences in one catalog commit; their DRAM slots and extents are freed once
+        no get still reads them."""
+        # Never refused for want of space: the catalog's reserve is kept for this.
+        with self._catalog_write(what) as txn:
+            for entry in entries:
+                self.catalog.delete_sequence(
+                    txn, SeqRecord(entry.uid, entry.ns, entry.name, entry.geometry, entry.created, entry.owner))
+        for entry in entries:
+            self.index.remove(entry.uid)
+            self._ns_bytes[(entry.owner, entry.ns)] -= entry.bytes
+            with self.index.lock:
+                slots = entry.dram_off[entry.dram_off >= 0].copy()
+                entry.dram_off[:] = -1
+            bb = entry.geometry.block_bytes
+            extents = list(entry.extents)
+            self.gate.retire(lambda bb=bb, slots=slots: self.dram.release(bb, slots))
+            self.gate.retire(lambda extents=extents: self._release_extents(extents))
+        self._keep_reserve()
+
+    def quota_of(self, ns: str) -> int | None:
+        """The --quota that applies to namespace ``ns`` (the first pattern it matches), if any."""
+        return next((limit for pattern, limit in self.cfg.quotas if fnmatch.fnmatchcase(ns, pattern)), None)
+
+    def enforce_quotas(self, prepared: list[PreparedPut]) -> None:
+        """After a commit: in each namespace these puts took past its --quota, delete the least
+        recently used sequences (by their last put or get) until it is within it. The
+        sequences these puts wrote are kept, so a put is never undone by its own quota."""
+        if not self.cfg.quotas:
+            return
+        keep = {p.entry.uid for p in prepared}
+        for owner, ns in {(p.entry.owner, p.entry.ns) for p in prepared}:
+            limit = self.quota_of(ns)
+            if limit is None or self._ns_bytes[(owner, ns)] <= limit:
+                continue
+            candidates = [e for e in self.index.all() if e.owner == owner and e.ns == ns and e.uid not in keep]
+            with self.index.lock:
+                candidates.sort(key=lambda e: (int(e.last_use.max()) if e.last_use.size else 0, e.uid))
+            over, victims = self._ns_bytes[(owner, ns)] - limit, []
+            for e in candidates:
+                if over <= 0:
+                    break
+                victims.append(e)
+                over -= e.bytes
+            if not victims:
+                continue
+            freed = sum(e.bytes for e in victims)
+            self._delete_entries(victims, "quota")
+            self.counters["quota_evicted"] += len(victims)
+            self.counters["quota_evicted_bytes"] += freed
+            log.info("namespace %s is over its quota %s: deleted its %d least recently used sequences (%s)", ns,
+                     format_size(limit), len(victims), format_size(freed))
 
     # ------------------------------------------------------------ put
 
@@ -568,6 +613,7 @@ class Store:
         self.counters["puts"] += 1
         self.counters["blocks_put"] += len(p.pages)
         self.counters["bytes_put"] += len(p.pages) * bb
+        self._ns_bytes[(entry.owner, entry.ns)] += len(p.pages) * bb
 
     def sync(self) -> None:
         self.ssd.sync()
