@@ -58,6 +58,11 @@ BENCHMARKS: dict[str, Benchmark] = {
         "a prompt's prefill through KVDrive beside plain transformers', side by side, and where KVDrive's extra "
         "time goes (index build, importance, store puts, cache seed)",
     ),
+    "tier": Benchmark(
+        "bench_tier",
+        "the vLLM and SGLang adapters storing and loading Llama-3-8B-shaped blocks through kvstored's DRAM and SSD "
+        "tiers, as GB/s beside a memcpy and the disk's sequential read",
+    ),
 }
 
 
