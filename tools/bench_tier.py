@@ -126,9 +126,11 @@ class SglangDriver:
 
         self.n, self.torch, self.out = len(rows), torch, out
         self.pool = PageFirstHostPool(self.n, BLOCK_TOKENS, LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16)
-        for i, row in enumerate(rows):  # page i holds block i's bytes (its K region, then its V region)
+        half = BLOCK_BYTES // 2
+        for i, row in enumerate(rows):  # page i holds block i's bytes: its K region, then its V region
             page = self.pool.page(i)
-            page.view(torch.uint8).view(-1)[:] = torch.from_numpy(row)
+            for kv in (0, 1):
+                page[kv].view(torch.uint8).view(-1)[:] = torch.from_numpy(row[kv * half: (kv + 1) * half])
         cfg = HiCacheStorageConfig(
             tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
             enable_storage_metrics=False, is_page_first_layout=True, model_name="llama-3-8b",
@@ -146,16 +148,16 @@ class SglangDriver:
         for start in range(0, self.n, JOB_BLOCKS):
             end = min(start + JOB_BLOCKS, self.n)
             if not all(self.backend.batch_set_v1(self.keys[start:end], self._indices(start, end))):
-                raise RuntimeError(f"SGLang batch_set_v1 failed: {self.backend.get_stats()}")
+                raise RuntimeError(f"SGLang batch_set_v1 failed: {self.backend.stats()}")
 
     def load(self) -> np.ndarray:
         self.pool.kv_buffer.zero_()
         for start in range(0, self.n, JOB_BLOCKS):
             end = min(start + JOB_BLOCKS, self.n)
             if not all(self.backend.batch_get_v1(self.keys[start:end], self._indices(start, end))):
-                raise RuntimeError(f"SGLang batch_get_v1 failed: {self.backend.get_stats()}")
+                raise RuntimeError(f"SGLang batch_get_v1 failed: {self.backend.stats()}")
         for i in range(self.n):
-            self.out[i] = self.pool.page(i).contiguous().view(self.torch.uint8).view(-1).numpy()
+            self.out[i] = self.pool.page(i).contiguous().view(self.torch.uint8).reshape(-1).numpy()
         return self.out
 
     def close(self) -> None:
@@ -211,12 +213,10 @@ def measure(adapter: str, tier: str, rows: np.ndarray, root: Path, memcpy: float
     rows_out = []
     for op, secs in (("store", store_s), ("load", load_s)):
         gbps = nbytes / secs / 1e9
-        rows_out.append(Row(adapter, tier, op, n, round(secs, 3), round(gbps, 3), round(gbps / memcpy, 3),
-                            round(gbps / disk, 3)))
+        rows_out.append(Row(adapter, tier, op, n, secs, gbps, gbps / memcpy, gbps / disk))
     _note(f"  {adapter} over the {tier} tier: store {rows_out[0].gbps:.2f} GB/s, load {rows_out[1].gbps:.2f} GB/s "
           f"(disk sequential read {disk:.2f} GB/s)")
-    rows_out.append(Row(adapter, tier, "disk seq read", n, round(nbytes / disk / 1e9, 3), round(disk, 3),
-                        round(disk / memcpy, 3), 1.0))
+    rows_out.append(Row(adapter, tier, "disk seq read", n, nbytes / disk / 1e9, disk, disk / memcpy, 1.0))
     return rows_out
 
 
@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     root = args.dir or Path(tempfile.gettempdir())
     _note(f"tier: {n} blocks of {BLOCK_BYTES >> 20} MiB (Llama-3-8B, 16 tokens) per adapter: "
           f"{n * BLOCK_BYTES / 2**30:.2f} GiB")
-    rows = np.frombuffer(np.random.default_rng(0).bytes(n * BLOCK_BYTES), dtype=np.uint8).reshape(n, BLOCK_BYTES)
+    rows = np.frombuffer(bytearray(np.random.default_rng(0).bytes(n * BLOCK_BYTES)), dtype=np.uint8).reshape(n, BLOCK_BYTES)
     memcpy = _memcpy_gbps(rows, np.empty_like(rows))
     _note(f"  memcpy here: {memcpy:.2f} GB/s")
     out: list[Row] = []

@@ -25,7 +25,9 @@ log = logging.getLogger(__name__)
 # The engine at the version the adapters are built against, then what its base modules import.
 ENGINES = {
     "vllm": ["vllm==0.34.0", "msgspec==0.23.0"],
-    "sglang": ["sglang==0.5.23", "orjson==3.13.0", "starlette==1.10.0", "ipython==9.18.1", "traitlets==5.16.1"],
+    "sglang": ["sglang==0.5.23", "orjson==3.13.0", "starlette==1.10.0", "ipython==9.18.1", "traitlets==5.16.1",
+               "pybase64==1.5.1", "msgspec==0.23.0", "aiohttp==3.14.5", "multidict==7.2.1", "attrs==26.1.0",
+               "yarl==1.25.1", "propcache==0.5.4", "aiohappyeyeballs==2.7.1", "aiosignal==1.4.0", "frozenlist==1.8.0"],
 }
 
 

@@ -70,8 +70,10 @@ def block_geometry(block_bytes: int) -> Geometry:
 
 
 def _part(value: object) -> str:
-    s = re.sub(r"[^\x21-\x7e]", "_", str(value))
-    return s.replace("/", "_")[:64] or "_"
+    """One namespace part: printable, no '/', at most 64 characters (a longer one keeps its
+    first 51 and a hash of the whole, so two long names never meet)."""
+    s = re.sub(r"[^\x21-\x7e]", "_", str(value)).replace("/", "_") or "_"
+    return s if len(s) <= 64 else f"{s[:51]}~{hashlib.sha256(s.encode()).hexdigest()[:12]}"
 
 
 def namespace(engine: str, model: str, tenant: str, block_bytes: int, rank: str | None = None) -> str:
@@ -220,7 +222,7 @@ class BlockStore:
                     self._store_batch(c, names, sources, order[start: start + self.batch_blocks], done)
                 for i, name in enumerate(names):  # a key given twice in one call
                     done[i] = done[i] or done[todo.get(name, i)]
-        except (KVDriveError, OSError) as exc:
+        except (KVDriveError, OSError, ValueError) as exc:  # ValueError: a block of another size
             self._failed("store", exc, len(names) - sum(done))
         self.counters["store_s_us"] += int((time.perf_counter() - t0) * 1e6)
         return done
@@ -277,7 +279,7 @@ class BlockStore:
                 for start in range(0, len(present), self.batch_blocks):
                     batch = present[start: start + self.batch_blocks]
                     self._load_batch(c, [r["uids"][i] for i in batch], [targets[i] for i in batch], got, batch)
-        except (KVDriveError, OSError) as exc:
+        except (KVDriveError, OSError, ValueError) as exc:  # ValueError: a target of another size
             self._failed("load", exc, len(names) - sum(got))
         self.counters["load_s_us"] += int((time.perf_counter() - t0) * 1e6)
         return got

@@ -1,0 +1,37 @@
+"""``kvdrive-bench tier`` end to end, with a few blocks through both adapters."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvdrive.tools.engines import install_engine
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return [install_engine(name) for name in ("vllm", "sglang")]
+
+
+def test_a_short_run_moves_blocks_through_both_adapters_and_both_tiers(tmp_path, engines):
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "kvdrive.tools.bench", "tier", "--blocks", "8", "--dir", str(tmp_path),
+           "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert {(r["adapter"], r["tier"], r["op"]) for r in rows} == {
+        (a, t, op) for a in ("vllm", "sglang") for t in ("dram", "ssd") for op in ("store", "load", "disk seq read")}
+    for r in rows:
+        assert r["blocks"] == 8 and r["gbps"] > 0 and r["seconds"] > 0
+        assert r["vs_memcpy"] == pytest.approx(r["gbps"] / data["memcpy_gbps"], rel=0.01)
+    assert "vs disk seq read" in proc.stdout and "memcpy here" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]  # every daemon's directory is gone
+
+
+def test_an_unknown_adapter_is_refused():
+    proc = subprocess.run([sys.executable, "-m", "kvdrive.tools.bench", "tier", "--adapters", "trt"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown adapter or tier ['trt']" in proc.stderr
