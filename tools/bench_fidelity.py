@@ -18,6 +18,10 @@ once densely and once through KVDrive for every selector and budget:
   first token and is the one the selectors' settings were chosen on; the others are
   held out, spread evenly so that the last one ends where the text does, and do not
   overlap. A window's contexts all start at its first token.
+- ``--corpus`` (:mod:`kvdrive.tools.corpus`: code, reference documentation, tables,
+  logs, changelogs found on this machine; ``--corpus DIR`` for one's own): ``--windows``
+  windows from each kind of text instead of the licences, all held out; the report
+  adds, per selector, budget and context, the worst window beside the mean.
 
 Per run: ``recall`` is the exact softmax attention mass (over every key the model
 holds at that step) on the chosen pages over the mass on all selectable pages, per
@@ -53,7 +57,8 @@ chunk's rows).
 
 ``--json FILE`` writes ``{"fidelity": [...], "cache": [...]}``: ``fidelity`` has one
 row per text window x context x budget x selector with exactly the keys selector,
-budget, context, text_window, offset (the window's first token), recall, dloss, kl,
+budget, context, text_window (numbered over the whole run), text_kind ("licences", or the
+corpus kind), offset (the window's first token in its text), recall, dloss, kl,
 top1, index_bytes, kv_bytes (the full K+V of every layer at the context, in the
 model's dtype; of the global layers only, the ones KVDrive stores), select_ms,
 cache_bytes (the device cache at the end of the decode); ``cache`` one row per
@@ -81,7 +86,8 @@ from kvdrive.tools.bench_common import InputError, PrefillSnapshot, TraceObserve
 from kvdrive.tools.targets import (TARGET_BEST, TARGET_DLOSS_BUDGET, TARGET_INDEX_VS_KV,
                                    TARGET_INDEX_VS_QUEST, TARGET_LOOKAHEAD_VS_BELADY, TARGET_RECALL_VS_MEANKEY,
                                    TARGET_RECALL_VS_ORACLE, TARGET_SELECT_SPEEDUP, TARGET_SELECT_VS_HIERARCHICAL,
-                                   TARGET_WINDOW, DenseTarget, verdict)
+                                   TARGET_MEAN_DLOSS, TARGET_WINDOW, TARGET_WORST_DLOSS, TARGET_WORST_VS_ORACLE,
+                                   DenseTarget, verdict)
 from kvdrive.tools.bench_fidelity_options import (DEFAULT_BUDGETS, DEFAULT_TOKENS, DEFAULT_WINDOWS, MODEL_RUNS,
                                                   PREFILL_CHUNK, QUICK_BUDGETS, QUICK_TOKENS, QUICK_WINDOWS)
 from kvdrive.tools.text_table import text_table
@@ -106,6 +112,8 @@ class FidelityConfig:
     selectors: tuple[IndexKind, ...]
     text: Path | None
     threads: int = 1
+    # None: the licences (or --text); "": the built-in corpus; else a corpus directory.
+    corpus: str | None = None
     windows: int = 1
     model: str = "smollm2"
     prefill_chunk: int = PREFILL_CHUNK
@@ -127,6 +135,10 @@ class FidelityConfig:
             raise ValueError(f"--threads must be >= 0, got {self.threads}")
         if self.text is not None and not self.text.is_file():
             raise ValueError(f"--text {self.text} is not a file")
+        if self.text is not None and self.corpus is not None:
+            raise ValueError("--text and --corpus: choose one")
+        if self.corpus and not Path(self.corpus).is_dir():
+            raise ValueError(f"--corpus {self.corpus} is not a directory")
 
     @property
     def traced_kind(self) -> IndexKind | None:
@@ -142,6 +154,7 @@ class FidelityRow:
     budget: float
     context: int
     text_window: int
+    text_kind: str
     offset: int
     recall: float
     dloss: float
@@ -286,16 +299,16 @@ def run_fidelity(cfg: FidelityConfig) -> tuple[list[FidelityRow], list[CacheRow]
     model, tok = load_model(cfg.model)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    text = cfg.text.read_text(encoding="utf-8") if cfg.text else license_text()
-    ids = tok(text, return_tensors="pt").input_ids
-    info = {"load_s": time.perf_counter() - t0, "text_tokens": ids.shape[1],
-            "max_positions": model.config.max_position_embeddings}
+    texts, info = read_texts(cfg, license_text)
+    sources = {kind: tok(text, return_tensors="pt").input_ids for kind, text in texts.items()}
+    info.update({"load_s": time.perf_counter() - t0, "text_tokens": {k: v.shape[1] for k, v in sources.items()},
+                 "max_positions": model.config.max_position_embeddings})
     need = max(cfg.contexts) + cfg.tokens + 1
     if need > info["max_positions"]:
         raise InputError(f"--context {max(cfg.contexts)} + --tokens {cfg.tokens} exceeds the model's "
                          f"{info['max_positions']} positions")
-    offsets = window_offsets(ids.shape[1], need, cfg.windows)
-    info["offsets"] = offsets
+    plan = window_plan(sources, need, cfg.windows, strict=cfg.corpus is None, skipped=info["skipped"])
+    info["offsets"] = [(kind, offset) for kind, offset in plan]
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     info["itemsize"] = model.dtype.itemsize
@@ -311,14 +324,15 @@ def run_fidelity(cfg: FidelityConfig) -> tuple[list[FidelityRow], list[CacheRow]
     per_token = 2 * stored * c.num_key_value_heads * head_dim * model.dtype.itemsize
     rows: list[FidelityRow] = []
     crows: list[CacheRow] = []
-    runs = len(offsets) * len(cfg.contexts) * len(cfg.budgets) * len(cfg.selectors)
+    runs = len(plan) * len(cfg.contexts) * len(cfg.budgets) * len(cfg.selectors)
     done = 0
     store = connect(None, dram=DRAM)
     try:
         with torch.no_grad():
-            for w, offset in enumerate(offsets):
+            for w, (kind_name, offset) in enumerate(plan):
+                ids = sources[kind_name]
                 for context in cfg.contexts:
-                    where = f"window {w} (token {offset}), context {context}"
+                    where = f"window {w} ({kind_name}, token {offset}), context {context}"
                     ctx = ids[:, offset : offset + context]
                     fed = ids[:, offset + context : offset + context + cfg.tokens]
                     targets = ids[0, offset + context + 1 : offset + context + cfg.tokens + 1]
@@ -335,7 +349,8 @@ def run_fidelity(cfg: FidelityConfig) -> tuple[list[FidelityRow], list[CacheRow]
                         for kind in cfg.selectors:
                             logits, r = results[kind]
                             dloss, kl, top1 = compare(logits, dense, targets)
-                            rows.append(FidelityRow(kind.value, budget, context, w, offset, r["recall"], dloss, kl,
+                            rows.append(FidelityRow(kind.value, budget, context, w, kind_name, offset, r["recall"],
+                                                    dloss, kl,
                                                     top1, r["index_bytes"], per_token * context, r["select_ms"],
                                                     r["cache_bytes"]))
                             if r["trace"] is not None:
@@ -347,6 +362,42 @@ def run_fidelity(cfg: FidelityConfig) -> tuple[list[FidelityRow], list[CacheRow]
     finally:
         store.close()
     return rows, crows, info
+
+
+def read_texts(cfg: FidelityConfig, license_text) -> tuple[dict[str, str], dict]:
+    """The texts windows are drawn from, by kind, and what to say of them."""
+    from kvdrive.tools import corpus  # noqa: PLC0415
+
+    if cfg.corpus is None:
+        if cfg.text:
+            return {"text": cfg.text.read_text(encoding="utf-8")}, {"source": str(cfg.text), "skipped": {}}
+        return {"licences": license_text()}, {"source": "/usr/share/common-licenses (concatenated)", "skipped": {}}
+    if cfg.corpus:
+        return corpus.corpus_from_dir(Path(cfg.corpus)), {"source": f"corpus {cfg.corpus}", "skipped": {}}
+    texts, missing = corpus.default_corpus()
+    if not texts:
+        raise InputError("none of the built-in corpus's texts is on this machine: " + "; ".join(missing.values()))
+    described = "; ".join(f"{k.name}: {k.description}" for k in corpus.KINDS if k.name in texts)
+    return texts, {"source": f"the built-in corpus ({described})", "skipped": dict(missing)}
+
+
+def window_plan(sources: dict, need: int, windows: int, strict: bool, skipped: dict) -> list[tuple[str, int]]:
+    """(kind, first token) of every window: ``windows`` per text (``strict``: exactly, else as
+    many as fit without overlapping; a text too short for one is left out, said in ``skipped``)."""
+    plan = []
+    for kind, ids in sources.items():
+        n = ids.shape[1]
+        if strict:
+            plan += [(kind, o) for o in window_offsets(n, need, windows)]
+            continue
+        fit = min(windows, 1 + (n - need) // need) if n >= need else 0
+        if fit < 1:
+            skipped[kind] = f"{n} tokens, fewer than one window of {need}"
+            continue
+        if fit < windows:
+            skipped[kind] = f"{n} tokens: {fit} of {windows} windows"
+        plan += [(kind, o) for o in window_offsets(n, need, fit)]
+    return plan
 
 
 def window_offsets(text_tokens: int, need: int, windows: int) -> list[int]:
@@ -366,10 +417,13 @@ def window_offsets(text_tokens: int, need: int, windows: int) -> list[int]:
 # ---------------------------------------------------------------- report
 
 
-def target_lines(rows: list[FidelityRow], crows: list[CacheRow], itemsize: int = 4, model: str = "smollm2") -> list[str]:
-    """Target verdicts; ``itemsize``: bytes per K/V element of the model measured (the models run in float32)."""
+def target_lines(rows: list[FidelityRow], crows: list[CacheRow], itemsize: int = 4, model: str = "smollm2",
+                 per_window: bool = True) -> list[str]:
+    """Target verdicts; ``itemsize``: bytes per K/V element of the model measured (the models run in float32);
+    ``per_window``: the best selector's targets on each window (a corpus run has the worst window's instead)."""
     lines = _index_target_lines([r for r in rows if r.text_window == 0], crows)
-    lines += _best_target_lines(rows, itemsize, MODEL_RUNS[model].target)
+    if per_window:
+        lines += _best_target_lines(rows, itemsize, MODEL_RUNS[model].target)
     if not lines:
         lines.append("no targets: they need lowrank with oracle / hierarchical, or hierarchical with meankey / quest "
                      "(and a 6.25% budget for the cache)")
@@ -454,13 +508,14 @@ def _index_target_lines(rows: list[FidelityRow], crows: list[CacheRow]) -> list[
 
 
 def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, info: dict) -> str:
-    text = str(cfg.text) if cfg.text else "/usr/share/common-licenses (concatenated)"
     attach_cfg = AttachConfig()
-    windows = ", ".join(f"{w} at token {o}" + (" (tuning)" if w == 0 else " (held out)")
-                        for w, o in enumerate(info["offsets"]))
+    tuned = cfg.corpus is None
+    windows = ", ".join(f"{w} {k}@{o}" + (" (tuning)" if tuned and w == 0 else " (held out)")
+                        for w, (k, o) in enumerate(info["offsets"]))
+    tokens = ", ".join(f"{k} {n}" for k, n in info["text_tokens"].items())
     lines = [
         f"kvdrive-bench fidelity: {info['model']}; "
-        f"text {text} ({info['text_tokens']} tokens); text windows: {windows}",
+        f"text {info['source']} (tokens: {tokens}); text windows: {windows}",
         f"context {', '.join(map(str, cfg.contexts))} tokens, then {cfg.tokens} teacher-forced decode tokens; page "
         f"{PAGE_SIZE} tokens, sink {attach_cfg.sink_tokens} and local window {attach_cfg.local_tokens} tokens always "
         f"attended; lowrank: rank {attach_cfg.lowrank_rank(info['head_dim'])} key sketches (8 int8 channels, the rest int4); hierarchical: {attach_cfg.pages_per_cluster} "
@@ -473,6 +528,8 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
         "the full K+V of every global layer at the context (float32, as the model runs); cache/kv: the device "
         "cache's bytes at the end of the decode over the same",
     ]
+    for kind, why in info.get("skipped", {}).items():
+        lines.append(f"NOTE: corpus text {kind}: {why}")
     if max(cfg.contexts) > cfg.prefill_chunk:
         lines.append(f"contexts over {cfg.prefill_chunk} tokens are prefilled densely in chunks of {cfg.prefill_chunk}")
     target = MODEL_RUNS[cfg.model].target.context
@@ -484,7 +541,7 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
     body = []
     for r in rows:
         o = oracle.get((r.budget, r.context, r.text_window))
-        body.append((str(r.text_window), r.selector, f"{r.budget:.3%}", str(r.context), f"{r.recall:.4f}",
+        body.append((f"{r.text_window} {r.text_kind}", r.selector, f"{r.budget:.3%}", str(r.context), f"{r.recall:.4f}",
                      f"{r.recall / o:.3f}" if o else "-", f"{r.dloss:+.4f}", f"{r.kl:.4f}", f"{r.top1:.3f}",
                      str(r.index_bytes), f"{r.index_bytes / r.kv_bytes:.4f}", f"{r.cache_bytes / r.kv_bytes:.4f}",
                      f"{r.select_ms:.2f}"))
@@ -500,8 +557,78 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
         lines += text_table(("context", "window", "capacity", "policy", "hits", "lookups", "hit_rate"), body, {2, 4, 5, 6})
     elif cfg.traced_kind is None:
         lines += ["", "cache: skipped (needs the lowrank or hierarchical selector at a 6.25% budget)"]
-    lines += ["", *target_lines(rows, crows, info["itemsize"], cfg.model)]
+    if len(info["offsets"]) > 1:
+        lines += ["", *worst_window_lines(rows)]
+    lines += ["", *target_lines(rows, crows, info["itemsize"], cfg.model, per_window=tuned)]
+    if not tuned:
+        lines += worst_target_lines(rows)
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class WindowSummary:
+    """One selector at one budget and context over every window: the mean and the worst."""
+
+    selector: str
+    budget: float
+    context: int
+    windows: int
+    mean_dloss: float
+    worst: FidelityRow
+    oracle_on_worst: FidelityRow | None
+    worst_kl: float
+    min_recall_vs_oracle: float
+
+
+def summarize_windows(rows: list[FidelityRow]) -> list[WindowSummary]:
+    """Per (selector, budget, context): mean Δloss over the windows, the window of the largest
+    Δloss (with the oracle's row on that window), the largest KL, the lowest recall over the oracle's."""
+    oracle = {(r.budget, r.context, r.text_window): r for r in rows if r.selector == IndexKind.ORACLE.value}
+    groups: dict[tuple, list[FidelityRow]] = {}
+    for r in rows:
+        groups.setdefault((r.selector, r.budget, r.context), []).append(r)
+    out = []
+    for (sel, budget, context), rs in groups.items():
+        worst = max(rs, key=lambda r: r.dloss)
+        ratios = [r.recall / o.recall for r in rs if (o := oracle.get((budget, context, r.text_window))) and o.recall > 0]
+        out.append(WindowSummary(sel, budget, context, len(rs), sum(r.dloss for r in rs) / len(rs), worst,
+                                 oracle.get((budget, context, worst.text_window)), max(r.kl for r in rs),
+                                 min(ratios) if ratios else math.nan))
+    return out
+
+
+def worst_window_lines(rows: list[FidelityRow]) -> list[str]:
+    body = []
+    for w in summarize_windows(rows):
+        o = w.oracle_on_worst
+        body.append((w.selector, f"{w.budget:.3%}", str(w.context), str(w.windows), f"{w.mean_dloss:+.4f}",
+                     f"{w.worst.dloss:+.4f}", f"{w.worst.text_window} {w.worst.text_kind}",
+                     f"{o.dloss:+.4f}" if o else "-", f"{w.worst.kl:.4f}", f"{w.worst_kl:.4f}",
+                     f"{w.min_recall_vs_oracle:.3f}"))
+    return ["worst window: per selector, budget and context, over every window; oracle: its dloss on that window",
+            *text_table(("selector", "budget", "context", "windows", "mean dloss", "worst dloss", "at window",
+                         "oracle", "kl there", "worst kl", "min vs oracle"), body, {1, 2, 3, 4, 5, 7, 8, 9, 10})]
+
+
+def worst_target_lines(rows: list[FidelityRow]) -> list[str]:
+    """The default selector's worst window against its bounds, at each budget (corpus runs)."""
+    lines = []
+    for w in summarize_windows(rows):
+        if w.selector != TARGET_BEST:
+            continue
+        at = f"budget {w.budget:.3%}, context {w.context}, {w.windows} windows"
+        o = w.oracle_on_worst
+        vs = "" if o is None else f" and <= oracle's {o.dloss:+.4f} + {TARGET_WORST_VS_ORACLE:g}"
+        ok = w.worst.dloss <= TARGET_WORST_DLOSS and (o is None or w.worst.dloss <= o.dloss + TARGET_WORST_VS_ORACLE)
+        lines.append(f"target: {TARGET_BEST} worst-window dloss <= {TARGET_WORST_DLOSS:g}{vs} ({at}): "
+                     f"{w.worst.dloss:+.4f} at window {w.worst.text_window} ({w.worst.text_kind}): {verdict(ok)}")
+        lines.append(f"target: {TARGET_BEST} mean dloss <= {TARGET_MEAN_DLOSS:g} ({at}): {w.mean_dloss:+.4f}: "
+                     f"{verdict(w.mean_dloss <= TARGET_MEAN_DLOSS)}")
+        if not math.isnan(w.min_recall_vs_oracle):
+            lines.append(f"target: {TARGET_BEST} recall >= {TARGET_RECALL_VS_ORACLE:g} x oracle's on every window "
+                         f"({at}): lowest {w.min_recall_vs_oracle:.3f}x: "
+                         f"{verdict(w.min_recall_vs_oracle >= TARGET_RECALL_VS_ORACLE)}")
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -515,6 +642,7 @@ def run(args: argparse.Namespace) -> int:
             text=args.text,
             threads=args.threads,
             windows=args.windows if args.windows is not None else (QUICK_WINDOWS if args.quick else DEFAULT_WINDOWS),
+            corpus=args.corpus,
             model=args.model,
             prefill_chunk=args.prefill_chunk,
         )
@@ -529,5 +657,9 @@ def run(args: argparse.Namespace) -> int:
     print(render(rows, crows, cfg, info), flush=True)
     if args.json is not None:
         doc = {"fidelity": [asdict(r) for r in rows], "cache": [asdict(r) for r in crows]}
+        if len(info["offsets"]) > 1:
+            doc["windows"] = [{**asdict(w), "worst": asdict(w.worst),
+                               "oracle_on_worst": asdict(w.oracle_on_worst) if w.oracle_on_worst else None}
+                              for w in summarize_windows(rows)]
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
     return 0

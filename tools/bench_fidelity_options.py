@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--selectors", nargs="+", default=[k.value for k in SELECTORS], choices=[k.value for k in SELECTORS])
     p.add_argument("--text", type=Path, default=None, metavar="FILE",
                    help="UTF-8 text to read instead of the common licenses")
+    p.add_argument("--corpus", nargs="?", const="", default=None, metavar="DIR",
+                   help="windows from each kind of text of the built-in corpus (code, reference documentation, "
+                        "tables, logs, changelogs found on this machine), or of DIR (each file or subdirectory a "
+                        "kind), instead of the licences; adds the worst window beside the mean")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads; selection kernels take microseconds per layer and extra threads on "
                         "a shared machine mostly add noise to select_ms (0: torch's own default)")

@@ -34,6 +34,10 @@ TARGET_DLOSS_BUDGET = 0.0625  # the budget of the best selector's dloss / kl, in
 TARGET_INDEX_VS_KV = 0.1  # at most: the best selector's index_bytes over the full K+V
 TARGET_RECALL_VS_ORACLE = 0.9  # the best selector's recall over the oracle's
 TARGET_SELECT_VS_HIERARCHICAL = 1.5  # at most: the best selector's select_ms over hierarchical's
+# Over a corpus of several kinds of text (kvdrive-bench fidelity --corpus), at each budget:
+TARGET_WORST_DLOSS = 0.15  # at most: the best selector's largest dloss over the windows
+TARGET_WORST_VS_ORACLE = 0.10  # at most: that window's dloss over the oracle's dloss there
+TARGET_MEAN_DLOSS = 0.05  # at most: the best selector's mean dloss over the windows
 
 
 @dataclass(frozen=True)

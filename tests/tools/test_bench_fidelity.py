@@ -11,11 +11,13 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvdrive.tools import bench
 from kvdrive.tools.bench_common import InputError, PrefillSnapshot, TraceObserver, compare, teacher_force
-from kvdrive.tools.bench_fidelity import RecallObserver, run_selectors, window_offsets
+from kvdrive.tools import corpus
+from kvdrive.tools.bench_fidelity import (FidelityRow, RecallObserver, run_selectors, summarize_windows,
+                                           window_offsets, window_plan)
 from kvdrive_client import attach
 from kvdrive_client.selectors import IndexKind
 
-FIDELITY_KEYS = {"selector", "budget", "context", "text_window", "offset", "recall", "dloss", "kl", "top1", "index_bytes",
+FIDELITY_KEYS = {"selector", "budget", "context", "text_window", "text_kind", "offset", "recall", "dloss", "kl", "top1", "index_bytes",
                  "kv_bytes", "select_ms", "cache_bytes"}
 CACHE_KEYS = {"selector", "budget", "context", "window", "capacity", "policy", "hits", "lookups", "hit_rate"}
 
@@ -147,7 +149,8 @@ def test_quick_run_end_to_end(tmp_path):
         (s, 0.0625, 512, 0, 0) for s in ("oracle", "lowrank", "hierarchical", "meankey", "quest")]
     for r in rows:
         assert set(r) == FIDELITY_KEYS
-        for key in FIDELITY_KEYS - {"selector"}:
+        assert r["text_kind"] == "licences"
+        for key in FIDELITY_KEYS - {"selector", "text_kind"}:
             assert math.isfinite(r[key]), (r["selector"], key)
         assert 0 < r["recall"] <= 1 + 1e-6 and 0 <= r["top1"] <= 1 and r["kl"] >= -1e-9
         assert r["index_bytes"] > 0 and r["select_ms"] > 0 and 0 < r["cache_bytes"] < r["kv_bytes"]
@@ -194,3 +197,61 @@ def test_text_windows_start_at_the_text_and_end_with_it_without_overlap():
         window_offsets(899, 300, 3)
     with pytest.raises(InputError, match="needs 300"):
         window_offsets(299, 300, 1)
+
+
+def test_a_corpus_gives_each_kind_its_windows_and_leaves_out_a_text_too_short():
+    sources = {"long": torch.zeros(1, 1000), "short": torch.zeros(1, 450), "tiny": torch.zeros(1, 100)}
+    skipped = {}
+    plan = window_plan(sources, need=300, windows=3, strict=False, skipped=skipped)
+    assert plan == [("long", 0), ("long", 350), ("long", 700), ("short", 0)]
+    assert set(skipped) == {"short", "tiny"} and "1 of 3 windows" in skipped["short"]
+    with pytest.raises(InputError, match="at most 1"):
+        window_plan({"short": torch.zeros(1, 450)}, need=300, windows=3, strict=True, skipped={})
+
+
+def test_the_built_in_corpus_holds_at_least_four_kinds_of_text_and_a_directory_its_own(tmp_path):
+    texts, missing = corpus.default_corpus()
+    assert len(texts) >= 4, missing
+    assert "licences" not in texts and all(len(t) >= corpus.MIN_CHARS for t in texts.values())
+    (tmp_path / "notes.txt").write_text("a" * 100)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "b.log").write_text("second\n")
+    (tmp_path / "logs" / "a.log").write_text("first\n")
+    assert corpus.corpus_from_dir(tmp_path) == {"logs": "first\n\n\nsecond\n", "notes": "a" * 100}
+    with pytest.raises(ValueError, match="not a directory"):
+        corpus.corpus_from_dir(tmp_path / "notes.txt")
+
+
+def row(selector, window, dloss, recall, kind="k", kl=0.01):
+    return FidelityRow(selector, 0.0625, 7168, window, kind, 0, recall, dloss, kl, 0.9, 1, 10, 1.0, 1)
+
+
+def test_the_worst_window_is_named_beside_the_mean_with_the_oracle_there():
+    rows = [row("oracle", 0, 0.01, 0.8), row("oracle", 1, 0.07, 0.6, "code"),
+            row("lowrank", 0, 0.03, 0.76), row("lowrank", 1, 0.31, 0.5, "code", kl=0.12)]
+    by = {w.selector: w for w in summarize_windows(rows)}
+    lr = by["lowrank"]
+    assert lr.windows == 2 and lr.mean_dloss == pytest.approx(0.17)
+    assert (lr.worst.text_window, lr.worst.text_kind) == (1, "code") and lr.oracle_on_worst.dloss == 0.07
+    assert lr.worst_kl == 0.12 and lr.min_recall_vs_oracle == pytest.approx(0.5 / 0.6)
+
+
+def test_a_corpus_run_end_to_end(tmp_path):
+    texts, _ = corpus.default_corpus()
+    kinds = sorted(texts)[:2]
+    for k in kinds:
+        (tmp_path / f"{k}.txt").write_text(texts[k][:20000])
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "kvdrive.tools.bench", "fidelity", "--corpus", str(tmp_path), "--context", "512",
+           "--tokens", "4", "--windows", "1", "--budget", "0.0625", "--selectors", "oracle", "lowrank",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert [(r["text_kind"], r["text_window"], r["selector"]) for r in doc["fidelity"]] == [
+        (k, w, s) for w, k in enumerate(kinds) for s in ("oracle", "lowrank")]
+    worst = {w["selector"]: w for w in doc["windows"]}
+    assert worst["lowrank"]["windows"] == 2
+    assert worst["lowrank"]["worst"]["dloss"] == max(r["dloss"] for r in doc["fidelity"] if r["selector"] == "lowrank")
+    assert "worst window:" in proc.stdout and "lowrank worst-window dloss <= 0.15" in proc.stdout
+    assert "(tuning)" not in proc.stdout
