@@ -200,13 +200,12 @@ if _IMPORT_ERROR is None:
                         self._done.put(("job", self._store(payload)))
                     else:
                         self._done.put(("job", self._load(payload)))
-                except Exception as exc:  # noqa: BLE001 - a bug here must not hang vLLM's jobs
+                except Exception:  # noqa: BLE001 - a bug here must not hang vLLM's jobs
                     log.exception("KVDrive tier: %s failed", kind)
                     if kind == "lookup":
                         self._done.put(("lookup", [(k, False) for k in payload]))
                     elif kind in ("store", "load"):
                         self._done.put(("job", (JobResult(job_id=payload.job_id, success=False), (), ())))
-                    del exc
                 finally:
                     self._work.task_done()
 
