@@ -18,9 +18,6 @@ _UNSET = "unset"  # a deprecated option not given
 _RENAMED = {"window": "cache_multiplier", "windows": "head_multipliers"}
 
 
-HEAD_BUDGETS = ("uniform", "adaptive")
-
-
 @dataclass(frozen=True)
 class AttachConfig:
     """How KVDrive decodes.
@@ -60,11 +57,6 @@ class AttachConfig:
         the model and the tokens; a later generate() on the same prompt loads them
         instead of running prefill over them (also after a daemon restart).
     keep: keep the session's own store sequences (decode pages) after generate().
-    head_budget: how a layer's pages are shared among its KV heads: ``uniform`` (default:
-        the same count each) or ``adaptive`` (the same total, each head keeping at least
-        half its share and the rest going to the pages of highest estimated mass over
-        all heads; lowrank and oracle only, whose scores compare across heads; needs a
-        device cache of at least twice the selection: cache_multiplier >= 2).
     kernels: which kernels select, place and attend: ``auto`` (the compiled CPU kernels
         on the CPU, the torch references elsewhere), ``cpu`` or ``reference`` (the torch
         references, on any device: slower, for checking the others).
@@ -94,7 +86,6 @@ class AttachConfig:
     reuse: bool = False
     device: str | None = None
     kernels: str = "auto"
-    head_budget: str = "uniform"
     window: float | None | str = _UNSET  # deprecated: cache_multiplier
     windows: tuple | str | None = _UNSET  # deprecated: head_multipliers
 
@@ -139,11 +130,6 @@ class AttachConfig:
                                tuple(tuple(float(w) for w in layer) for layer in self.head_multipliers))
             if any(not w >= 1 for layer in self.head_multipliers for w in layer):
                 raise ValueError("every per-head cache multiplier must be >= 1")
-        if self.head_budget not in HEAD_BUDGETS:
-            raise ValueError(f"head_budget={self.head_budget!r}: choose one of {', '.join(HEAD_BUDGETS)}")
-        if self.head_budget == "adaptive" and self.index not in (IndexKind.LOWRANK, IndexKind.ORACLE):
-            raise ValueError(f"head_budget='adaptive' needs index lowrank or oracle (their scores compare across "
-                             f"heads), not {self.index.value}")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1 or None (calibrate), got {self.micro_batch}")
         if self.cache_bytes is not None and self.cache_bytes <= 0:

@@ -36,9 +36,7 @@ class Placement:
 
     @property
     def num_hits(self) -> int:
-        """Selected pages found in the cache (entries with no page, -1, are neither)."""
-        hit = ~self.miss if self.pages is None else ~self.miss & (self.pages >= 0)
-        return int(hit.sum())
+        return int((~self.miss).sum())
 
     @property
     def num_misses(self) -> int:
@@ -72,8 +70,7 @@ class HostPlacement:
 
     @property
     def num_hits(self) -> int:
-        """Selected pages found in the cache (entries with no page, -1, are neither)."""
-        return int((self.pages >= 0).sum()) - len(self.rows)
+        return int(self.miss.size - len(self.rows))
 
     @property
     def num_misses(self) -> int:
@@ -115,11 +112,6 @@ class DeviceCache:
         self.slot_page = torch.cat([self.slot_page, self.slot_page.new_full((b, h, extra), -1)], dim=2)
         self.last_used = torch.cat([self.last_used, self.last_used.new_zeros(b, h, extra)], dim=2)
         self.capacity = capacity
-
-    @property
-    def min_head_capacity(self) -> int:
-        """Slots the smallest head may use."""
-        return self.capacity if self.head_capacity is None else min(self._head_min, self.capacity)
 
     def set_head_capacity(self, per_head) -> None:
         """Limit each KV head to ``per_head[h]`` slots (a sequence of ints, or None for all);

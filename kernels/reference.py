@@ -201,25 +201,6 @@ def lowrank_select(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
     return pages, top, None if cached is None else gather_scores(scores, cached)
 
 
-def spread_budget(pages: torch.Tensor, scores: torch.Tensor, k: int, floor: int) -> torch.Tensor:
-    """Share ``k`` pages per KV head among a row's heads by score: ``pages`` / ``scores``
-    ``[B, H, kk]`` (kk >= k; -1 / -inf where nothing) are each head's ``kk`` best; every head
-    keeps its ``floor`` best, and the row's other ``(k - floor) * H`` are the best of the
-    rest over all its heads. Returns ``pages`` with the others -1 (as many chosen per row
-    as ``k`` per head gives, a head holding up to ``kk``)."""
-    b, h, kk = scores.shape
-    if kk <= k:
-        return pages
-    order = scores.argsort(dim=2, descending=True)
-    rank = torch.empty_like(order)
-    rank.scatter_(2, order, torch.arange(kk, device=scores.device).expand_as(order))
-    keep = rank < floor
-    rest = scores.masked_fill(keep, NEG_INF).reshape(b, h * kk)
-    extra = rest.topk((k - floor) * h, dim=1).indices
-    keep = keep.reshape(b, h * kk).scatter(1, extra, True).reshape(b, h, kk)
-    return pages.masked_fill(~keep | (scores == NEG_INF), -1)
-
-
 def gather_scores(scores: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """``scores`` ``[B, H, P]`` of ``pages`` ``[B, H, n]``, -inf where a page is -1 (all of them when P is 0)."""
     if scores.shape[2] == 0:

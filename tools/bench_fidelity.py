@@ -114,7 +114,6 @@ class FidelityConfig:
     threads: int = 1
     # None: the licences (or --text); "": the built-in corpus; else a corpus directory.
     corpus: str | None = None
-    head_budget: str = "uniform"  # the lowrank sessions' (attach()'s head_budget)
     windows: int = 1
     model: str = "smollm2"
     prefill_chunk: int = PREFILL_CHUNK
@@ -234,8 +233,7 @@ def _note(text: str) -> None:
 
 
 def run_selectors(model, store, snapshot: PrefillSnapshot, fed: torch.Tensor, kinds: Sequence[IndexKind],
-                  budget: float, traced: IndexKind | None = None,
-                  head_budget: str = "uniform") -> dict[IndexKind, tuple[torch.Tensor, dict]]:
+                  budget: float, traced: IndexKind | None = None) -> dict[IndexKind, tuple[torch.Tensor, dict]]:
     """Teacher-forced decode of ``fed`` through one session per selector, side by side (:func:`in_turns`),
     so that the selectors' ``select_ms`` compare. The sessions are independent: each one's
     logits equal those of a run on its own. Returns ``{kind: (logits [T, V], info)}``.
@@ -245,9 +243,7 @@ def run_selectors(model, store, snapshot: PrefillSnapshot, fed: torch.Tensor, ki
     runs: dict[IndexKind, dict] = {}
     with contextlib.ExitStack() as stack:
         for kind in kinds:
-            shared = head_budget if kind is IndexKind.LOWRANK else "uniform"  # the others as they are: the reference
-            handle = attach(model, store, budget=budget, index=kind, page_size=PAGE_SIZE,
-                            head_budget=shared)  # a fresh handle: fresh stats
+            handle = attach(model, store, budget=budget, index=kind, page_size=PAGE_SIZE)  # a fresh handle: fresh stats
             stack.callback(handle.detach)
             cache = handle.new_cache(1)
             stack.callback(cache.close)
@@ -349,8 +345,7 @@ def run_fidelity(cfg: FidelityConfig) -> tuple[list[FidelityRow], list[CacheRow]
                     for budget in cfg.budgets:
                         t = time.perf_counter()
                         traced = cfg.traced_kind if w == 0 and budget == TRACE_BUDGET else None
-                        results = run_selectors(model, store, snapshot, fed, cfg.selectors, budget, traced,
-                                                cfg.head_budget)
+                        results = run_selectors(model, store, snapshot, fed, cfg.selectors, budget, traced)
                         for kind in cfg.selectors:
                             logits, r = results[kind]
                             dloss, kl, top1 = compare(logits, dense, targets)
@@ -525,7 +520,6 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
         f"{PAGE_SIZE} tokens, sink {attach_cfg.sink_tokens} and local window {attach_cfg.local_tokens} tokens always "
         f"attended; lowrank: rank {attach_cfg.lowrank_rank(info['head_dim'])} key sketches (8 int8 channels, the rest int4); hierarchical: {attach_cfg.pages_per_cluster} "
         f"pages per cluster, {attach_cfg.candidate_factor:g} x k candidates",
-        f"lowrank's head budget: {cfg.head_budget} (the other selectors: uniform)",
         "select_ms: the session's selection time per decode step from the second step on, all layers (with the "
         "scoring of cached pages for lookahead eviction), the selectors decoding side by side, a step each in turn; "
         f"{os.cpu_count()} CPUs, torch threads: "
@@ -649,7 +643,6 @@ def run(args: argparse.Namespace) -> int:
             threads=args.threads,
             windows=args.windows if args.windows is not None else (QUICK_WINDOWS if args.quick else DEFAULT_WINDOWS),
             corpus=args.corpus,
-            head_budget=args.head_budget,
             model=args.model,
             prefill_chunk=args.prefill_chunk,
         )

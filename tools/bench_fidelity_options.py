@@ -55,8 +55,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--selectors", nargs="+", default=[k.value for k in SELECTORS], choices=[k.value for k in SELECTORS])
     p.add_argument("--text", type=Path, default=None, metavar="FILE",
                    help="UTF-8 text to read instead of the common licenses")
-    p.add_argument("--head-budget", choices=("uniform", "adaptive"), default="uniform",
-                   help="attach()'s head_budget for the lowrank sessions (the others stay uniform, the reference)")
     p.add_argument("--corpus", nargs="?", const="", default=None, metavar="DIR",
                    help="windows from each kind of text of the built-in corpus (code, reference documentation, "
                         "tables, logs, changelogs found on this machine), or of DIR (each file or subdirectory a "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 
 import numpy as np
@@ -12,8 +11,6 @@ from kvdrive.kernels import reference as ref
 from kvdrive_client.decode.fetch import StoreIO
 from kvdrive_client.decode.state import Context, MicroBatch, StepPlan
 from kvdrive_client.device_cache import EvictionPolicy
-
-log = logging.getLogger(__name__)
 
 
 def choose(ctx: Context, plan: StepPlan, layer: int, mb: MicroBatch) -> None:
@@ -28,13 +25,10 @@ def choose(ctx: Context, plan: StepPlan, layer: int, mb: MicroBatch) -> None:
     chosen = plan.sink_pages[mb.lo : mb.hi, None, :].expand(mb.rows, ctx.shape.num_kv_heads, plan.sink)
     slot_scores = None
     if plan.k:
-        kk = spread_room(ctx, ls.cache, plan)
-        picked, scores, slot_scores = selector.select_and_score(mb.query, plan.selectable[mb.lo : mb.hi], kk,
+        picked, scores, slot_scores = selector.select_and_score(mb.query, plan.selectable[mb.lo : mb.hi], plan.k,
                                                                 cached if lookahead else None)
         # A row with fewer selectable pages than k (padding) gets -1: nothing there.
         picked = picked.masked_fill(scores == ref.NEG_INF, -1)
-        if kk > plan.k:
-            picked = ref.spread_budget(picked, scores, plan.k, plan.k // 2)
         if ctx.observers:
             t_ob = time.perf_counter()
             for ob in ctx.observers:
@@ -47,21 +41,6 @@ def choose(ctx: Context, plan: StepPlan, layer: int, mb: MicroBatch) -> None:
     t1 = time.perf_counter()
     ctx.timeline.add("select", mb.lane, t0, t1, layer=layer, mb=mb.index)
     mb.select_ms = (t1 - t0) * 1e3
-
-
-def spread_room(ctx: Context, cache, plan: StepPlan) -> int:
-    """Pages each head may be offered this step: ``k``, or with ``head_budget='adaptive'`` up to
-    ``2k`` where the device cache holds them (a cache too small for any spread is logged once)."""
-    if ctx.cfg.head_budget != "adaptive":
-        return plan.k
-    room = cache.min_head_capacity - plan.sink
-    kk = max(plan.k, min(2 * plan.k, room))
-    if kk == plan.k and not getattr(ctx, "_spread_warned", False):
-        ctx._spread_warned = True
-        log.warning("head_budget='adaptive': the device cache holds %d pages per head, no more than the %d selected "
-                    "(and the sink): every head keeps its own share (use cache_multiplier >= 2)", room + plan.sink,
-                    plan.k)
-    return kk
 
 
 def place(ctx: Context, plan: StepPlan, layer: int, mb: MicroBatch) -> None:

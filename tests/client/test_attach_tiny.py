@@ -178,8 +178,6 @@ def test_a_full_attention_qwen2_with_a_window_size_set_is_still_accepted(daemon)
     ({"sink_tokens": 10}, "multiple of page_size"),
     ({"local_tokens": 4}, "local_tokens"),
     ({"nonsense": 1}, "nonsense"),
-    ({"head_budget": "greedy"}, "head_budget='greedy': choose one of uniform, adaptive"),
-    ({"head_budget": "adaptive", "index": "quest"}, "needs index lowrank or oracle"),
 ])
 def test_bad_options_are_refused(options, message, tiny_qwen2):
     with pytest.raises((ValueError, TypeError), match=message):
@@ -222,25 +220,3 @@ def test_beam_search_and_several_sequences_are_refused_with_a_reason(daemon, tin
     with pytest.raises(NotImplementedError, match="batch expansion"):
         tiny_llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, **kwargs)
     handle.detach()
-
-
-def test_an_adaptive_head_budget_attends_as_many_pages_as_a_uniform_one(daemon, make_tiny):
-    """The same pages per layer in all, shared unevenly among the heads; at full budget it is dense."""
-    model = make_tiny("qwen2", layers=2)
-    ids, mask = left_padded([900, 700])
-    figures = {}
-    with daemon.client() as store:
-        for head_budget in ("uniform", "adaptive"):
-            handle = attach(model, store, budget=0.0625, head_budget=head_budget)
-            out = generate(model, ids, mask, new=12)
-            figures[head_budget] = handle.stats()
-            handle.detach()
-            assert out.sequences.shape == (2, 900 + 12)
-        ref = generate(model, ids, mask, new=12)
-        handle = attach(model, store, budget=1.0, head_budget="adaptive")
-        full = generate(model, ids, mask, new=12)
-        handle.detach()
-    assert torch.equal(full.sequences, ref.sequences)
-    u, a = figures["uniform"], figures["adaptive"]
-    assert a["attended_fraction"] == pytest.approx(u["attended_fraction"])
-    assert a["hits"] + a["misses"] == u["hits"] + u["misses"]  # as many pages looked up: the same budget
