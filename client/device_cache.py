@@ -36,7 +36,9 @@ class Placement:
 
     @property
     def num_hits(self) -> int:
-        return int((~self.miss).sum())
+        """Selected pages found in the cache (entries with no page, -1, are neither)."""
+        hit = ~self.miss if self.pages is None else ~self.miss & (self.pages >= 0)
+        return int(hit.sum())
 
     @property
     def num_misses(self) -> int:
@@ -70,7 +72,8 @@ class HostPlacement:
 
     @property
     def num_hits(self) -> int:
-        return int(self.miss.size - len(self.rows))
+        """Selected pages found in the cache (entries with no page, -1, are neither)."""
+        return int((self.pages >= 0).sum()) - len(self.rows)
 
     @property
     def num_misses(self) -> int:

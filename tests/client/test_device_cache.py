@@ -74,3 +74,14 @@ def test_none_entries_are_neither_hits_nor_misses_and_grow_keeps_contents():
     assert p.num_hits == 1 and p.num_misses == 3
     consistent(c)
 
+
+
+def test_entries_that_select_no_page_are_neither_hits_nor_misses():
+    from kvdrive_client.device_cache import Placement  # noqa: PLC0415
+
+    pages = torch.tensor([[[3, -1, 5, -1]]])
+    miss = torch.tensor([[[False, False, True, False]]])
+    placement = Placement(torch.zeros_like(pages), miss, pages)
+    host, _ = placement.to_host()
+    assert (placement.num_hits, placement.num_misses) == (1, 1)
+    assert (host.num_hits, host.num_misses) == (1, 1)
