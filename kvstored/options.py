@@ -3,7 +3,8 @@
 A key is an option's long name without the dashes, spelt with dashes or underscores
 (``ssd-max`` or ``ssd_max``); its value has the type the option takes: a string, an
 integer for counts (``io-threads = 8``), a boolean for a flag (``no-direct = true``),
-an array of strings for a repeatable option (``quota = ["vllm/*=200G"]``), and for a size either a string with a unit (``dram = "96G"``) or a number of bytes.
+an array of strings for a repeatable option (``quota = ["vllm/*=200G"]``), and for a
+size either a string with a unit (``dram = "96G"``) or a number of bytes.
 The file's values become the parser's defaults, so a flag on the command line wins.
 Anything else (a key no option has, a value of the wrong type, a choice not offered)
 is a :class:`ConfigFileError` naming the key and the file.

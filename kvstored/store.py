@@ -353,7 +353,10 @@ class Store:
                     txn, SeqRecord(entry.uid, entry.ns, entry.name, entry.geometry, entry.created, entry.owner))
         for entry in entries:
             self.index.remove(entry.uid)
-            self._ns_bytes[(entry.owner, entry.ns)] -= entry.bytes
+            key = (entry.owner, entry.ns)
+            self._ns_bytes[key] -= entry.bytes
+            if self._ns_bytes[key] <= 0:  # an emptied namespace leaves nothing behind
+                del self._ns_bytes[key]
             with self.index.lock:
                 slots = entry.dram_off[entry.dram_off >= 0].copy()
                 entry.dram_off[:] = -1

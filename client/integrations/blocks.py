@@ -262,7 +262,8 @@ class BlockStore:
 
     def load(self, keys: Seq, targets: Seq[Buffer]) -> list[bool]:
         """Copy each key's block into ``targets[i]`` (writable, ``block_bytes`` bytes, or a list
-        of buffers that together are); True for each one loaded. A block that is not stored, or fails its checksum, is False."""
+        of buffers that together are); True for each one loaded. A block that is not stored,
+        or fails its checksum, is False."""
         if len(keys) != len(targets):
             raise ValueError(f"{len(keys)} keys for {len(targets)} targets")
         names = [key_name(k) for k in keys]
