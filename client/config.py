@@ -47,8 +47,9 @@ class AttachConfig:
     trace: write a Chrome trace JSON of every decode stage here when the session ends.
     obs_window: prompt tokens whose attention scores page importance at prefill.
     index: how pages are chosen: ``lowrank`` (default) keeps every key as a ``rank``-dim
-        sketch (None: a quarter of the head dim; 8 int8 channels, the rest int4) fitted
-        to the prefill's queries and
+        sketch (None: 11/32 of the head dim, 22 at head dim 64; its ``int8_channels``
+        leading channels int8, the rest int4, by default all int4) fitted to the prefill's
+        queries and
         ranks pages by estimated attention mass; ``hierarchical`` (int8 page means
         under k-means centroids, ``pages_per_cluster``, ``candidate_factor``),
         ``meankey`` and ``quest`` are the cheaper, less exact indexes; ``oracle``
@@ -81,6 +82,7 @@ class AttachConfig:
     pages_per_cluster: int = 8
     candidate_factor: float = 4.0
     rank: int | None = None
+    int8_channels: int = 0
     namespace: str = "kvdrive"
     keep: bool = False
     reuse: bool = False
@@ -136,8 +138,11 @@ class AttachConfig:
             raise ValueError(f"cache_bytes must be > 0, got {self.cache_bytes}")
         if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int)
                                       or not 1 <= self.rank <= 4096):
-            raise ValueError(f"rank must be a whole number in 1..4096 or None (a quarter of the head dim), "
+            raise ValueError(f"rank must be a whole number in 1..4096 or None (11/32 of the head dim), "
                              f"got {self.rank!r}")
+        wide = self.int8_channels
+        if isinstance(wide, bool) or not isinstance(wide, int) or not 0 <= wide <= 4096:
+            raise ValueError(f"int8_channels must be a whole number in 0..4096, got {self.int8_channels!r}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels={self.kernels!r}: choose one of {', '.join(KERNEL_CHOICES)}")
         if self.obs_window < 1:
@@ -177,10 +182,15 @@ class AttachConfig:
         return cfg
 
     def lowrank_rank(self, head_dim: int) -> int:
-        """The low-rank index's sketch rank: ``rank``, else a quarter of the head dim (16 at head
-        dim 64, 64 at 256: with a fixed 16, Gemma 3's 256-dim keys lost the pages its copies
-        read, +1.8 nats at 16K tokens and 6.25%)."""
-        return self.rank if self.rank is not None else max(1, head_dim // 4)
+        """The low-rank index's sketch rank: ``rank``, else 11/32 of the head dim (22 at head dim
+        64, 88 at 256), all int4 by default: 11 bytes per token and KV head at head dim 64,
+        1/23 of an fp16 K+V token. The rank scales with the head dim because a fixed 16 lost
+        the pages Gemma 3's 256-dim copies read (+1.8 nats at 16K tokens and 6.25%); it is
+        wide and int4 rather than narrow and int8 because on logs and changelogs at 7K tokens
+        SmolLM2's keys carried the tokens it copied from in the channels a rank-16 sketch
+        dropped (one log window: +0.27 nats at 6.25% with rank 16, 8 of it int8; +0.04 with
+        rank 22 all int4, a byte less per token)."""
+        return self.rank if self.rank is not None else max(1, head_dim * 11 // 32)
 
     @property
     def sink_pages(self) -> int:

@@ -19,9 +19,10 @@ class LowRankIndex(Selector):
     ``A^T K^T K A`` span the directions that carry most of ``q . k`` for queries like
     those. A key is kept as ``z = U^T A k`` with one scale per channel, a query maps to
     ``U^T A^-1 q``, and ``q . k ~ (U^T A^-1 q) . z``. The leading ``int8_channels``
-    channels, which carry most of ``q . k``, are int8; the rest int4, two to a byte
-    (:func:`reference.pack_lowrank_codes`): a quarter less memory than all-int8 codes,
-    for about 0.003 of attention-mass recall on the license texts. A page's score is the log
+    channels (none by default) are int8; the rest int4, two to a byte
+    (:func:`reference.pack_lowrank_codes`). For about the same bytes a wider int4 sketch keeps
+    more of ``q . k`` than a narrower one partly int8 (rank 22 all int4, 11 bytes, against 16 with
+    8 int8 channels, 12 bytes, on logs and changelogs). A page's score is the log
     of its estimated share of the softmax mass, summed over the query heads of its KV
     head (:func:`reference.score_lowrank`): the quantity the oracle ranks by. Without
     prefill queries ``A = I``: the keys' own principal directions. :meth:`build` also
@@ -29,8 +30,9 @@ class LowRankIndex(Selector):
     for the store's packing.
 
     Device memory: ``int8_channels + (rank - int8_channels) / 2`` bytes per token and
-    KV head (12 at rank 16, against 256 for an fp16 K+V token at head dim 64), one
-    validity byte per token, and the two ``D x rank`` projections per (row, KV head).
+    KV head (11 at rank 22, against 256 for an fp16 K+V token at head dim 64), one
+    validity byte per token, and the two ``D x rank`` projections per (row, KV head):
+    the keys' in fp16, the queries' in fp32 (the selection kernels read it every step).
     """
 
     kind = IndexKind.LOWRANK
@@ -38,8 +40,8 @@ class LowRankIndex(Selector):
     RIDGE = 1e-3  # query moments below this fraction of the largest are lifted to it (A stays invertible)
     FIT_TOKENS = 4096  # keys used to fit the projection (evenly strided when the prompt is longer)
 
-    def __init__(self, page_size: int, scaling: float, rank: int = 16, pages_per_cluster: int = 8,
-                 int8_channels: int = 8, kernels: Kernels | None = None) -> None:
+    def __init__(self, page_size: int, scaling: float, rank: int = 22, pages_per_cluster: int = 8,
+                 int8_channels: int = 0, kernels: Kernels | None = None) -> None:
         super().__init__(page_size, kernels)
         if rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
@@ -69,7 +71,8 @@ class LowRankIndex(Selector):
         gram = a.transpose(-1, -2) @ (k.transpose(-1, -2) @ k) @ a
         _, vec = torch.linalg.eigh(gram + 1e-6 * eye)  # ascending: the last columns lead
         top = vec[..., -r:].flip(-1)
-        self.kproj = (a @ top).contiguous()  # [B, H, D, R]
+        # fp16: it only projects keys, once each (prefill and every new page alike), into int4 codes.
+        self.kproj = (a @ top).to(torch.float16).contiguous()  # [B, H, D, R]
         self.qproj = (a_inv @ top).contiguous()
         self.wide = min(self.int8_channels, r)
 
@@ -88,11 +91,11 @@ class LowRankIndex(Selector):
         s = self.page_size
         p = t // s
         self._fit(keys, valid, query)
-        z = torch.matmul(keys.float(), self.kproj)  # every prefill token sets the range, pages or not
+        z = torch.matmul(keys.float(), self.kproj.float())  # every prefill token sets the range, pages or not
         z = z * valid[:, None, :, None]
         # One scale per channel; decode keys beyond the prefill's range saturate at the largest code.
         levels = self._levels(z.shape[-1]).to(z.device)
-        self.scale = (z.abs().amax(dim=2) / levels).clamp_min(1e-6) if t else torch.ones_like(self.kproj[..., 0, :])
+        self.scale = (z.abs().amax(dim=2) / levels).clamp_min(1e-6) if t else torch.ones_like(self.kproj[..., 0, :], dtype=torch.float32)
         self.codes = self._quantize(z[:, :, : p * s]).contiguous()  # padding tokens encode as 0 (never scored)
         self.valid = valid[:, : p * s].clone()
         self.num_pages = p
@@ -111,7 +114,7 @@ class LowRankIndex(Selector):
         n, s = self.num_pages, self.page_size
         self.codes = _grow(self.codes, (n + 1) * s, dim=3)
         self.valid = _grow(self.valid, (n + 1) * s, dim=1, fill=False)
-        self.codes[:, :, :, n * s : (n + 1) * s] = self._quantize(torch.matmul(keys.float(), self.kproj))
+        self.codes[:, :, :, n * s : (n + 1) * s] = self._quantize(torch.matmul(keys.float(), self.kproj.float()))
         self.valid[:, n * s : (n + 1) * s] = valid
         self.num_pages += 1
 

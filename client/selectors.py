@@ -8,7 +8,7 @@ One interface, :class:`Selector`, five implementations side by side:
 - :class:`MeanKeyIndex`: one mean key per page, every page scored (ShadowKV-style
   landmarks).
 - :class:`LowRankIndex`: every key as a low-rank sketch fitted to the prefill queries
-  (8 int8 channels, 8 int4); a page scores its estimated share of the attention mass.
+  (int4 codes by default); a page scores its estimated share of the attention mass.
 - :class:`OracleSelector`: exact attention mass per page from all keys; for
   measurement only (it keeps every key).
 

@@ -641,14 +641,14 @@ def _mass_signature(g: int):
 
 def sm90_configs() -> dict[str, tuple]:
     """Every kernel in the shapes KVDrive runs (Llama-3-8B: G 4, D 128; SmolLM2-135M: G 3, D 64;
-    pages of 16; low-rank rank 16 / 32): name -> (kernel, signature, constants, divisible)."""
+    pages of 16; the low-rank index's default rank, 11/32 of the head dim: 44 / 22): name -> (kernel, signature, constants, divisible)."""
     configs = {}
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for g, d in ((4, 128), (3, 64)):
             configs[f"attention {_TL[dtype]} G{g} D{d}"] = (_sparse_attention_kernel,
                                                             *_attention_signature(dtype, 16, g, d))
     configs["merge G4 D128"] = (_merge_kernel, *_merge_signature(4, 128))
-    for dtype, g, d, rank in ((torch.float16, 4, 128, 32), (torch.bfloat16, 3, 64, 16)):
+    for dtype, g, d, rank in ((torch.float16, 4, 128, 44), (torch.bfloat16, 3, 64, 22)):
         configs[f"lowrank {_TL[dtype]} G{g} D{d} R{rank}"] = (_lowrank_page_lse_kernel,
                                                                *_lowrank_signature(dtype, 16, g, d, rank))
     configs["lowrank mass G4"] = (_lowrank_mass_kernel, *_mass_signature(4))

@@ -19,9 +19,9 @@ leaves unused goes to the ones after it):
    page 16, 128 selected pages of 512 cache slots, 64 local tokens, fp16), the torch
    reference against the Triton kernels where ``KERNEL_CHOICES`` offers ``triton``, each
    with its largest error against a float32 reference; (b) low-rank page selection at
-   32K tokens (rank 32, 8 int8 channels, top 128 of 2048 pages), reference against Triton,
-   with the share of top-k pages they agree on; (c) host-to-device copies of 8 MiB and
-   64 MiB staging buffers, non_blocking: pageable memory, a ``pin_memory()`` tensor, and
+   32K tokens (rank 44 in int4 codes, the default at head dim 128; top 128 of 2048
+   pages), reference against Triton, with the share of top-k pages they agree on; (c)
+   host-to-device copies of 8 MiB and 64 MiB staging buffers, non_blocking: pageable memory, a ``pin_memory()`` tensor, and
    a shared-memory mapping (a memfd, as the client's buffers are) registered with
    ``cudaHostRegister``. The copies run first, and a CUDA error that breaks the device
    context skips the benchmarks after it (recorded).
@@ -514,8 +514,8 @@ class MicroShape:
     selected: int = 128
     slots: int = 512  # cache slots per (row, KV head): attach()'s x4 cache of the selection
     local: int = 64
-    rank: int = 32  # the low-rank index's sketch: a quarter of the head dim
-    int8_channels: int = 8
+    rank: int = 44  # the low-rank index's default sketch at head dim 128: 11/32 of it, all int4
+    int8_channels: int = 0
     tokens: int = 32768  # low-rank select's indexed tokens
     cached: int = 512  # cached pages whose scores the selection also returns
 

@@ -31,7 +31,7 @@ TARGET_WINDOW = 4  # the cache window (x k pages) of the eviction target
 # The best selector (an IndexKind value) against dense attention and the oracle, at the target context.
 TARGET_BEST = "lowrank"
 TARGET_DLOSS_BUDGET = 0.0625  # the budget of the best selector's dloss / kl, index size and select_ms targets
-TARGET_INDEX_VS_KV = 0.1  # at most: the best selector's index_bytes over the full K+V
+TARGET_INDEX_VS_FP16_KV = 0.05  # at most: the best selector's index_bytes over the full K+V in fp16
 TARGET_RECALL_VS_ORACLE = 0.9  # the best selector's recall over the oracle's
 TARGET_SELECT_VS_HIERARCHICAL = 1.5  # at most: the best selector's select_ms over hierarchical's
 # Over a corpus of several kinds of text (kvdrive-bench fidelity --corpus), at each budget:

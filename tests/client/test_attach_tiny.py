@@ -177,6 +177,9 @@ def test_a_full_attention_qwen2_with_a_window_size_set_is_still_accepted(daemon)
     ({"cache_multiplier": 0.5}, "cache_multiplier"),
     ({"sink_tokens": 10}, "multiple of page_size"),
     ({"local_tokens": 4}, "local_tokens"),
+    ({"rank": 0}, "rank must be a whole number in 1..4096"),
+    ({"int8_channels": -1}, "int8_channels must be a whole number in 0..4096, got -1"),
+    ({"int8_channels": 2.5}, "int8_channels must be a whole number"),
     ({"nonsense": 1}, "nonsense"),
 ])
 def test_bad_options_are_refused(options, message, tiny_qwen2):
@@ -220,3 +223,21 @@ def test_beam_search_and_several_sequences_are_refused_with_a_reason(daemon, tin
     with pytest.raises(NotImplementedError, match="batch expansion"):
         tiny_llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, **kwargs)
     handle.detach()
+
+
+def test_the_sketch_rank_and_int8_channels_reach_every_layers_index(daemon, make_tiny):
+    model = make_tiny("llama")  # head dim 32: the default sketch is rank 11, all int4
+    ids, mask = left_padded([300])
+    with daemon.client() as store:
+        sketches = {}
+        for options in ({}, {"rank": 12, "int8_channels": 4}):
+            handle = attach(model, store, budget=0.25, **options)
+            cache = handle.new_cache(1)
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask, cache=cache)
+            selectors = [ls.selector for ls in cache.session.ctx.layers]
+            sketches[options.get("rank")] = {(s.rank, s.int8_channels, s.codes.shape[2]) for s in selectors}
+            assert cache.session.index_bytes() == sum(s.index_bytes for s in selectors) > 0
+            cache.close()
+            handle.detach()
+    assert sketches == {None: {(11, 0, 6)}, 12: {(12, 4, 8)}}  # int4 channels two to a row, a spare nibble for 11

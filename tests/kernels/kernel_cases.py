@@ -13,8 +13,10 @@ BACKENDS = ("cpu", "reference")
 
 # (rank, int8 channels): whole eight-channel passes and passes plus single channels; int4
 # channels in odd and even numbers (an odd one leaves a spare nibble), none, or all.
-# (16, 8) is the fused logit pass; its query-head counts 3; 4 + 1; 4; 4 + 2 cover its chunks.
-LOWRANK_SHAPES = [(8, 5, 3), (13, 8, 3), (8, 8, 3), (13, 0, 3), (16, 8, 3), (16, 8, 5), (16, 8, 4), (16, 8, 6)]
+# (22, 0), the default, is the fused logit pass; its query-head counts 3; 4 + 1; 4; 4 + 2
+# cover its chunks. (16, 8), the former default, takes the tiled pass.
+LOWRANK_SHAPES = [(8, 5, 3), (13, 8, 3), (8, 8, 3), (13, 0, 3), (22, 0, 3), (22, 0, 5), (22, 0, 4), (22, 0, 6),
+                  (16, 8, 3)]
 
 # Rows of a low-rank case.
 FEW_SELECTABLE_ROW = 0  # (in the selection tests) three selectable pages, fewer than k

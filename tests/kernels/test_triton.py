@@ -148,8 +148,8 @@ def test_dense_attention_matches_reference(guarded):
 
 # ---------------------------------------------------------------- low-rank scores
 
-# Seeds of kernel_cases.lowrank_case: (rank, int8 channels, query heads) (16, 8, 3) the
-# common layout, (13, 0, 3) all int4 with a spare nibble, (8, 8, 3) all int8, (13, 8, 3).
+# Seeds of kernel_cases.lowrank_case: (rank, int8 channels, query heads) (22, 0, 3) the
+# default layout, (13, 0, 3) all int4 with a spare nibble, (8, 8, 3) all int8, (13, 8, 3).
 LOWRANK_SEEDS = [4, 3, 2, 1]
 
 
