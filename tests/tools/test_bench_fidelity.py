@@ -13,7 +13,7 @@ from kvdrive.tools import bench
 from kvdrive.tools.bench_common import InputError, PrefillSnapshot, TraceObserver, compare, teacher_force
 from kvdrive.tools import corpus
 from kvdrive.tools.bench_fidelity import (FidelityRow, RecallObserver, run_selectors, summarize_windows,
-                                           window_offsets, window_plan)
+                                           window_offsets, window_plan, worst_target_lines)
 from kvdrive_client import attach
 from kvdrive_client.selectors import IndexKind
 
@@ -187,6 +187,10 @@ def test_subcommand_is_registered_and_bad_options_are_refused(capsys):
     assert "--windows must be >= 1" in capsys.readouterr().err
     assert bench.main(["fidelity", "--tokens", "0"]) == 2
     assert "--tokens must be >= 1" in capsys.readouterr().err
+    assert bench.main(["fidelity", "--rank", "0"]) == 2
+    assert "--rank must be a whole number in 1..4096" in capsys.readouterr().err
+    assert bench.main(["fidelity", "--int8-channels", "-2"]) == 2
+    assert "--int8-channels must be a whole number in 0..4096, got -2" in capsys.readouterr().err
 
 
 def test_text_windows_start_at_the_text_and_end_with_it_without_overlap():
@@ -234,6 +238,24 @@ def test_the_worst_window_is_named_beside_the_mean_with_the_oracle_there():
     assert lr.windows == 2 and lr.mean_dloss == pytest.approx(0.17)
     assert (lr.worst.text_window, lr.worst.text_kind) == (1, "code") and lr.oracle_on_worst.dloss == 0.07
     assert lr.worst_kl == 0.12 and lr.min_recall_vs_oracle == pytest.approx(0.5 / 0.6)
+
+
+def test_a_corpus_run_judges_the_largest_index_and_the_median_selection_time():
+    def timed(selector, window, index_bytes, select_ms):
+        return FidelityRow(selector, 0.0625, 7168, window, "k", 0, 0.8, 0.01, 0.01, 0.9, index_bytes, 1000, select_ms, 1)
+
+    rows = [timed("hierarchical", w, 5, 4.0) for w in range(3)]
+    # One window slowed by a burst on the machine does not decide the selection-time target.
+    rows += [timed("lowrank", 0, 20, 5.6), timed("lowrank", 1, 24, 24.0), timed("lowrank", 2, 20, 5.2)]
+    lines = worst_target_lines(rows, itemsize=4)
+    index = next(x for x in lines if "index_bytes" in x)
+    assert "24 / 1000" in index and "0.0480x of an fp16 K+V: PASS" in index  # the largest of the three, at fp16
+    select = next(x for x in lines if "select_ms" in x)
+    assert "median 1.40x (windows 1.30x to 6.00x): PASS" in select
+    rows[4] = timed("lowrank", 1, 28, 6.4)
+    lines = worst_target_lines(rows, itemsize=4)
+    assert any("0.0560x of an fp16 K+V: MISS" in x for x in lines)
+    assert any("median 1.40x (windows 1.30x to 1.60x): PASS" in x for x in lines)
 
 
 def test_a_corpus_run_end_to_end(tmp_path):
