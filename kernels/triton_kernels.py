@@ -27,10 +27,11 @@ and log-sum-exp per query head; a second small kernel merges the chunks through 
 log-sum-exps. With one chunk the partial output is the result and no merge runs.
 
 **Low-rank scores** (:func:`lowrank_scores`) are ``reference.score_lowrank`` over codes
-packed as ``reference.pack_lowrank_codes`` lays them out, unpacked in the kernel: the grid
-is ``(B * H, splits)`` over pages; each program projects the query (``q @ qproj`` times
-the channel scales), takes the estimated logits of a tile of pages with one ``tl.dot``
-and writes each page's log-sum-exp per query head. A second kernel normalises those per
+packed as ``reference.pack_lowrank_codes`` lays them out, unpacked in the kernel: the
+query is projected once by torch (``q @ qproj`` times the channel scales, a few KiB); the
+grid is ``(B * H, splits)`` over pages; each program takes the estimated logits of a tile
+of pages, ``LOWRANK_ROW_CHUNK`` code rows at a time, and writes each page's
+log-sum-exp per query head. A second kernel normalises those per
 query head over all pages and sums each page's mass over the query heads. The page size
 must be a power of two (the tile is reshaped to pages); :class:`TritonKernels` falls back
 to the reference otherwise.
@@ -64,6 +65,12 @@ TARGET_PROGRAMS = 264
 # A chunk has at least this many attended tokens (pages: this many tokens' worth), so
 # the partial results and their merge stay small next to the K/V read.
 MIN_CHUNK_TOKENS = 256
+# Code rows a low-rank tile's products take at once (a tl.dot needs 16 or more), and the
+# low-rank kernel's software-pipeline depth: on sm_90, 16 rows and one stage compile to
+# 96 registers; three stages keep the next tiles' codes in flight in 222, 32 rows in 3
+# stages spill.
+LOWRANK_ROW_CHUNK = 16
+LOWRANK_NUM_STAGES = 1
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -342,47 +349,47 @@ def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 @triton.jit
 def _lowrank_page_lse_kernel(
-    q_ptr, qp_ptr, scale_ptr, codes_ptr, valid_ptr, plse_ptr,
-    scaling, H, G, D, R, WIDE, P, pages_per_split,
-    sq_b, sq_h, sq_g, sq_d,
-    sqp_b, sqp_h, sqp_d, sqp_r,
-    ssc_b, ssc_h, ssc_r,
+    w_ptr, codes_ptr, valid_ptr, plse_ptr,
+    H, G, ROWS, WIDE, P, pages_per_split,
+    sw_ab, sw_b, sw_h, sw_g, sw_r,
     scd_b, scd_h, scd_r, scd_t,
     sva_b, sva_t,
-    PAGE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr, ROW_CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr = "ieee",
 ):
     """Program (row x head, split): for pages ``[split * pages_per_split, ...)``, each page's
-    log-sum-exp of the estimated logits per query head -> ``plse`` ``[B, H, G, P]`` float32."""
+    log-sum-exp of the estimated logits per query head -> ``plse`` ``[B, H, G, P]`` float32.
+
+    ``w`` ``[2, B, H, G, ROWS]`` (:func:`_code_row_weights`): per code row, the weight of its
+    int8 value or low nibble, and of its high nibble. A tile's logits are summed over
+    ``ROW_CHUNK`` code rows at a time, so that a thread never holds its share of a whole
+    sketch (a rank-44 sketch in one product spills on sm_90)."""
     pair = tl.program_id(0)
     split = tl.program_id(1)
     b = (pair // H).to(tl.int64)
     h = (pair % H).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    r = tl.arange(0, BLOCK_R)
-    gm, dm, rm = g < G, d < D, r < R
-    # The logit weights of the sketch channels: w[g, r] = (q @ qproj)[g, r] * scale[r] * scaling.
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :] * sq_d,
-                mask=gm[:, None] & dm[None, :], other=0.0).to(tl.float32)
-    qp = tl.load(qp_ptr + b * sqp_b + h * sqp_h + d[:, None] * sqp_d + r[None, :] * sqp_r,
-                 mask=dm[:, None] & rm[None, :], other=0.0).to(tl.float32)
-    sc = tl.load(scale_ptr + b * ssc_b + h * ssc_h + r * ssc_r, mask=rm, other=0.0).to(tl.float32)
-    w = tl.dot(q, qp, input_precision="ieee") * (sc * scaling)[None, :]
-    # Channel r's code row and nibble: int8 rows first, then two int4 channels a row (low nibble first).
-    wide = r < WIDE
-    code_row = tl.where(wide, r, WIDE + (r - WIDE) // 2)
-    high = (r - WIDE) % 2 == 1
+    gm = g < G
+    w_row = w_ptr + b * sw_b + h * sw_h + g[:, None] * sw_g
     first = split * pages_per_split
     last = tl.minimum(first + pages_per_split, P)
     for p0 in range(first, last, BLOCK_P):
         t = p0 * PAGE + tl.arange(0, BLOCK_P * PAGE)
         tm = t < last * PAGE
-        x = tl.load(codes_ptr + b * scd_b + h * scd_h + code_row[:, None] * scd_r + t[None, :] * scd_t,
-                    mask=rm[:, None] & tm[None, :], other=0).to(tl.int32)
-        nibble = tl.where(high[:, None], x >> 4, ((x & 15) ^ 8) - 8)
-        codes = tl.where(wide[:, None], x, nibble).to(tl.float32)
-        logits = tl.dot(w, codes, input_precision="ieee")  # [BLOCK_G, BLOCK_P * PAGE]
+        logits = tl.zeros([BLOCK_G, BLOCK_P * PAGE], tl.float32)
+        for r0 in range(0, ROWS, ROW_CHUNK):
+            r = r0 + tl.arange(0, ROW_CHUNK)
+            rm = r < ROWS
+            wm = gm[:, None] & rm[None, :]
+            w_low = tl.load(w_row + r[None, :] * sw_r, mask=wm, other=0.0)
+            w_high = tl.load(w_row + sw_ab + r[None, :] * sw_r, mask=wm, other=0.0)
+            x = tl.load(codes_ptr + b * scd_b + h * scd_h + r[:, None] * scd_r + t[None, :] * scd_t,
+                        mask=rm[:, None] & tm[None, :], other=0).to(tl.int32)
+            # An int8 row is its own value (its high weight is 0); a packed row, two int4 channels.
+            low = tl.where((r < WIDE)[:, None], x, ((x & 15) ^ 8) - 8).to(tl.float32)
+            high = (x >> 4).to(tl.float32)
+            logits += tl.dot(w_low, low, input_precision=PRECISION)
+            logits += tl.dot(w_high, high, input_precision=PRECISION)
         ok = (tl.load(valid_ptr + b * sva_b + t * sva_t, mask=tm, other=0) != 0) & tm
         logits = tl.where(ok[None, :], logits, float("-inf"))
         per_page = tl.reshape(logits, (BLOCK_G, BLOCK_P, PAGE))
@@ -393,6 +400,19 @@ def _lowrank_page_lse_kernel(
         p = p0 + tl.arange(0, BLOCK_P)
         tl.store(plse_ptr + ((pair.to(tl.int64) * G + g[:, None]) * P + p[None, :]), page_lse,
                  mask=gm[:, None] & (p < last)[None, :])
+
+
+def _code_row_weights(weights: torch.Tensor, wide: int) -> torch.Tensor:
+    """``[B, H, G, R]`` channel weights -> ``[2, B, H, G, rows]``: per code row of
+    ``reference.pack_lowrank_codes``, the weight of its int8 value or low nibble, then of its
+    high nibble (0 for an int8 row, and for the missing channel of an odd int4 tail)."""
+    rank = weights.shape[-1]
+    tail = weights[..., wide:]
+    if (rank - wide) % 2:
+        tail = torch.nn.functional.pad(tail, (0, 1))
+    low = torch.cat([weights[..., :wide], tail[..., 0::2]], dim=-1)
+    high = torch.cat([torch.zeros_like(weights[..., :wide]), tail[..., 1::2]], dim=-1)
+    return torch.stack([low, high])
 
 
 @triton.jit
@@ -464,12 +484,15 @@ def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
     plse = _scratch((b, h, g, num_pages), query.device)
     valid = _as_bytes(valid)
     block_g = _pow2(g)
+    weights = _code_row_weights(ref.project_lowrank_query(query, qproj, scale, scaling), wide)
+    rows = weights.shape[-1]
     with _launch_lock:
         _lowrank_page_lse_kernel[(b * h, splits)](
-            query, qproj, scale, codes, valid, plse,
-            float(scaling), h, g, d, rank, wide, num_pages, per_split,
-            *query.stride(), *qproj.stride(), *scale.stride(), *codes.stride(), *valid.stride(),
-            PAGE=page_size, BLOCK_P=block_p, BLOCK_G=block_g, BLOCK_D=_pow2(d), BLOCK_R=_pow2(rank), num_warps=4,
+            weights, codes, valid, plse,
+            h, g, rows, wide, num_pages, per_split,
+            *weights.stride(), *codes.stride(), *valid.stride(),
+            PAGE=page_size, BLOCK_P=block_p, BLOCK_G=block_g, ROW_CHUNK=LOWRANK_ROW_CHUNK, num_warps=4,
+            num_stages=LOWRANK_NUM_STAGES,
         )
         _lowrank_mass_kernel[(b * h,)](plse, out, g, num_pages, BLOCK_G=block_g, BLOCK_P=128, num_warps=4)
     return out
@@ -623,15 +646,14 @@ def _merge_signature(g: int, d: int):
     return sig, dict(BLOCK_G=_pow2(g), BLOCK_D=_pow2(d)), ("part_ptr", "lse_ptr", "out_ptr")
 
 
-def _lowrank_signature(dtype: torch.dtype, page: int, g: int, d: int, rank: int):
+def _lowrank_signature(page: int, g: int):
     sig = {name: "i32" for name in _lowrank_page_lse_kernel.arg_names}
-    sig.update(q_ptr="*" + _TL[dtype], qp_ptr="*fp32", scale_ptr="*fp32", codes_ptr="*i8", valid_ptr="*u8",
-               plse_ptr="*fp32", scaling="fp32")
-    const = dict(PAGE=page, BLOCK_P=lowrank_block_p(page), BLOCK_G=_pow2(g), BLOCK_D=_pow2(d), BLOCK_R=_pow2(rank),
-                 sq_d=1, sqp_r=1, ssc_r=1, scd_t=1, sva_t=1)
+    sig.update(w_ptr="*fp32", codes_ptr="*i8", valid_ptr="*u8", plse_ptr="*fp32")
+    const = dict(PAGE=page, BLOCK_P=lowrank_block_p(page), BLOCK_G=_pow2(g), ROW_CHUNK=LOWRANK_ROW_CHUNK,
+                 PRECISION="ieee", sw_r=1, scd_t=1, sva_t=1)
     for name in const:
         sig[name] = "constexpr"
-    return sig, const, ("q_ptr", "qp_ptr", "scale_ptr", "codes_ptr", "valid_ptr", "plse_ptr")
+    return sig, const, ("w_ptr", "codes_ptr", "valid_ptr", "plse_ptr")
 
 
 def _mass_signature(g: int):
@@ -641,24 +663,24 @@ def _mass_signature(g: int):
 
 def sm90_configs() -> dict[str, tuple]:
     """Every kernel in the shapes KVDrive runs (Llama-3-8B: G 4, D 128; SmolLM2-135M: G 3, D 64;
-    pages of 16; the low-rank index's default rank, 11/32 of the head dim: 44 / 22): name -> (kernel, signature, constants, divisible)."""
+    pages of 16), launched as KVDrive launches it: name -> (kernel, signature, constants,
+    divisible, pipeline stages). The low-rank kernel's code rows are a runtime count, so one
+    build serves every rank and head dim (G 3 and 4 both pad to 16 query rows)."""
     configs = {}
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for g, d in ((4, 128), (3, 64)):
             configs[f"attention {_TL[dtype]} G{g} D{d}"] = (_sparse_attention_kernel,
-                                                            *_attention_signature(dtype, 16, g, d))
-    configs["merge G4 D128"] = (_merge_kernel, *_merge_signature(4, 128))
-    for dtype, g, d, rank in ((torch.float16, 4, 128, 44), (torch.bfloat16, 3, 64, 22)):
-        configs[f"lowrank {_TL[dtype]} G{g} D{d} R{rank}"] = (_lowrank_page_lse_kernel,
-                                                               *_lowrank_signature(dtype, 16, g, d, rank))
-    configs["lowrank mass G4"] = (_lowrank_mass_kernel, *_mass_signature(4))
+                                                            *_attention_signature(dtype, 16, g, d), 3)
+    configs["merge G4 D128"] = (_merge_kernel, *_merge_signature(4, 128), 3)
+    configs["lowrank G4"] = (_lowrank_page_lse_kernel, *_lowrank_signature(16, 4), LOWRANK_NUM_STAGES)
+    configs["lowrank mass G4"] = (_lowrank_mass_kernel, *_mass_signature(4), 3)
     return configs
 
 
 def sm90_reports() -> dict[str, dict]:
     """:func:`compile_report` of every :func:`sm90_configs` entry."""
-    return {name: compile_report(kernel, sig, const, divisible=div)
-            for name, (kernel, sig, const, div) in sm90_configs().items()}
+    return {name: compile_report(kernel, sig, const, divisible=div, num_stages=stages)
+            for name, (kernel, sig, const, div, stages) in sm90_configs().items()}
 
 
 if __name__ == "__main__":  # python -m kvdrive.kernels.triton_kernels: the sm_90 resource report as JSON

@@ -51,11 +51,12 @@ class LowRankCase:
                            self.num_pages, self.scaling)
 
 
-def lowrank_case(seed: int, dtype: torch.dtype = torch.float32, spare: int = 3) -> LowRankCase:
+def lowrank_case(seed: int, dtype: torch.dtype = torch.float32, spare: int = 3,
+                 shape: tuple[int, int, int] | None = None) -> LowRankCase:
     """Packed codes with ``spare`` pages of capacity past the ``num_pages`` in use (which the
     kernels must not read), and rows padded as :data:`PADDED_ROW` and :data:`EMPTY_ROW` say."""
     g = torch.Generator().manual_seed(seed)
-    R, wide, G = LOWRANK_SHAPES[seed % len(LOWRANK_SHAPES)]
+    R, wide, G = shape or LOWRANK_SHAPES[seed % len(LOWRANK_SHAPES)]
     B, H, D, S, P = 4, 3, 32, 16, 40
     query = torch.randn(B, H, G, D, generator=g).to(dtype)
     qproj = torch.randn(B, H, D, R, generator=g) * 0.3

@@ -158,6 +158,19 @@ LOWRANK_SEEDS = [4, 3, 2, 1]
 @pytest.mark.parametrize("seed, splits", [(4, None), (3, 3), (2, 1), (1, 2)])  # tiles of 8 pages of 16
 def test_lowrank_scores_match_reference(guarded, seed, splits, dtype):
     case = lowrank_case(seed, dtype)  # spare capacity past num_pages, which must not be read
+    _check_lowrank_scores(case, splits, dtype)
+
+
+# (rank, int8 channels, query heads) whose code rows take more than one of the kernel's row
+# chunks: Llama-3-8B's default sketch (44 int4 channels, 22 rows) and 20 int8 rows + 10 packed.
+@interpreted
+@pytest.mark.parametrize("shape", [(44, 0, 4), (40, 20, 3)], ids=str)
+def test_lowrank_scores_over_several_row_chunks_match_reference(guarded, shape):
+    assert tk.LOWRANK_ROW_CHUNK < ref.lowrank_code_rows(shape[0], shape[1])
+    _check_lowrank_scores(lowrank_case(11, shape=shape), None, torch.float32)
+
+
+def _check_lowrank_scores(case, splits, dtype):
     got = tk.lowrank_scores(case.query, case.qproj, case.scale, case.scaling, case.codes, case.valid,
                             case.num_pages, case.page_size, case.wide, block_p=8, num_splits=splits)
     expect = case.reference_scores()
