@@ -59,7 +59,7 @@ def _prefill(model, ids, cache) -> float:
     mask = torch.ones_like(ids)
     with torch.no_grad():
         t0 = time.perf_counter()
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
         return time.perf_counter() - t0
 
 
