@@ -333,9 +333,13 @@ class Server:
 
     def _write_batch(self, batch: list) -> None:
         prepared: list[tuple[bytes, int, PreparedPut, float]] = []
+        creates: list[tuple[bytes, Envelope, Session]] = []
         for ident, env, session, t0 in batch:
             req_id, req = env.req_id, env.request
-            if isinstance(req, Put):
+            if isinstance(req, Create):
+                # Creates commit together (an engine creates a sequence per block, many at once).
+                creates.append((ident, env, session))
+            elif isinstance(req, Put):
                 try:
                     _check_deadline(env)
                     prepared.append((ident, req_id, self.store.prepare_put(req, session), t0))
@@ -345,12 +349,37 @@ class Server:
                     log.exception("internal error preparing put %s", req_id)
                     self._send([ident, *self._error(req_id, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")])
             else:
-                # Catalog changes commit on their own, after the puts gathered so far.
+                # A delete commits on its own, after the creates and puts gathered so far.
+                self._create_group(creates)
                 self._commit(prepared)
-                prepared = []
-                fn = self.store.create if isinstance(req, Create) else self.store.delete
-                self._run(ident, env, lambda fn=fn, req=req: fn(req, session.uid))
+                creates, prepared = [], []
+                self._run(ident, env, lambda req=req, session=session: self.store.delete(req, session.uid))
+        self._create_group(creates)
         self._commit(prepared)
+
+    def _create_group(self, creates: list[tuple[bytes, Envelope, Session]]) -> None:
+        """Create the sequences of a batch's creates in one catalog commit, each told its own
+        result. A put names a sequence created before it was sent, so creates need not wait
+        for the puts around them; a delete commits both groups gathered before it first."""
+        live = []
+        for ident, env, session in creates:
+            try:
+                _check_deadline(env)
+                live.append((ident, env, session))
+            except ProtocolError as exc:
+                self._send([ident, *self._error(env.req_id, exc.code, str(exc))])
+        if not live:
+            return
+        try:
+            results = self.store.create_many([(env.request, session.uid) for _, env, session in live])
+        except Exception as exc:
+            log.exception("internal error creating %d sequences", len(live))
+            results = [ProtocolError(ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")] * len(live)
+        for (ident, env, _), result in zip(live, results):
+            if isinstance(result, ProtocolError):
+                self._send([ident, *self._error(env.req_id, result.code, str(result))])
+            else:
+                self._send([ident, *ok_reply(env.req_id, **result)])
 
     def _commit(self, prepared: list[tuple[bytes, int, PreparedPut, float]]) -> None:
         """Commit a write group; every put of it is told what became of it.

@@ -1,8 +1,8 @@
 """The store: sequences, their blocks, and the two tiers that hold them.
 
 Threading contract (the server keeps it):
-- :meth:`create`, :meth:`delete`, :meth:`prepare_put` and :meth:`commit_puts` run on
-  the single writer thread, which owns LMDB writes and the SSD allocator.
+- :meth:`create`, :meth:`create_many`, :meth:`delete`, :meth:`prepare_put` and
+  :meth:`commit_puts` run on the single writer thread, which owns LMDB writes and the SSD allocator.
 - :meth:`get`, :meth:`open`, :meth:`list`, :meth:`stats` run on any thread.
 
 A put is two-phase: ``prepare_put`` checks the request (the index's page window and
@@ -53,6 +53,7 @@ from kvstored.gate import ReclaimGate
 from kvstored.index import BlockIndex, Growth, IndexFullError, PageSpanError, SeqEntry
 from kvstored.io_engine import AlignedScratch, choose_engine
 from kvstored.ssd import SsdTier
+from kvstored.staging import StagingPool
 from kvstored.protocol import (MAX_SEQS_PER_GET, Create, Delete, ErrorCode, Get, ListSeqs, Lookup, OpenSeq,
                                ProtocolError, Put)
 from kvstored.sessions import Session
@@ -60,6 +61,7 @@ from kvstored.sessions import Session
 log = logging.getLogger(__name__)
 
 READ_CHUNK_BYTES = 16 << 20  # SSD reads of a get checked at once; the scratch buffer per get worker
+STAGING_KEEP_BYTES = 128 << 20  # put staging mappings kept for reuse between puts (staging.py)
 
 
 class DamagedBlockError(ProtocolError):
@@ -85,10 +87,14 @@ class PreparedPut:
     ssd_off: np.ndarray  # where each block lies in the data file
     page_ids: np.ndarray  # the put's distinct pages
     counts: Counter = field(default_factory=Counter)
+    pool: StagingPool | None = None  # where the staging mapping goes back to
 
     def release(self) -> None:
         self.staging = np.zeros(0, dtype=np.uint8)
-        self.staging_map.close()
+        if self.pool is not None:
+            self.pool.give(self.staging_map)
+        else:
+            self.staging_map.close()
 
 
 class _Looked(NamedTuple):
@@ -114,6 +120,7 @@ class Store:
         self.cfg = cfg
         self._ssd_dir = str(cfg.ssd_dir.resolve())
         self._short = False  # the disk cannot hold the catalog's reserve: creates and puts are refused
+        self._staging = StagingPool(STAGING_KEEP_BYTES)
         try:
             self._open(cfg)
         except BaseException as exc:
@@ -270,10 +277,51 @@ class Store:
 
     def create(self, req: Create, owner: int) -> dict:
         """Create ``req``'s sequence, owned by OS user ``owner``."""
-        found = self.index.find(owner, req.ns, req.seq)
+        result = self.create_many([(req, owner)])[0]
+        if isinstance(result, ProtocolError):
+            raise result
+        return result
+
+    def create_many(self, reqs: list[tuple[Create, int]]) -> list[dict | ProtocolError]:
+        """Create sequences (request, owner) in one catalog commit: per request, its sequence's
+        description or the error that refused it. A request refused on its own (a name taken
+        with another geometry, a full index) refuses only itself; a failed commit refuses
+        every request that would have created a sequence, and none of them exists. A name
+        given twice in the group is created once (the second is a request for an existing
+        sequence)."""
+        results: list[dict | ProtocolError | SeqEntry] = []
+        pending: dict[tuple[int, str, str], SeqEntry] = {}
+        records: list[SeqRecord] = []
+        for req, owner in reqs:
+            try:
+                results.append(self._prepare_create(req, owner, pending, records))
+            except ProtocolError as exc:
+                results.append(exc)
+        if records:
+            try:
+                with self._catalog_write("create") as txn:
+                    for rec in records:
+                        self.catalog.add_sequence(txn, rec)
+            except ProtocolError as exc:
+                made = {id(e) for e in pending.values()}
+                results = [exc if isinstance(r, SeqEntry) and id(r) in made else r for r in results]
+                return [self._describe(r) if isinstance(r, SeqEntry) else r for r in results]
+            self.counters["create_commits"] += 1
+            self.counters["creates"] += len(pending)
+            for entry in pending.values():
+                self.index.add(entry)
+                log.info("created %s/%s (uid %d, %d B blocks)", entry.ns, entry.name, entry.uid,
+                         entry.geometry.block_bytes)
+        return [self._describe(r) if isinstance(r, SeqEntry) else r for r in results]
+
+    def _prepare_create(self, req: Create, owner: int, pending: dict, records: list) -> SeqEntry:
+        """The entry ``req`` names: an existing one (``exist_ok``, same geometry), or a new one
+        added to ``pending`` with its catalog record in ``records``, to be committed."""
+        key = (owner, req.ns, req.seq)
+        found = pending.get(key) or self.index.find(owner, req.ns, req.seq)
         if found is not None:
             if req.exist_ok and found.geometry == req.geometry:
-                return self._describe(found)
+                return found
             raise ProtocolError(
                 ErrorCode.EXISTS,
                 f"sequence {req.ns}/{req.seq} exists" + ("" if found.geometry == req.geometry else " with another geometry"),
@@ -291,11 +339,9 @@ class Store:
         # that can fail is left once the sequence is durable.
         entry = SeqEntry(uid, req.ns, req.seq, req.geometry, rec.created, owner)
         self.catalog.next_uid += 1
-        with self._catalog_write("create") as txn:
-            self.catalog.add_sequence(txn, rec)
-        self.index.add(entry)
-        log.info("created %s/%s (uid %d, %d B blocks)", req.ns, req.seq, uid, req.geometry.block_bytes)
-        return self._describe(entry)
+        pending[key] = entry
+        records.append(rec)
+        return entry
 
     def open(self, req: OpenSeq, owner: int) -> dict:
         entry = self.index.find(owner, req.ns, req.seq)
@@ -431,8 +477,7 @@ class Store:
         importance = (req.importance if req.importance is not None else np.zeros(total, np.float32)).reshape(num_l, num_h, num_p)
 
         ext_bytes = align_up(num_p * bb)
-        staging_map = mmap.mmap(-1, num_l * num_h * ext_bytes)
-        staging = np.frombuffer(staging_map, dtype=np.uint8)
+        staging_map, staging = self._staging.take(num_l * num_h * ext_bytes)
         slot_pages = np.empty((num_l, num_h, num_p), dtype=np.int64)
         src_offs = np.empty((num_l, num_h, num_p), dtype=np.int64)
         records = []
@@ -505,6 +550,7 @@ class Store:
         return PreparedPut(
             entry, records, [(o, num_p * bb) for o in offsets], staging, staging_map, stage_offs.ravel(),
             lay.ravel().copy(), hed.ravel().copy(), slot_pages.ravel(), slot_imp.ravel(), crc.ravel(), ssd_off, pages,
+            pool=self._staging,
         )
 
     def _plan_growth(self, entry: SeqEntry, pages: np.ndarray) -> Growth:
@@ -926,7 +972,7 @@ class Store:
 
     def close(self) -> None:
         """Close what is open (all of it once the store opened; what there is after a failed open)."""
-        for name in ("engine", "catalog", "ssd", "dram"):
+        for name in ("engine", "catalog", "ssd", "dram", "_staging"):
             part = self.__dict__.pop(name, None)
             if part is not None:
                 part.close()
