@@ -58,7 +58,7 @@ from kvdrive.kernels import cpu as cpu_kernels
 from kvdrive.tools.bench_common import InputError, PrefillSnapshot, TraceObserver, compare, in_turns
 from kvdrive.tools.decode_workload import selection_overlap
 from kvdrive.tools.targets import (TARGET_A_BATCH, TARGET_A_VS_SHADOWKV, TARGET_BYTES_VS_X0, TARGET_C_VS_B,
-                                   TARGET_INDEX_SPEED, TARGET_OVERLAP_GAP, TARGET_PIPELINE_VS_LONGEST,
+                                   TARGET_INDEX_SPEED, TARGET_OVERLAP_GAP, TARGET_SKETCH_SPEED, TARGET_PIPELINE_VS_LONGEST,
                                    TARGET_PROFILE_VS_UNIFORM, TARGET_SPEEDUP_VS_SHADOWKV, TARGET_SSD_VS_DRAM, verdict)
 from kvdrive.tools.text_table import text_table
 from kvdrive_client.config import AttachConfig
@@ -85,6 +85,7 @@ class Config:
     store: bool = True
     options: dict = field(default_factory=dict)
     profile: bool = False
+    a_only: bool = False  # SmolLM2's shape only (workload a)
 
 
 def configurations(pipeline_variants: bool = True) -> list[Config]:
@@ -101,7 +102,15 @@ def configurations(pipeline_variants: bool = True) -> list[Config]:
             rows.append(Config(f"{name}-pipe", options=dict(kv, pipeline=False), profile=profile))
     if pipeline_variants:  # the default index against the cheaper clustered one, side by side
         rows.append(Config("kvdrive-hierarchical+pipe", options=dict(kv, index=IndexKind.HIERARCHICAL, pipeline=True)))
+        # ... and the default sketch against the earlier, smaller one (a quarter of the head
+        # dim, 8 channels int8: 12 bytes a token at head dim 64 against 11, but 16 channels, not 22)
+        rows.append(Config("kvdrive-rank16+pipe", options=dict(kv, rank=16, int8_channels=8, pipeline=True), a_only=True))
     return rows
+
+
+# (a): pairs of configurations that also decode side by side, by the info key of their result
+SIDE_BY_SIDE_A = {"a_index_side_by_side": ("kvdrive+pipe", "kvdrive-hierarchical+pipe"),
+                  "a_sketch_side_by_side": ("kvdrive+pipe", "kvdrive-rank16+pipe")}
 
 
 BASELINES = ("dense", "whole-layer", "quest", "shadowkv")
@@ -291,7 +300,8 @@ def _decode_model(model, cache, fed: torch.Tensor, warmup: int) -> tuple[torch.T
 
 def _index_side_by_side(model, snapshot, fed: torch.Tensor, batch: int, tier: str, dram: int, ssd_max: int,
                         pair: list[Config], cfg: BenchConfig) -> dict:
-    """The default index against the hierarchical one (``pair``), decoding side by side on a store of twice the tier."""
+    """Two configurations (``pair``: the default, then another index or sketch) decoding side by
+    side on a store of twice the tier."""
     from kvdrive_client import attach, connect  # noqa: PLC0415
 
     with connect(None, dram=f"{2 * dram // 1024}K", ssd_max=f"{2 * ssd_max // (1 << 20)}M") as store, \
@@ -412,11 +422,12 @@ def run_workload_a(cfg: BenchConfig, configs: list[Config], rows: list[Row], inf
                     if observer:
                         row.overlap = observer.overlap
                     rows.append(row)
-                pair = [c for name in ("kvdrive+pipe", "kvdrive-hierarchical+pipe") for c in configs if c.name == name]
-                if len(pair) == 2:
-                    _note(f"workload a: batch {batch}, {tier}: {pair[0].name} and {pair[1].name} side by side")
-                    info.setdefault("a_index_side_by_side", []).append(
-                        _index_side_by_side(model, snapshot, fed, batch, tier, dram, ssd_max, pair, cfg))
+                for key, names in SIDE_BY_SIDE_A.items():
+                    pair = [c for name in names for c in configs if c.name == name]
+                    if len(pair) == 2:
+                        _note(f"workload a: batch {batch}, {tier}: {pair[0].name} and {pair[1].name} side by side")
+                        info.setdefault(key, []).append(
+                            _index_side_by_side(model, snapshot, fed, batch, tier, dram, ssd_max, pair, cfg))
 
 
 def _targets(fed: torch.Tensor) -> torch.Tensor:
@@ -611,7 +622,7 @@ def run_workloads_bc(cfg: BenchConfig, configs: list[Config], rows: list[Row], i
         # row it is compared with ran minutes, not the whole table, after its DRAM row:
         # this host's speed drifts by several percent over tens of minutes.
         b_rows = []
-        for c in configs:
+        for c in [c for c in configs if not c.a_only]:
             for tier, dram in tiers.items():
                 if not c.store and tier != "dram":
                     continue
@@ -740,6 +751,11 @@ def target_lines(rows: list[Row], info: dict) -> list[str]:
         out.append(f"target index: (a) batch {p['batch']} {p['tier']}, side by side: kvdrive+pipe with the "
                    f"{AttachConfig().index.value} index {mine:.2f} tok/s vs the hierarchical index {hier:.2f} "
                    f"({mine / hier:.2f}x), target >= {TARGET_INDEX_SPEED:g}x: {verdict(mine >= TARGET_INDEX_SPEED * hier)}")
+    for p in info.get("a_sketch_side_by_side", []):
+        mine, old = p["tokens_per_s"]["kvdrive+pipe"], p["tokens_per_s"]["kvdrive-rank16+pipe"]
+        out.append(f"target sketch: (a) batch {p['batch']} {p['tier']}, side by side: kvdrive+pipe with the default "
+                   f"sketch {mine:.2f} tok/s vs the rank-16 int8/int4 sketch {old:.2f} ({mine / old:.2f}x), target >= "
+                   f"{TARGET_SKETCH_SPEED:g}x: {verdict(mine >= TARGET_SKETCH_SPEED * old)}")
     a_ov, b_ov = info.get("a_overlap"), next((r.overlap for r in rows if r.workload == "b" and r.overlap is not None), None)
     if a_ov is not None and b_ov is not None:
         out.append(f"locality: previous-step selection overlap (b) {b_ov:.3f} vs (a) SmolLM2 {a_ov:.3f}: gap {abs(a_ov - b_ov):.3f}, "

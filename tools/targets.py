@@ -66,4 +66,5 @@ TARGET_PROFILE_VS_UNIFORM = 1.0  # target 5: at most: bytes fetched per step wit
 TARGET_A_VS_SHADOWKV = 1.0  # target 6: (a) kvdrive tok/s over shadowkv's, at batch TARGET_A_BATCH
 TARGET_A_BATCH = 4  # target 6's batch (other batches print as information)
 TARGET_INDEX_SPEED = 0.9  # (a): kvdrive tok/s with the default index over the hierarchical index's
+TARGET_SKETCH_SPEED = 0.95  # (a): kvdrive tok/s with the default sketch over the earlier rank-16 int8/int4 one's
 TARGET_OVERLAP_GAP = 0.05  # at most: |previous-step selection overlap of (b) - that of (a)|

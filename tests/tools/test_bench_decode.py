@@ -47,8 +47,9 @@ def test_quick_run_prints_every_configuration_and_writes_json(tmp_path, capsys):
     assert png.stat().st_size > 0
 
 
-def test_the_default_and_hierarchical_index_also_decode_side_by_side(capsys):
-    rc = main(["decode", "--quick", "--workloads", "a", "--configs", "kvdrive+pipe,kvdrive-hierarchical+pipe",
+def test_the_default_and_hierarchical_index_and_the_two_sketches_also_decode_side_by_side(capsys):
+    rc = main(["decode", "--quick", "--workloads", "a", "--configs",
+               "kvdrive+pipe,kvdrive-hierarchical+pipe,kvdrive-rank16+pipe",
                "--batches-a", "2", "--context-a", "512", "--steps-a", "4"])
     assert rc == 0
     lines = capsys.readouterr().out.splitlines()
@@ -64,6 +65,12 @@ def test_the_default_and_hierarchical_index_also_decode_side_by_side(capsys):
         assert "PASS" in tail or "MISS" in tail
     # The one-after-the-other rows are still printed, as information.
     assert sum(l.startswith("info: (a) batch 2") and "one after the other" in l for l in lines) == 2
+    sketch = [l for l in lines if l.startswith("target sketch: (a) batch 2") and "side by side" in l]
+    assert [l.split(",")[0].split(" batch 2 ")[1] for l in sketch] == ["dram", "dram+ssd"]
+    for line in sketch:
+        head, tail = line.split(" tok/s vs the rank-16 int8/int4 sketch ")
+        assert float(head.split()[-1]) > 0 and float(tail.split()[0]) > 0
+        assert "PASS" in tail or "MISS" in tail
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -91,6 +98,11 @@ def test_knobs_and_defaults():
     assert "index" not in by["kvdrive+pipe"].options
     assert by["kvdrive-hierarchical+pipe"].options["index"].value == "hierarchical"
     assert "kvdrive-hierarchical+pipe" not in {c.name for c in bench_decode.configurations(pipeline_variants=False)}
+    # ... and one the earlier sketch, in (a) only (its rank is SmolLM2's quarter head dim).
+    old = by["kvdrive-rank16+pipe"]
+    assert (old.options["rank"], old.options["int8_channels"], old.a_only) == (16, 8, True)
+    assert set(bench_decode.SIDE_BY_SIDE_A.values()) == {("kvdrive+pipe", "kvdrive-hierarchical+pipe"),
+                                                         ("kvdrive+pipe", "kvdrive-rank16+pipe")}
 
 
 def test_overlap_observer_averages_consecutive_selections_per_layer():
