@@ -8,9 +8,10 @@ of 32 blocks polled through ``get_finished_jobs``, SGLang's ``batch_set_v1`` /
 real kvstored in two set-ups: the DRAM tier holding every block, and the DRAM tier off
 (every load reads the SSD, O_DIRECT). Each adapter and tier gets a daemon of its own.
 
-Every figure is GB/s of block bytes, beside two baselines measured in the same run: a
-plain memcpy of as many bytes here, and sequential O_DIRECT reads of the daemon's own
-data file (the disk's sequential read). Loaded bytes are checked against the stored
+Every figure is GB/s of block bytes, beside baselines measured in the same run: a plain
+memcpy of as many bytes here, sequential O_DIRECT reads of the daemon's own data file
+(the disk's sequential read) and, for stores, as many bytes written sequentially with
+O_DIRECT and one fdatasync beside it (the disk's sequential durable write). Loaded bytes are checked against the stored
 bytes; a mismatch fails the run. Stores are durable (acknowledged once on the SSD).
 
 The engines are not installed with KVDrive: their pinned packages are installed once per
@@ -22,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import mmap
+import os
 import statistics
 import sys
 import tempfile
@@ -52,6 +55,27 @@ class Row:
     gbps: float
     vs_memcpy: float
     vs_disk_seq: float
+    vs_disk_write: float | None = None  # stores: against the disk's sequential durable write
+
+
+def _disk_seq_write(directory: Path, nbytes: int, io_bytes: int = BLOCK_BYTES) -> float:
+    """GB/s of writing ``nbytes`` sequentially to a new file in ``directory``, O_DIRECT in
+    ``io_bytes`` writes, then fdatasync (what a durable store must at least wait for)."""
+    path = directory / "bench-seq-write"
+    buf = mmap.mmap(-1, io_bytes)  # page-aligned, as O_DIRECT needs
+    buf.write(np.random.default_rng(1).bytes(io_bytes))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    try:
+        t0 = time.perf_counter()
+        for off in range(0, nbytes - nbytes % io_bytes, io_bytes):
+            if os.pwritev(fd, [buf], off) != io_bytes:
+                raise OSError(f"short write at {off} of {path}")
+        os.fdatasync(fd)
+        return nbytes / (time.perf_counter() - t0) / 1e9
+    finally:
+        os.close(fd)
+        path.unlink()
+        buf.close()
 
 
 def _note(text: str) -> None:
@@ -208,15 +232,19 @@ def measure(adapter: str, tier: str, rows: np.ndarray, root: Path, memcpy: float
         finally:
             reader.close()
         disk = nbytes / min(reads) / 1e9
+        disk_write = _disk_seq_write(daemon.root, nbytes)
     finally:
         daemon.stop()
     rows_out = []
     for op, secs in (("store", store_s), ("load", load_s)):
         gbps = nbytes / secs / 1e9
-        rows_out.append(Row(adapter, tier, op, n, secs, gbps, gbps / memcpy, gbps / disk))
+        rows_out.append(Row(adapter, tier, op, n, secs, gbps, gbps / memcpy, gbps / disk,
+                            gbps / disk_write if op == "store" else None))
     _note(f"  {adapter} over the {tier} tier: store {rows_out[0].gbps:.2f} GB/s, load {rows_out[1].gbps:.2f} GB/s "
-          f"(disk sequential read {disk:.2f} GB/s)")
+          f"(disk sequential read {disk:.2f} GB/s, write {disk_write:.2f} GB/s)")
     rows_out.append(Row(adapter, tier, "disk seq read", n, nbytes / disk / 1e9, disk, disk / memcpy, 1.0))
+    rows_out.append(Row(adapter, tier, "disk seq write", n, nbytes / disk_write / 1e9, disk_write, disk_write / memcpy,
+                        disk_write / disk, 1.0))
     return rows_out
 
 
@@ -254,13 +282,15 @@ def run(args: argparse.Namespace) -> int:
     for tier in args.tiers:
         for adapter in args.adapters:
             out += measure(adapter, tier, rows, root, memcpy)
-    header = ["adapter", "tier", "op", "blocks", "s", "GB/s", "vs memcpy", "vs disk seq read"]
+    header = ["adapter", "tier", "op", "blocks", "s", "GB/s", "vs memcpy", "vs disk seq read", "vs disk seq write"]
     body = [[r.adapter, r.tier, r.op, str(r.blocks), f"{r.seconds:.2f}", f"{r.gbps:.2f}", f"{r.vs_memcpy:.3f}",
-             f"{r.vs_disk_seq:.3f}"] for r in out]
+             f"{r.vs_disk_seq:.3f}", "-" if r.vs_disk_write is None else f"{r.vs_disk_write:.3f}"] for r in out]
     print(f"{n} blocks of {BLOCK_BYTES >> 20} MiB (Llama-3-8B's 16-token block) through each adapter; "
           f"memcpy here {memcpy:.2f} GB/s; stores durable")
     print("\n".join(text_table(tuple(header), [tuple(r) for r in body])))
-    print("vs disk seq read: against sequential O_DIRECT reads of that daemon's data file, measured after its loads")
+    print("vs disk seq read: against sequential O_DIRECT reads of that daemon's data file, measured after its loads; "
+          "vs disk seq write: stores against as many bytes written sequentially (O_DIRECT, 2 MiB writes, one "
+          "fdatasync) beside that daemon's directory")
     if args.json:
         args.json.write_text(json.dumps({"memcpy_gbps": memcpy, "rows": [asdict(r) for r in out]}, indent=1))
     return 0

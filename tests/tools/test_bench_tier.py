@@ -23,11 +23,18 @@ def test_a_short_run_moves_blocks_through_both_adapters_and_both_tiers(tmp_path,
     data = json.loads(out.read_text())
     rows = data["rows"]
     assert {(r["adapter"], r["tier"], r["op"]) for r in rows} == {
-        (a, t, op) for a in ("vllm", "sglang") for t in ("dram", "ssd") for op in ("store", "load", "disk seq read")}
+        (a, t, op) for a in ("vllm", "sglang") for t in ("dram", "ssd")
+        for op in ("store", "load", "disk seq read", "disk seq write")}
     for r in rows:
         assert r["blocks"] == 8 and r["gbps"] > 0 and r["seconds"] > 0
         assert r["vs_memcpy"] == pytest.approx(r["gbps"] / data["memcpy_gbps"], rel=0.01)
-    assert "vs disk seq read" in proc.stdout and "memcpy here" in proc.stdout
+        # Stores are set against the disk's sequential write too; loads against its read only.
+        assert (r["vs_disk_write"] is None) == (r["op"] in ("load", "disk seq read"))
+    write = {(r["adapter"], r["tier"]): r["gbps"] for r in rows if r["op"] == "disk seq write"}
+    for r in rows:
+        if r["op"] == "store":
+            assert r["vs_disk_write"] == pytest.approx(r["gbps"] / write[r["adapter"], r["tier"]], rel=0.01)
+    assert "vs disk seq read" in proc.stdout and "vs disk seq write" in proc.stdout and "memcpy here" in proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]  # every daemon's directory is gone
 
 
