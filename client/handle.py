@@ -223,8 +223,8 @@ def attach(model, store: str | StoreClient | None = None, *, dram: str = "256M",
     is used as is and left open. ``options`` are the
     fields of :class:`AttachConfig` (budget, budget_tokens, page_size, sink_tokens, local_tokens,
     cache_multiplier, cache_bytes, head_multipliers, profile, micro_batch, pipeline, overlap_fetch, trace,
-    index, eviction, obs_window, pages_per_cluster, candidate_factor, rank, int8_channels, namespace,
-    keep, reuse, device, kernels). Each decode step attends the sink (the first
+    index, eviction, obs_window, pages_per_cluster, candidate_factor, rank, int8_channels, int2_channels,
+    namespace, keep, reuse, device, kernels). Each decode step attends the sink (the first
     ``sink_tokens``), the local window (the last ``local_tokens``) and ``budget`` of the
     pages in between (or ``budget_tokens`` tokens of them); docs/stats.md has the details.
     """

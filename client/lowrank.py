@@ -11,6 +11,10 @@ from kvdrive.kernels import reference as ref
 from kvdrive_client.selectors import IndexKind, Selector, _grow
 
 
+# The default at head dim 64 (AttachConfig.lowrank_layout scales it with the head dim).
+DEFAULT_LAYOUT = ref.SketchLayout(27, 1, 12)
+
+
 class LowRankIndex(Selector):
     """Every key kept as a rank-``rank`` sketch fitted to the queries; pages ranked by estimated mass.
 
@@ -18,21 +22,24 @@ class LowRankIndex(Selector):
     ``C = E[q q^T]`` gives ``A = C^(1/2)``; the top ``rank`` eigenvectors ``U`` of
     ``A^T K^T K A`` span the directions that carry most of ``q . k`` for queries like
     those. A key is kept as ``z = U^T A k`` with one scale per channel, a query maps to
-    ``U^T A^-1 q``, and ``q . k ~ (U^T A^-1 q) . z``. The leading ``int8_channels``
-    channels (none by default) are int8; the rest int4, two to a byte
-    (:func:`reference.pack_lowrank_codes`). For about the same bytes a wider int4 sketch keeps
-    more of ``q . k`` than a narrower one partly int8 (rank 22 all int4, 11 bytes, against 16 with
-    8 int8 channels, 12 bytes, on logs and changelogs). A page's score is the log
-    of its estimated share of the softmax mass, summed over the query heads of its KV
-    head (:func:`reference.score_lowrank`): the quantity the oracle ranks by. Without
-    prefill queries ``A = I``: the keys' own principal directions. :meth:`build` also
-    clusters the pages' mean sketches (``pages_per_cluster`` pages per k-means cluster)
-    for the store's packing.
+    ``U^T A^-1 q``, and ``q . k ~ (U^T A^-1 q) . z``. The channels come in order of the
+    share of ``q . k`` they carry, and are stored as ``layout`` says: the leading ones in
+    int8, the trailing ones in int2, the rest int4 (:func:`reference.pack_lowrank_codes`;
+    a head dim below the rank narrows it from its int2 end). A page's score is the log of its estimated
+    share of the softmax mass, summed over the query heads of its KV head
+    (:func:`reference.score_lowrank`): the quantity the oracle ranks by. Without prefill
+    queries ``A = I``: the keys' own principal directions. :meth:`build` also clusters the
+    pages' mean sketches (``pages_per_cluster`` pages per k-means cluster) for the store's
+    packing.
 
-    Device memory: ``int8_channels + (rank - int8_channels) / 2`` bytes per token and
-    KV head (11 at rank 22, against 256 for an fp16 K+V token at head dim 64), one
-    validity byte per token, and the two ``D x rank`` projections per (row, KV head):
-    the keys' in fp16, the queries' in fp32 (the selection kernels read it every step).
+    Each channel's scale is its largest ``|z|`` over the prefill over its code range, so
+    the keys that stand out most (the ones a copying head looks for) keep their lead
+    (scales set by a quantile of ``|z|`` instead lost 0.08 nats on a log window of
+    SmolLM2 that copies paths); decode keys beyond the range saturate at the largest code.
+
+    Device memory: ``layout.rows`` bytes per token and KV head (11 for the default at head
+    dim 64: 1 + 14/2 + 12/4, against 256 for an fp16 K+V token), one validity byte per
+    token, and the two ``D x rank`` projections per (row, KV head) in fp16.
     """
 
     kind = IndexKind.LOWRANK
@@ -40,21 +47,16 @@ class LowRankIndex(Selector):
     RIDGE = 1e-3  # query moments below this fraction of the largest are lifted to it (A stays invertible)
     FIT_TOKENS = 4096  # keys used to fit the projection (evenly strided when the prompt is longer)
 
-    def __init__(self, page_size: int, scaling: float, rank: int = 22, pages_per_cluster: int = 8,
-                 int8_channels: int = 0, kernels: Kernels | None = None) -> None:
+    def __init__(self, page_size: int, scaling: float, layout: ref.SketchLayout = DEFAULT_LAYOUT,
+                 pages_per_cluster: int = 8, kernels: Kernels | None = None) -> None:
         super().__init__(page_size, kernels)
-        if rank < 1:
-            raise ValueError(f"rank must be >= 1, got {rank}")
-        if int8_channels < 0:
-            raise ValueError(f"int8_channels must be >= 0, got {int8_channels}")
         self.scaling = scaling
-        self.rank = rank
+        self.requested = layout
         self.pages_per_cluster = pages_per_cluster
-        self.int8_channels = int8_channels
 
     def _fit(self, keys: torch.Tensor, valid: torch.Tensor, query: torch.Tensor | None) -> None:
         b, h, t, d = keys.shape
-        r = min(self.rank, d)
+        r = min(self.requested.rank, d)
         eye = torch.eye(d, dtype=torch.float32, device=keys.device).expand(b, h, d, d)
         a = a_inv = eye
         if query is not None and query.shape[3] > 0:
@@ -71,20 +73,20 @@ class LowRankIndex(Selector):
         gram = a.transpose(-1, -2) @ (k.transpose(-1, -2) @ k) @ a
         _, vec = torch.linalg.eigh(gram + 1e-6 * eye)  # ascending: the last columns lead
         top = vec[..., -r:].flip(-1)
-        # fp16: it only projects keys, once each (prefill and every new page alike), into int4 codes.
+        # fp16: it only projects keys, once each (prefill and every new page alike), into integer codes.
         self.kproj = (a @ top).to(torch.float16).contiguous()  # [B, H, D, R]
-        self.qproj = (a_inv @ top).contiguous()
-        self.wide = min(self.int8_channels, r)
-
-    def _levels(self, r: int) -> torch.Tensor:
-        """The largest code of each channel: 127 for int8 ones, 7 for int4."""
-        levels = torch.full((r,), 7.0)
-        levels[: self.wide] = 127.0
-        return levels
+        # fp16 too: its rounding (1e-3) is far below the codes'; the kernels take it widened, a few KiB a call.
+        self.qproj = (a_inv @ top).to(torch.float16).contiguous()
+        # A head dim below the rank keeps the first r channels: it drops int2 ones first, then int4.
+        req = self.requested
+        n8 = min(req.int8, r)
+        n4 = min(req.int4, r - n8)
+        self.layout = ref.SketchLayout(r, n8, r - n8 - n4)
 
     def _quantize(self, z: torch.Tensor) -> torch.Tensor:
-        """Sketches ``[B, H, T, R]`` -> channel-major code rows ``[B, H, rows, T]`` (int8, int4 pairs packed)."""
-        return ref.pack_lowrank_codes((z / self.scale[:, :, None, :]).round().transpose(-1, -2), self.wide)
+        """Sketches ``[B, H, T, R]`` -> channel-major code rows ``[B, H, rows, T]`` (``self.layout``)."""
+        steps = (z / self.scale[:, :, None, :]).transpose(-1, -2)
+        return ref.pack_lowrank_codes(ref.quantize_lowrank(steps, self.layout), self.layout)
 
     def build(self, keys, valid, query=None):
         b, h, t, _ = keys.shape
@@ -93,8 +95,8 @@ class LowRankIndex(Selector):
         self._fit(keys, valid, query)
         z = torch.matmul(keys.float(), self.kproj.float())  # every prefill token sets the range, pages or not
         z = z * valid[:, None, :, None]
-        # One scale per channel; decode keys beyond the prefill's range saturate at the largest code.
-        levels = self._levels(z.shape[-1]).to(z.device)
+        # One scale per channel: its largest |z| over its code range (see the class).
+        levels = self.layout.levels().to(z.device)
         self.scale = (z.abs().amax(dim=2) / levels).clamp_min(1e-6) if t else torch.ones_like(self.kproj[..., 0, :], dtype=torch.float32)
         self.codes = self._quantize(z[:, :, : p * s]).contiguous()  # padding tokens encode as 0 (never scored)
         self.valid = valid[:, : p * s].clone()
@@ -119,12 +121,12 @@ class LowRankIndex(Selector):
         self.num_pages += 1
 
     def scores(self, query):
-        return self.kernels(query).lowrank_scores(query, self.qproj, self.scale, self.scaling, self.codes, self.valid,
-                                                  self.num_pages, self.page_size, self.wide)
+        return self.kernels(query).lowrank_scores(query, self.qproj.float(), self.scale, self.scaling, self.codes, self.valid,
+                                                  self.num_pages, self.page_size, self.layout)
 
     def select_and_score(self, query, selectable, k, cached):
-        return self.kernels(query).lowrank_select(query, self.qproj, self.scale, self.scaling, self.codes, self.valid,
-                                                  selectable[:, : self.num_pages], k, self.page_size, cached, self.wide)
+        return self.kernels(query).lowrank_select(query, self.qproj.float(), self.scale, self.scaling, self.codes, self.valid,
+                                                  selectable[:, : self.num_pages], k, self.page_size, cached, self.layout)
 
     def select(self, query, selectable, k):
         pages, top, _ = self.select_and_score(query, selectable, k, None)

@@ -47,12 +47,12 @@ class Kernels:
         half math is slower than the conversion (the CPU)."""
         return torch.float32 if self._widen_half and dtype in _HALF else dtype
 
-    def lowrank_select(self, query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, wide):
-        return ref.lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, wide)
+    def lowrank_select(self, query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, layout):
+        return ref.lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, layout)
 
-    def lowrank_scores(self, query, qproj, scale, scaling, codes, valid, num_pages, page_size, wide):
+    def lowrank_scores(self, query, qproj, scale, scaling, codes, valid, num_pages, page_size, layout):
         t = num_pages * page_size
-        unpacked = ref.unpack_lowrank_codes(codes[..., :t], qproj.shape[3], wide)
+        unpacked = ref.unpack_lowrank_codes(codes[..., :t], layout)
         return ref.score_lowrank(query, qproj, unpacked, scale, valid[:, :t], page_size, scaling)
 
     def hierarchical_select(self, query, centroids, assign, q8, scale, selectable, k, candidates, cached):
@@ -94,11 +94,11 @@ class CpuKernels(Kernels):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device, one_thread=True, widen_half=True)
 
-    def lowrank_select(self, query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, wide):
-        return cpu.lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, wide)
+    def lowrank_select(self, query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, layout):
+        return cpu.lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, layout)
 
-    def lowrank_scores(self, query, qproj, scale, scaling, codes, valid, num_pages, page_size, wide):
-        return cpu.lowrank_scores(query, qproj, scale, scaling, codes, valid, num_pages, page_size, wide)
+    def lowrank_scores(self, query, qproj, scale, scaling, codes, valid, num_pages, page_size, layout):
+        return cpu.lowrank_scores(query, qproj, scale, scaling, codes, valid, num_pages, page_size, layout)
 
     def hierarchical_select(self, query, centroids, assign, q8, scale, selectable, k, candidates, cached):
         return cpu.hierarchical_select(query, centroids, assign, q8, scale, selectable.contiguous(), k, candidates,

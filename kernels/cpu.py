@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kvdrive.kernels import jit
+from kvdrive.kernels import reference as ref
 
 # Before the first kernel below is compiled or loaded from the cache.
 VECTOR_WIDTH = jit.configure()
@@ -425,15 +426,15 @@ def _lowrank_weights(query, qproj, scale, scaling, b, h, w):  # pragma: no cover
             w[g, r] *= scale[b, h, r] * scaling * _LOG2E
 
 
-# The default code layout (rank 22, all int4: 11 rows of nibble pairs) has a fused logit
-# pass: each token's codes are widened once, in registers, and every query head of a
-# chunk of up to 4 takes its logit from them in the same loop iteration, with the padding
-# and the running max. No float tile is written and read back per head. At a 7K context
-# with 3 query heads per KV head, one layer of SmolLM2 (3 KV heads) selected in 50 us
-# against 105 for the tiled pass (the former default, rank 16 with 8 int8 channels, took
-# 49 us fused). The loop body has to be straight-line code for the vectorizer, so it is
-# written out per chunk size from the template below.
-_FUSED_RANK, _FUSED_WIDE, _FUSED_CHUNK = 22, 0, 4
+# The default code layout at head dim 64 (rank 27: 1 int8 channel, 14 int4, 12 int2; 11
+# rows) has a fused logit pass: each token's codes are widened once, in registers, and
+# every query head of a chunk of up to 4 takes its logit from them in the same loop
+# iteration, with the padding and the running max. No float tile is written and read
+# back per head. (At a 7K context with 3 query heads per KV head, one layer of SmolLM2
+# selected in about 50 us fused against 105 tiled, with the rank-22 all-int4 layout.)
+# The loop body has to be straight-line code for the vectorizer, so it is written out
+# per chunk size from the template below.
+_FUSED_RANK, _FUSED_WIDE, _FUSED_NARROW, _FUSED_CHUNK = 27, 1, 12, 4
 def _fused_logits_source(hc: int) -> str:
     """Source of ``_fused_logits_<hc>(w, g0, c, ok, t_n, logits, top)``: query heads ``g0 .. g0 + hc - 1``."""
     heads, chans = range(hc), range(_FUSED_RANK)
@@ -442,15 +443,24 @@ def _fused_logits_source(hc: int) -> str:
         lines.append("    " + ", ".join(f"w{j}_{r}" for r in chans) + " = "
                      + ", ".join(f"w[g0 + {j}, {r}]" for r in chans))
         lines += [f"    l{j} = logits[g0 + {j}]", f"    m{j} = np.float32(-np.inf)"]
-    rows = _FUSED_WIDE + (_FUSED_RANK - _FUSED_WIDE) // 2
+    n4 = _FUSED_RANK - _FUSED_WIDE - _FUSED_NARROW
+    assert n4 % 2 == 0 and _FUSED_NARROW % 4 == 0, "the fused layout fills its rows"
+    rows4 = _FUSED_WIDE + n4 // 2
+    rows = rows4 + _FUSED_NARROW // 4
     lines.append("    " + ", ".join(f"c{i}" for i in range(rows)) + " = " + ", ".join(f"c[{i}]" for i in range(rows)))
     lines.append("    for t in range(t_n):")
     lines += [f"        x{r} = np.float32(c{r}[t])" for r in range(_FUSED_WIDE)]
-    for i in range(_FUSED_WIDE, rows):  # two int4 channels per row: low nibble, then high
+    for i in range(_FUSED_WIDE, rows4):  # two int4 channels per row: low nibble, then high
         lo = _FUSED_WIDE + 2 * (i - _FUSED_WIDE)
         lines += [f"        y{i} = np.int32(c{i}[t])",
                   f"        x{lo} = np.float32(((y{i} & np.int32(15)) ^ np.int32(8)) - np.int32(8))",
                   f"        x{lo + 1} = np.float32(y{i} >> np.int32(4))"]
+    for i in range(rows4, rows):  # four int2 channels per row, from the lowest bits up
+        first = _FUSED_WIDE + n4 + 4 * (i - rows4)
+        lines.append(f"        y{i} = np.int32(c{i}[t])")
+        lines += [f"        x{first + j} = np.float32((((y{i} >> np.int32({2 * j})) & np.int32(3)) ^ np.int32(2)) - np.int32(2))"
+                  for j in range(3)]
+        lines.append(f"        x{first + 3} = np.float32(y{i} >> np.int32(6))")
     for j in heads:
         lines.append(f"        v{j} = " + " + ".join(f"w{j}_{r} * x{r}" for r in chans))
     lines.append("        if not ok[t]:")
@@ -471,19 +481,20 @@ _fused_logits_1, _fused_logits_2, _fused_logits_3, _fused_logits_4 = (_compile_f
 
 
 @numba.njit(nogil=True, cache=True, fastmath=_LOWRANK_FASTMATH, error_model="numpy")
-def _lowrank_page_mass(w, codes, wide, valid, b, h, p_n, s_n, logits, cf, top, out):  # pragma: no cover - compiled
+def _lowrank_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, cf, top, out):  # pragma: no cover - compiled
     """Estimated mass of pages [0, p_n) of (row b, head h) into ``out`` (callers take the log).
 
     ``w`` ``[G, R]``: base-2 logit weights (:func:`_lowrank_weights`). ``codes``: rows as
-    :func:`reference.pack_lowrank_codes` lays them out, the first ``wide`` int8. Scratch:
-    ``logits`` ``[G, >= p_n*S]``, ``cf`` ``[R + 1, _TILE]``, ``top`` ``[G]``.
+    :func:`reference.pack_lowrank_codes` lays them out, the first ``wide`` channels int8,
+    the last ``narrow`` int2, the others int4. Scratch: ``logits`` ``[G, >= p_n*S]``,
+    ``cf`` ``[R + 4, _TILE]``, ``top`` ``[G]``.
     """
     g_n, r_n = w.shape
     t_n = p_n * s_n
     c = codes[b, h]
     ok = valid[b]
     top[:] = -np.inf
-    if r_n == _FUSED_RANK and wide == _FUSED_WIDE:
+    if r_n == _FUSED_RANK and wide == _FUSED_WIDE and narrow == _FUSED_NARROW:
         g0 = 0
         while g0 < g_n:
             hc = min(_FUSED_CHUNK, g_n - g0)
@@ -510,14 +521,25 @@ def _lowrank_page_mass(w, codes, wide, valid, b, h, p_n, s_n, logits, cf, top, o
             dst = cf[r]
             for t in range(n):
                 dst[t] = np.float32(src[t])
-        for r in range(wide, r_n, 2):  # two int4 channels per row: low nibble, then high
+        end4 = r_n - narrow
+        for r in range(wide, end4, 2):  # two int4 channels per row: low nibble, then high
             src = c[wide + (r - wide) // 2, t0:t1]
             lo = cf[r]
-            hi = cf[r + 1]  # a spare row when the last channel has no pair
+            hi = cf[r + 1]  # when the last int4 channel has no pair, the first int2 one is rewritten below
             for t in range(n):
                 x = np.int32(src[t])
                 lo[t] = np.float32(((x & np.int32(15)) ^ np.int32(8)) - np.int32(8))
                 hi[t] = np.float32(x >> np.int32(4))
+        row2 = wide + (end4 - wide + 1) // 2
+        for r in range(end4, r_n, 4):  # four int2 channels per row, from the lowest bits up (spare rows past r_n)
+            src = c[row2 + (r - end4) // 4, t0:t1]
+            f0, f1, f2, f3 = cf[r], cf[r + 1], cf[r + 2], cf[r + 3]
+            for t in range(n):
+                x = np.int32(src[t])
+                f0[t] = np.float32(((x & np.int32(3)) ^ np.int32(2)) - np.int32(2))
+                f1[t] = np.float32((((x >> np.int32(2)) & np.int32(3)) ^ np.int32(2)) - np.int32(2))
+                f2[t] = np.float32((((x >> np.int32(4)) & np.int32(3)) ^ np.int32(2)) - np.int32(2))
+                f3[t] = np.float32(x >> np.int32(6))
         okt = ok[t0:t1]
         for g in range(g_n):
             lg = logits[g, t0:t1]
@@ -588,25 +610,25 @@ def _log_mass(m):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True)
-def _lowrank_scores(query, qproj, scale, scaling, codes, wide, valid, p_n, s_n, out, w, logits, cf,
+def _lowrank_scores(query, qproj, scale, scaling, codes, wide, narrow, valid, p_n, s_n, out, w, logits, cf,
                     top):  # pragma: no cover - compiled
     for b in range(query.shape[0]):
         for h in range(query.shape[1]):
             _lowrank_weights(query, qproj, scale, scaling, b, h, w)
-            _lowrank_page_mass(w, codes, wide, valid, b, h, p_n, s_n, logits, cf, top, out[b, h])
+            _lowrank_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, cf, top, out[b, h])
             for p in range(p_n):
                 out[b, h, p] = _log_mass(out[b, h, p])
 
 
 @numba.njit(nogil=True, cache=True)
-def _lowrank_select(query, qproj, scale, scaling, codes, wide, valid, selectable, k, p_n, s_n, out_pages, out_scores,
-                    cached, cached_scores, w, logits, cf, top, score, cand):  # pragma: no cover - compiled
-    """Scratch (:func:`_lowrank_work`): ``w`` ``[G, R]``, ``logits`` ``[G, >= P*S]``, ``cf`` ``[R + 1, _TILE]``,
+def _lowrank_select(query, qproj, scale, scaling, codes, wide, narrow, valid, selectable, k, p_n, s_n, out_pages,
+                    out_scores, cached, cached_scores, w, logits, cf, top, score, cand):  # pragma: no cover - compiled
+    """Scratch (:func:`_lowrank_work`): ``w`` ``[G, R]``, ``logits`` ``[G, >= P*S]``, ``cf`` ``[R + 4, _TILE]``,
     ``top`` ``[G]``, ``score`` and ``cand`` ``[>= P]``."""
     for b in range(query.shape[0]):
         for h in range(query.shape[1]):
             _lowrank_weights(query, qproj, scale, scaling, b, h, w)
-            _lowrank_page_mass(w, codes, wide, valid, b, h, p_n, s_n, logits, cf, top, score)
+            _lowrank_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, cf, top, score)
             # Top k by mass (the log only for the pages returned). The k-th largest by
             # partition, then the pages above it and as many equal to it as fit, in page
             # order, then a stable sort of those k: equal scores keep the lower page first.
@@ -745,7 +767,7 @@ def _lowrank_work(g_n: int, r_n: int, p_n: int, s_n: int) -> tuple[np.ndarray, .
         if bufs is not None and bufs[0].shape == (g_n, r_n):
             t_cap, p_cap = max(t_cap, bufs[1].shape[1]), max(p_cap, bufs[4].shape[0])
         bufs = (np.empty((g_n, r_n), np.float32), np.empty((g_n, t_cap), np.float32),
-                np.empty((r_n + 1, _TILE), np.float32), np.empty(g_n, np.float32), np.empty(p_cap, np.float32),
+                np.empty((r_n + 4, _TILE), np.float32), np.empty(g_n, np.float32), np.empty(p_cap, np.float32),
                 np.empty(p_cap, np.float32))
         _work.lowrank = bufs
     return bufs
@@ -756,29 +778,31 @@ def _f32(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).numpy()
 
 
-def _wide(qproj: torch.Tensor, int8_channels: int | None) -> int:
-    rank = qproj.shape[3]
-    return rank if int8_channels is None else min(int8_channels, rank)
+def _layout(qproj: torch.Tensor, layout: ref.SketchLayout) -> tuple[int, int]:
+    """(int8 channels, int2 channels) of ``layout``, which must be the projection's rank."""
+    if layout.rank != qproj.shape[3]:
+        raise ValueError(f"a sketch layout of rank {layout.rank} for a projection of rank {qproj.shape[3]}")
+    return layout.int8, layout.int2
 
 
 def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor, scaling: float,
                    codes: torch.Tensor, valid: torch.Tensor, num_pages: int, page_size: int,
-                   int8_channels: int | None = None) -> torch.Tensor:
+                   layout: ref.SketchLayout) -> torch.Tensor:
     """Fused :func:`kvdrive.kernels.reference.score_lowrank`, the query projection included.
 
     Same arguments, except that ``codes`` are packed as :func:`reference.pack_lowrank_codes`
-    lays them out (``int8_channels`` int8 rows, None: all), and that they and ``valid``
+    lays them out for ``layout``, and that they and ``valid``
     ``[B, >= P*S]`` may have spare capacity past ``num_pages`` pages (no copy is made).
     Returns float32 ``[B, H, P]``, within 1e-4 of the reference (the exponential is a polynomial).
     A large call runs in parts on up to :func:`kernel_threads` threads (:func:`_in_parts`).
     """
     out = np.empty((query.shape[0], query.shape[1], num_pages), np.float32)
     q, qp, sc, cd, ok = _f32(query), qproj.numpy(), scale.numpy(), codes.numpy(), valid.numpy()
-    wide, scaling = _wide(qproj, int8_channels), np.float32(scaling)
+    (wide, narrow), scaling = _layout(qproj, layout), np.float32(scaling)
 
     def part(bs, hs):
         q_, qp_, sc_, cd_, ok_, out_ = _cut((q, qp, sc, cd, ok, out), bs, hs, rows_only=(4,))
-        _lowrank_scores(q_, qp_, sc_, scaling, cd_, wide, ok_, num_pages, page_size, out_,
+        _lowrank_scores(q_, qp_, sc_, scaling, cd_, wide, narrow, ok_, num_pages, page_size, out_,
                         *_lowrank_work(q.shape[2], qp.shape[3], num_pages, page_size)[:4])  # no top-k scratch
 
     _in_parts(q.shape[0], q.shape[1], num_pages * page_size * q.shape[2], part)
@@ -787,8 +811,8 @@ def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
 
 def lowrank_select(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor, scaling: float,
                    codes: torch.Tensor, valid: torch.Tensor, selectable: torch.Tensor, k: int, page_size: int,
-                   cached: torch.Tensor | None = None,
-                   int8_channels: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                   cached: torch.Tensor | None, layout: ref.SketchLayout,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The ``k`` selectable pages of highest :func:`lowrank_scores`, in one compiled call.
 
     ``selectable`` ``[B, P]`` says how many pages there are. With ``cached`` (``[B, H, n]``
@@ -805,12 +829,12 @@ def lowrank_select(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
     cached_np = _NO_CACHED if cached is None else cached.numpy()
     cached_scores = np.empty(cached_np.shape, np.float32)
     q, qp, sc, cd, ok, sel = _f32(query), qproj.numpy(), scale.numpy(), codes.numpy(), valid.numpy(), selectable.numpy()
-    wide, scaling = _wide(qproj, int8_channels), np.float32(scaling)
+    (wide, narrow), scaling = _layout(qproj, layout), np.float32(scaling)
 
     def part(bs, hs):  # without cached pages, the empty arrays slice to empty arrays
         q_, qp_, sc_, cd_, ok_, sel_, pages_, scores_, cached_, cached_scores_ = _cut(
             (q, qp, sc, cd, ok, sel, pages, scores, cached_np, cached_scores), bs, hs, rows_only=(4, 5))
-        _lowrank_select(q_, qp_, sc_, scaling, cd_, wide, ok_, sel_, k, num_pages, page_size, pages_, scores_, cached_,
+        _lowrank_select(q_, qp_, sc_, scaling, cd_, wide, narrow, ok_, sel_, k, num_pages, page_size, pages_, scores_, cached_,
                         cached_scores_, *_lowrank_work(q.shape[2], qp.shape[3], num_pages, page_size))
 
     _in_parts(b, h, num_pages * page_size * q.shape[2], part)

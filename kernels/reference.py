@@ -6,6 +6,8 @@ Shapes: ``B`` batch, ``H`` KV heads, ``G`` query heads per KV head, ``P`` pages,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 NEG_INF = float("-inf")
@@ -46,36 +48,103 @@ def project_lowrank_query(query: torch.Tensor, qproj: torch.Tensor, scale: torch
     return torch.matmul(query.float(), qproj) * (scale[:, :, None, :] * scaling)
 
 
-def lowrank_code_rows(rank: int, int8_channels: int) -> int:
-    """Rows of a rank-``rank`` code array: one per int8 channel, one per pair of int4 channels."""
-    wide = min(int8_channels, rank)
-    return wide + (rank - wide + 1) // 2
+@dataclass(frozen=True)
+class SketchLayout:
+    """How a rank-``rank`` key sketch is stored, per token: its leading ``int8`` channels one
+    int8 code row each, then int4 channels two to a row, then its trailing ``int2`` channels
+    four to a row. Channels come in order of the share of ``q . k`` they carry, so the first
+    ones get the most bits.
 
-
-def pack_lowrank_codes(q: torch.Tensor, int8_channels: int) -> torch.Tensor:
-    """Rounded sketch values ``[..., R, T]`` -> code rows ``[..., lowrank_code_rows(R, int8_channels), T]`` int8.
-
-    Channels below ``int8_channels`` keep one int8 row each (values in [-127, 127]); the
-    rest are int4 (values in [-7, 7]), two per row: channel ``int8_channels + 2j`` in the
-    low nibble of row ``int8_channels + j``, the next channel in its high nibble.
+    Codes are integers: int8 in [-127, 127] (the value, rounded), int4 in [-8, 7] and int2 in
+    [-2, 1] (the floor of the value: the channel's step sits between codes, so that all 16
+    or 4 codes are used). The half step those floors drop adds the same amount to every
+    token's estimated logit for a query, which the per-query normalisation of the page
+    masses takes away, so no kernel adds it back.
     """
-    wide = min(int8_channels, q.shape[-2])
-    head = q[..., :wide, :].clamp(-127, 127).to(torch.int8)
-    tail = q[..., wide:, :].clamp(-7, 7).to(torch.int16)
-    if tail.shape[-2] % 2:
-        tail = torch.cat([tail, torch.zeros_like(tail[..., :1, :])], dim=-2)
-    packed = (tail[..., 0::2, :] & 0xF) | ((tail[..., 1::2, :] & 0xF) << 4)
-    return torch.cat([head, packed.to(torch.uint8).view(torch.int8)], dim=-2)
+
+    rank: int
+    int8: int = 0
+    int2: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rank < 1 or self.int8 < 0 or self.int2 < 0 or self.int8 + self.int2 > self.rank:
+            raise ValueError(f"a sketch layout needs rank >= 1 and 0 <= int8 + int2 <= rank, got rank {self.rank}, "
+                             f"int8 {self.int8}, int2 {self.int2}")
+
+    @property
+    def int4(self) -> int:
+        return self.rank - self.int8 - self.int2
+
+    @property
+    def int4_rows(self) -> int:
+        return (self.int4 + 1) // 2
+
+    @property
+    def int2_rows(self) -> int:
+        return (self.int2 + 3) // 4
+
+    @property
+    def rows(self) -> int:
+        """Code rows, and bytes per token."""
+        return self.int8 + self.int4_rows + self.int2_rows
+
+    def levels(self) -> torch.Tensor:
+        """``[rank]``: each channel's range in steps, the largest |value| a scale maps to (127,
+        8, 2): int4 and int2 codes floor the value and run from -levels to levels - 1."""
+        out = torch.full((self.rank,), 8.0)
+        out[: self.int8] = 127.0
+        out[self.rank - self.int2:] = 2.0
+        return out
 
 
-def unpack_lowrank_codes(codes: torch.Tensor, rank: int, int8_channels: int) -> torch.Tensor:
+def lowrank_code_rows(layout: SketchLayout) -> int:
+    """Rows of a code array of ``layout`` (its bytes per token)."""
+    return layout.rows
+
+
+def quantize_lowrank(z: torch.Tensor, layout: SketchLayout) -> torch.Tensor:
+    """Sketch values in steps ``[..., R, T]`` (the value over its channel's scale) -> integer
+    codes as :class:`SketchLayout` says: int8 channels rounded, the others floored, each
+    clamped to its range."""
+    lv = layout.levels().to(z.device)[:, None]
+    wide = layout.int8
+    head = z[..., :wide, :].round().clamp(-127, 127)
+    tail = torch.floor(z[..., wide:, :]).clamp(-lv[wide:], lv[wide:] - 1)
+    return torch.cat([head, tail], dim=-2).to(torch.int8)
+
+
+def pack_lowrank_codes(q: torch.Tensor, layout: SketchLayout) -> torch.Tensor:
+    """Integer codes ``[..., R, T]`` (:func:`quantize_lowrank`) -> code rows ``[..., layout.rows, T]`` int8.
+
+    Channels below ``layout.int8`` keep one int8 row each; the int4 ones are two per row
+    (channel ``int8 + 2j`` in the low nibble of row ``int8 + j``, the next in its high
+    nibble); the int2 ones four per row, from the lowest two bits up. Values outside a
+    channel's range are clamped.
+    """
+    w, n4, n2 = layout.int8, layout.int4, layout.int2
+    head = q[..., :w, :].clamp(-127, 127).to(torch.int8)
+    mid = q[..., w: w + n4, :].clamp(-8, 7).to(torch.int16)
+    if n4 % 2:
+        mid = torch.cat([mid, torch.zeros_like(mid[..., :1, :])], dim=-2)
+    nib = (mid[..., 0::2, :] & 0xF) | ((mid[..., 1::2, :] & 0xF) << 4)
+    tail = q[..., w + n4:, :].clamp(-2, 1).to(torch.int16)
+    if n2 % 4:
+        tail = torch.cat([tail, torch.zeros_like(tail[..., : 4 - n2 % 4, :])], dim=-2)
+    quad = sum((tail[..., j::4, :] & 0x3) << (2 * j) for j in range(4)) if n2 else tail[..., :0, :]
+    return torch.cat([head, nib.to(torch.uint8).view(torch.int8), quad.to(torch.uint8).view(torch.int8)], dim=-2)
+
+
+def unpack_lowrank_codes(codes: torch.Tensor, layout: SketchLayout) -> torch.Tensor:
     """Inverse of :func:`pack_lowrank_codes`: ``[..., rows, T]`` -> ``[..., rank, T]`` int8 values."""
-    wide = min(int8_channels, rank)
-    packed = codes[..., wide:, :].to(torch.int16)
-    low = ((packed & 0xF) ^ 8) - 8
-    high = packed >> 4  # arithmetic: the sign of the byte is the high nibble's
-    tail = torch.stack([low, high], dim=-2).flatten(-3, -2)[..., : rank - wide, :]
-    return torch.cat([codes[..., :wide, :], tail.to(torch.int8)], dim=-2)
+    w, r4 = layout.int8, layout.int4_rows
+    nib = codes[..., w: w + r4, :].to(torch.int16)
+    low = ((nib & 0xF) ^ 8) - 8
+    high = nib >> 4  # arithmetic: the sign of the byte is the high nibble's
+    mid = torch.stack([low, high], dim=-2).flatten(-3, -2)[..., : layout.int4, :]
+    quad = codes[..., w + r4:, :].to(torch.int16)
+    parts = [(((quad >> (2 * j)) & 3) ^ 2) - 2 for j in range(3)] + [quad >> 6]
+    tail = torch.stack(parts, dim=-2).flatten(-3, -2)[..., : layout.int2, :]
+    return torch.cat([codes[..., :w, :], mid.to(torch.int8), tail.to(torch.int8)], dim=-2)
 
 
 def score_lowrank(query: torch.Tensor, qproj: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
@@ -189,13 +258,13 @@ def attended_valid(valid: torch.Tensor, chosen: torch.Tensor | None, page_size: 
 
 def lowrank_select(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor, scaling: float,
                    codes: torch.Tensor, valid: torch.Tensor, selectable: torch.Tensor, k: int, page_size: int,
-                   cached: torch.Tensor | None, int8_channels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                   cached: torch.Tensor | None, layout: SketchLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The ``k`` selectable pages of highest :func:`score_lowrank` from packed codes
     (:func:`pack_lowrank_codes`; ``codes`` and ``valid`` may have spare capacity past the
     ``selectable.shape[1]`` pages), and the scores of ``cached`` pages ``[B, H, n]``
     (-1 none) when given: (pages ``[B, H, k]``, their scores, cached pages' scores or None)."""
     t = selectable.shape[1] * page_size
-    unpacked = unpack_lowrank_codes(codes[..., :t], qproj.shape[3], int8_channels)
+    unpacked = unpack_lowrank_codes(codes[..., :t], layout)
     scores = score_lowrank(query, qproj, unpacked, scale, valid[:, :t], page_size, scaling)
     pages, top = topk_pages(scores.masked_fill(~selectable[:, None, :], NEG_INF), k)
     return pages, top, None if cached is None else gather_scores(scores, cached)

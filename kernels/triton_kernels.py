@@ -348,9 +348,38 @@ def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 
 @triton.jit
+def _code_rows_logits(logits, w_row, codes_row, sw_ab, sw_r, scd_r, t, tm, gm, r_first, r_last,
+                      PER_ROW: tl.constexpr, ROW_CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+    """``logits`` plus the estimated logits of code rows ``[r_first, r_last)``, each holding
+    ``PER_ROW`` channels (1: int8, 2: int4 nibbles, 4: int2 fields, lowest bits first)."""
+    for r0 in range(r_first, r_last, ROW_CHUNK):
+        r = r0 + tl.arange(0, ROW_CHUNK)
+        rm = r < r_last
+        wm = gm[:, None] & rm[None, :]
+        x = tl.load(codes_row + r[:, None] * scd_r + t[None, :], mask=rm[:, None] & tm[None, :], other=0).to(tl.int32)
+        if PER_ROW == 1:
+            w0 = tl.load(w_row + r[None, :] * sw_r, mask=wm, other=0.0)
+            logits += tl.dot(w0, x.to(tl.float32), input_precision=PRECISION)
+        elif PER_ROW == 2:
+            w0 = tl.load(w_row + r[None, :] * sw_r, mask=wm, other=0.0)
+            w1 = tl.load(w_row + sw_ab + r[None, :] * sw_r, mask=wm, other=0.0)
+            logits += tl.dot(w0, (((x & 15) ^ 8) - 8).to(tl.float32), input_precision=PRECISION)
+            logits += tl.dot(w1, (x >> 4).to(tl.float32), input_precision=PRECISION)
+        else:
+            for j in tl.static_range(4):
+                wj = tl.load(w_row + j * sw_ab + r[None, :] * sw_r, mask=wm, other=0.0)
+                if j == 3:
+                    v = x >> 6
+                else:
+                    v = (((x >> (2 * j)) & 3) ^ 2) - 2
+                logits += tl.dot(wj, v.to(tl.float32), input_precision=PRECISION)
+    return logits
+
+
+@triton.jit
 def _lowrank_page_lse_kernel(
     w_ptr, codes_ptr, valid_ptr, plse_ptr,
-    H, G, ROWS, WIDE, P, pages_per_split,
+    H, G, ROWS8, ROWS4, ROWS, P, pages_per_split,
     sw_ab, sw_b, sw_h, sw_g, sw_r,
     scd_b, scd_h, scd_r, scd_t,
     sva_b, sva_t,
@@ -360,10 +389,11 @@ def _lowrank_page_lse_kernel(
     """Program (row x head, split): for pages ``[split * pages_per_split, ...)``, each page's
     log-sum-exp of the estimated logits per query head -> ``plse`` ``[B, H, G, P]`` float32.
 
-    ``w`` ``[2, B, H, G, ROWS]`` (:func:`_code_row_weights`): per code row, the weight of its
-    int8 value or low nibble, and of its high nibble. A tile's logits are summed over
-    ``ROW_CHUNK`` code rows at a time, so that a thread never holds its share of a whole
-    sketch (a rank-44 sketch in one product spills on sm_90)."""
+    ``w`` ``[4, B, H, G, ROWS]`` (:func:`_code_row_weights`): per code row, the weight of each
+    channel it holds. Rows ``[0, ROWS8)`` are int8, ``[ROWS8, ROWS4)`` int4 pairs, the rest
+    int2 quads. A tile's logits are summed over ``ROW_CHUNK`` code rows at a time, so that a
+    thread never holds its share of a whole sketch (a rank-44 sketch in one product spills
+    on sm_90)."""
     pair = tl.program_id(0)
     split = tl.program_id(1)
     b = (pair // H).to(tl.int64)
@@ -371,25 +401,19 @@ def _lowrank_page_lse_kernel(
     g = tl.arange(0, BLOCK_G)
     gm = g < G
     w_row = w_ptr + b * sw_b + h * sw_h + g[:, None] * sw_g
+    codes_row = codes_ptr + b * scd_b + h * scd_h
     first = split * pages_per_split
     last = tl.minimum(first + pages_per_split, P)
     for p0 in range(first, last, BLOCK_P):
         t = p0 * PAGE + tl.arange(0, BLOCK_P * PAGE)
         tm = t < last * PAGE
         logits = tl.zeros([BLOCK_G, BLOCK_P * PAGE], tl.float32)
-        for r0 in range(0, ROWS, ROW_CHUNK):
-            r = r0 + tl.arange(0, ROW_CHUNK)
-            rm = r < ROWS
-            wm = gm[:, None] & rm[None, :]
-            w_low = tl.load(w_row + r[None, :] * sw_r, mask=wm, other=0.0)
-            w_high = tl.load(w_row + sw_ab + r[None, :] * sw_r, mask=wm, other=0.0)
-            x = tl.load(codes_ptr + b * scd_b + h * scd_h + r[:, None] * scd_r + t[None, :] * scd_t,
-                        mask=rm[:, None] & tm[None, :], other=0).to(tl.int32)
-            # An int8 row is its own value (its high weight is 0); a packed row, two int4 channels.
-            low = tl.where((r < WIDE)[:, None], x, ((x & 15) ^ 8) - 8).to(tl.float32)
-            high = (x >> 4).to(tl.float32)
-            logits += tl.dot(w_low, low, input_precision=PRECISION)
-            logits += tl.dot(w_high, high, input_precision=PRECISION)
+        logits = _code_rows_logits(logits, w_row, codes_row, sw_ab, sw_r, scd_r, t * scd_t, tm, gm, 0, ROWS8,
+                                   1, ROW_CHUNK, PRECISION)
+        logits = _code_rows_logits(logits, w_row, codes_row, sw_ab, sw_r, scd_r, t * scd_t, tm, gm, ROWS8, ROWS4,
+                                   2, ROW_CHUNK, PRECISION)
+        logits = _code_rows_logits(logits, w_row, codes_row, sw_ab, sw_r, scd_r, t * scd_t, tm, gm, ROWS4, ROWS,
+                                   4, ROW_CHUNK, PRECISION)
         ok = (tl.load(valid_ptr + b * sva_b + t * sva_t, mask=tm, other=0) != 0) & tm
         logits = tl.where(ok[None, :], logits, float("-inf"))
         per_page = tl.reshape(logits, (BLOCK_G, BLOCK_P, PAGE))
@@ -402,17 +426,23 @@ def _lowrank_page_lse_kernel(
                  mask=gm[:, None] & (p < last)[None, :])
 
 
-def _code_row_weights(weights: torch.Tensor, wide: int) -> torch.Tensor:
-    """``[B, H, G, R]`` channel weights -> ``[2, B, H, G, rows]``: per code row of
-    ``reference.pack_lowrank_codes``, the weight of its int8 value or low nibble, then of its
-    high nibble (0 for an int8 row, and for the missing channel of an odd int4 tail)."""
-    rank = weights.shape[-1]
-    tail = weights[..., wide:]
-    if (rank - wide) % 2:
-        tail = torch.nn.functional.pad(tail, (0, 1))
-    low = torch.cat([weights[..., :wide], tail[..., 0::2]], dim=-1)
-    high = torch.cat([torch.zeros_like(weights[..., :wide]), tail[..., 1::2]], dim=-1)
-    return torch.stack([low, high])
+def _code_row_weights(weights: torch.Tensor, layout: ref.SketchLayout) -> torch.Tensor:
+    """``[B, H, G, R]`` channel weights -> ``[4, B, H, G, rows]``: per code row of
+    ``reference.pack_lowrank_codes``, the weight of each channel it holds, in its order
+    (0 past a row's channels, and for the missing channels of a short last row)."""
+    w8, n4, n2 = layout.int8, layout.int4, layout.int2
+    mid = weights[..., w8: w8 + n4]
+    if n4 % 2:
+        mid = torch.nn.functional.pad(mid, (0, 1))
+    tail = weights[..., w8 + n4:]
+    if n2 % 4:
+        tail = torch.nn.functional.pad(tail, (0, 4 - n2 % 4))
+    zero8, zero4 = torch.zeros_like(weights[..., :w8]), torch.zeros_like(mid[..., 0::2])
+    slots = [torch.cat([weights[..., :w8], mid[..., 0::2], tail[..., 0::4]], dim=-1),
+             torch.cat([zero8, mid[..., 1::2], tail[..., 1::4]], dim=-1),
+             torch.cat([zero8, zero4, tail[..., 2::4]], dim=-1),
+             torch.cat([zero8, zero4, tail[..., 3::4]], dim=-1)]
+    return torch.stack(slots)
 
 
 @triton.jit
@@ -458,24 +488,23 @@ def lowrank_block_p(page_size: int) -> int:
 
 def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor, scaling: float,
                    codes: torch.Tensor, valid: torch.Tensor, num_pages: int, page_size: int,
-                   int8_channels: int | None = None, *, block_p: int | None = None,
+                   layout: ref.SketchLayout, *, block_p: int | None = None,
                    num_splits: int | None = None) -> torch.Tensor:
     """Fused :func:`kvdrive.kernels.reference.score_lowrank` from packed codes, in two Triton
     kernels (not yet run on a GPU).
 
     Arguments as :func:`kvdrive.kernels.cpu.lowrank_scores`: query ``[B, H, G, D]``, qproj
     ``[B, H, D, R]``, scale ``[B, H, R]``, ``codes`` ``[B, H, rows, >= P*S]`` int8 as
-    :func:`reference.pack_lowrank_codes` lays them out (``int8_channels`` int8 rows, None:
-    all), ``valid`` ``[B, >= P*S]``; spare capacity past ``num_pages`` is not read. The page
-    size must be a power of two. Returns float32 ``[B, H, P]`` (-inf: a page with no mass).
-    ``block_p``: pages per tile (None: :func:`lowrank_block_p`); ``num_splits`` as
-    :func:`sparse_attention`'s, in pages.
+    :func:`reference.pack_lowrank_codes` lays them out for ``layout``, ``valid`` ``[B, >= P*S]``;
+    spare capacity past ``num_pages`` is not read. The page size must be a power of two.
+    Returns float32 ``[B, H, P]`` (-inf: a page with no mass). ``block_p``: pages per tile
+    (None: :func:`lowrank_block_p`); ``num_splits`` as :func:`sparse_attention`'s, in pages.
     """
     if not lowrank_supported(page_size):
         raise ValueError(f"lowrank_scores takes a power-of-two page size, got {page_size}")
+    if layout.rank != qproj.shape[3]:
+        raise ValueError(f"a sketch layout of rank {layout.rank} for a projection of rank {qproj.shape[3]}")
     b, h, g, d = query.shape
-    rank = qproj.shape[3]
-    wide = rank if int8_channels is None else min(int8_channels, rank)
     out = _scratch((b, h, num_pages), query.device)
     if b * h == 0 or num_pages == 0:
         return out
@@ -484,12 +513,12 @@ def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
     plse = _scratch((b, h, g, num_pages), query.device)
     valid = _as_bytes(valid)
     block_g = _pow2(g)
-    weights = _code_row_weights(ref.project_lowrank_query(query, qproj, scale, scaling), wide)
-    rows = weights.shape[-1]
+    weights = _code_row_weights(ref.project_lowrank_query(query, qproj, scale, scaling), layout)
+    rows8, rows4 = layout.int8, layout.int8 + layout.int4_rows
     with _launch_lock:
         _lowrank_page_lse_kernel[(b * h, splits)](
             weights, codes, valid, plse,
-            h, g, rows, wide, num_pages, per_split,
+            h, g, rows8, rows4, layout.rows, num_pages, per_split,
             *weights.stride(), *codes.stride(), *valid.stride(),
             PAGE=page_size, BLOCK_P=block_p, BLOCK_G=block_g, ROW_CHUNK=LOWRANK_ROW_CHUNK, num_warps=4,
             num_stages=LOWRANK_NUM_STAGES,
@@ -498,12 +527,11 @@ def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
     return out
 
 
-def lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, int8_channels,
-                   **kwargs):
+def lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, layout, **kwargs):
     """:func:`kvdrive.kernels.reference.lowrank_select` with the scores of :func:`lowrank_scores`
     (torch's top-k afterwards)."""
-    scores = lowrank_scores(query, qproj, scale, scaling, codes, valid, selectable.shape[1], page_size,
-                            int8_channels, **kwargs)
+    scores = lowrank_scores(query, qproj, scale, scaling, codes, valid, selectable.shape[1], page_size, layout,
+                            **kwargs)
     pages, top = ref.topk_pages(scores.masked_fill(~selectable[:, None, :], NEG_INF), k)
     return pages, top, None if cached is None else ref.gather_scores(scores, cached)
 
@@ -527,16 +555,16 @@ class TritonKernels(Kernels):
                              "TRITON_INTERPRET=1 before kvdrive.kernels.triton_kernels is first imported")
         super().__init__(device, one_thread=device.type == "cpu", widen_half=True)
 
-    def lowrank_scores(self, query, qproj, scale, scaling, codes, valid, num_pages, page_size, wide):
+    def lowrank_scores(self, query, qproj, scale, scaling, codes, valid, num_pages, page_size, layout):
         if not lowrank_supported(page_size):
-            return super().lowrank_scores(query, qproj, scale, scaling, codes, valid, num_pages, page_size, wide)
-        return lowrank_scores(query, qproj, scale, scaling, codes, valid, num_pages, page_size, wide)
+            return super().lowrank_scores(query, qproj, scale, scaling, codes, valid, num_pages, page_size, layout)
+        return lowrank_scores(query, qproj, scale, scaling, codes, valid, num_pages, page_size, layout)
 
-    def lowrank_select(self, query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, wide):
+    def lowrank_select(self, query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, layout):
         if not lowrank_supported(page_size):
             return super().lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size,
-                                          cached, wide)
-        return lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, wide)
+                                          cached, layout)
+        return lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, layout)
 
     def attention(self, query, cache_k, cache_v, slots, local_k, local_v, valid, scaling, partial=None):
         if partial is not None:

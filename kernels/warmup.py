@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdrive.kernels import cpu
+from kvdrive.kernels import reference as ref
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,10 @@ DTYPES = (torch.float32, *_HALF)
 INDEXES = ("lowrank", "hierarchical")
 
 # Tiny shapes: every kernel's loops run, none of its work matters.
-_B, _H, _G, _D, _P, _S, _R, _WIDE, _K = 1, 2, 2, 8, 4, 4, 22, 0, 2
+_B, _H, _G, _D, _P, _S, _K = 1, 2, 2, 8, 4, 4, 2
+# The default sketch at head dim 64, the layout of the fused logit pass (one compile holds both passes)
+_LAYOUT = ref.SketchLayout(27, 1, 12)
+_R = _LAYOUT.rank
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ class _Case:
 
 def _lowrank_inputs():
     g = torch.Generator().manual_seed(0)
-    rows = _WIDE + (_R - _WIDE) // 2  # int8 channels, then int4 pairs (reference.pack_lowrank_codes)
+    rows = _LAYOUT.rows  # reference.pack_lowrank_codes
     return (torch.randn(_B, _H, _G, _D, generator=g), torch.randn(_B, _H, _D, _R, generator=g),
             torch.rand(_B, _H, _R, generator=g) + 0.5, 0.125,
             torch.randint(-8, 8, (_B, _H, rows, _P * _S), dtype=torch.int8, generator=g),
@@ -101,12 +105,12 @@ def _cached_pages() -> torch.Tensor:
 def _lowrank_select():
     q, qproj, scale, scaling, codes, valid = _lowrank_inputs()
     selectable = torch.ones(_B, _P, dtype=torch.bool)
-    return cpu.lowrank_select(q, qproj, scale, scaling, codes, valid, selectable, _K, _S, _cached_pages(), _WIDE)
+    return cpu.lowrank_select(q, qproj, scale, scaling, codes, valid, selectable, _K, _S, _cached_pages(), _LAYOUT)
 
 
 def _lowrank_scores():
     q, qproj, scale, scaling, codes, valid = _lowrank_inputs()
-    return cpu.lowrank_scores(q, qproj, scale, scaling, codes, valid, _P, _S, _WIDE)
+    return cpu.lowrank_scores(q, qproj, scale, scaling, codes, valid, _P, _S, _LAYOUT)
 
 
 def _hierarchical_select():

@@ -10,8 +10,9 @@ Every configuration runs in one process, one after another, on the same inputs:
   is fetched every step.
 - ``shadowkv``: ShadowKV-style mean-key landmarks, a cache of one step's selection
   (x1: pages the previous step selected are reused).
-- ``kvdrive``: attach()'s default index (lowrank: int4 key sketches of 11/32 of the head dim, pages
-  ranked by estimated attention mass) and a x4 lookahead cache per (layer, KV head);
+- ``kvdrive``: attach()'s default index (lowrank: key sketches of 27/64 of the head dim in
+  int8, int4 and int2 codes, 11 bytes a token at head dim 64, pages ranked by estimated
+  attention mass) and a x4 lookahead cache per (layer, KV head);
   ``kvdrive-profile``: the same with per-head windows from a window profile at
   equal total cache bytes. Each with the pipeline on and off (``+pipe`` / ``-pipe``).
   ``kvdrive-hierarchical+pipe`` (full runs only): ``kvdrive+pipe`` with the cheaper

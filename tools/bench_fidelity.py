@@ -7,9 +7,10 @@ that text teacher-forced,
 once densely and once through KVDrive for every selector and budget:
 
 - oracle (exact attention mass per page), lowrank (KVDrive's default: every key as a
-  sketch of 11/32 of the head dim (22 for SmolLM2, 88 for Gemma 3; int4 codes;
-  ``--rank`` and ``--int8-channels`` change it) fitted to the prefill's queries, pages ranked by estimated
-  mass), hierarchical (clustered int8 page means), meankey (one mean key per page,
+  sketch of 27/64 of the head dim (27 for SmolLM2, 108 for Gemma 3; its first channels
+  int8, its last int2, the rest int4: 11 bytes a token at head dim 64; ``--rank``,
+  ``--int8-channels`` and ``--int2-channels`` change it) fitted to the prefill's
+  queries, pages ranked by estimated mass), hierarchical (clustered int8 page means), meankey (one mean key per page,
   every page scored; ShadowKV-style), quest (per-page key min/max bounds);
 - budgets 6.25% and 3.125% of the selectable pages (``--quick``: 6.25% only);
 - contexts 2K and 7K tokens for SmolLM2, 16K and 32K (32,640: its 32,768 positions
@@ -118,13 +119,15 @@ class FidelityConfig:
     windows: int = 1
     model: str = "smollm2"
     prefill_chunk: int = PREFILL_CHUNK
-    rank: int | None = None  # lowrank's sketch; None: attach()'s default
-    int8_channels: int = 0
+    rank: int | None = None  # lowrank's sketch; None: attach()'s defaults
+    int8_channels: int | None = None
+    int2_channels: int | None = None
 
     @property
     def attach_config(self) -> AttachConfig:
         """attach()'s configuration for these runs, apart from each run's budget and index."""
-        return AttachConfig(page_size=PAGE_SIZE, rank=self.rank, int8_channels=self.int8_channels)
+        return AttachConfig(page_size=PAGE_SIZE, rank=self.rank, int8_channels=self.int8_channels,
+                            int2_channels=self.int2_channels)
 
     def __post_init__(self) -> None:
         if self.model not in MODEL_RUNS:
@@ -150,7 +153,8 @@ class FidelityConfig:
         try:
             self.attach_config
         except ValueError as exc:
-            raise ValueError(str(exc).replace("rank", "--rank", 1).replace("int8_channels", "--int8-channels")) from None
+            raise ValueError(str(exc).replace("rank", "--rank", 1).replace("int8_channels", "--int8-channels")
+                             .replace("int2_channels", "--int2-channels")) from None
 
     @property
     def traced_kind(self) -> IndexKind | None:
@@ -259,7 +263,7 @@ def run_selectors(model, store, snapshot: PrefillSnapshot, fed: torch.Tensor, ki
             base = attach_cfg or AttachConfig(page_size=PAGE_SIZE)
             # A fresh handle: fresh stats.
             handle = attach(model, store, budget=budget, index=kind, page_size=base.page_size, rank=base.rank,
-                            int8_channels=base.int8_channels)
+                            int8_channels=base.int8_channels, int2_channels=base.int2_channels)
             stack.callback(handle.detach)
             cache = handle.new_cache(1)
             stack.callback(cache.close)
@@ -522,11 +526,9 @@ def _index_target_lines(rows: list[FidelityRow], crows: list[CacheRow]) -> list[
 
 
 def _sketch_codes(attach_cfg: AttachConfig, head_dim: int) -> str:
-    rank = attach_cfg.lowrank_rank(head_dim)
-    wide = min(attach_cfg.int8_channels, rank)
-    if wide == 0:
-        return "int4 codes"
-    return f"{wide} int8 channels" + (", the rest int4" if wide < rank else "")
+    lay = attach_cfg.lowrank_layout(head_dim)
+    parts = [f"{n} {kind}" for n, kind in ((lay.int8, "int8"), (lay.int4, "int4"), (lay.int2, "int2")) if n]
+    return f"channels {' + '.join(parts)}: {lay.rows} bytes a token"
 
 
 def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, info: dict) -> str:
@@ -540,7 +542,7 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
         f"text {info['source']} (tokens: {tokens}); text windows: {windows}",
         f"context {', '.join(map(str, cfg.contexts))} tokens, then {cfg.tokens} teacher-forced decode tokens; page "
         f"{PAGE_SIZE} tokens, sink {attach_cfg.sink_tokens} and local window {attach_cfg.local_tokens} tokens always "
-        f"attended; lowrank: rank {attach_cfg.lowrank_rank(info['head_dim'])} key sketches ({_sketch_codes(attach_cfg, info['head_dim'])}); "
+        f"attended; lowrank: rank {attach_cfg.lowrank_layout(info['head_dim']).rank} key sketches ({_sketch_codes(attach_cfg, info['head_dim'])}); "
         f"hierarchical: {attach_cfg.pages_per_cluster} "
         f"pages per cluster, {attach_cfg.candidate_factor:g} x k candidates",
         "select_ms: the session's selection time per decode step from the second step on, all layers (with the "
@@ -697,6 +699,7 @@ def run(args: argparse.Namespace) -> int:
             prefill_chunk=args.prefill_chunk,
             rank=args.rank,
             int8_channels=args.int8_channels,
+            int2_channels=args.int2_channels,
         )
     except ValueError as exc:
         print(f"kvdrive-bench fidelity: {exc}", file=sys.stderr)

@@ -54,9 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="budgets, fractions of the selectable pages (default 0.0625 0.03125, 0.0625 with --quick)")
     p.add_argument("--selectors", nargs="+", default=[k.value for k in SELECTORS], choices=[k.value for k in SELECTORS])
     p.add_argument("--rank", type=int, default=None,
-                   help="lowrank: the sketch rank (default: attach()'s, 11/32 of the head dim)")
-    p.add_argument("--int8-channels", type=int, default=0, metavar="N",
-                   help="lowrank: the sketch's leading channels kept int8, the rest int4 (default 0, attach()'s)")
+                   help="lowrank: the sketch rank (default: attach()'s, 27/64 of the head dim)")
+    p.add_argument("--int8-channels", type=int, default=None, metavar="N",
+                   help="lowrank: the sketch's leading channels kept int8 (default: attach()'s, head dim / 64)")
+    p.add_argument("--int2-channels", type=int, default=None, metavar="N",
+                   help="lowrank: the sketch's trailing channels kept int2, the others int4 (default: attach()'s, "
+                        "12/64 of the head dim, or none with --rank)")
     p.add_argument("--text", type=Path, default=None, metavar="FILE",
                    help="UTF-8 text to read instead of the common licenses")
     p.add_argument("--corpus", nargs="?", const="", default=None, metavar="DIR",

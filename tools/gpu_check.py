@@ -19,7 +19,8 @@ leaves unused goes to the ones after it):
    page 16, 128 selected pages of 512 cache slots, 64 local tokens, fp16), the torch
    reference against the Triton kernels where ``KERNEL_CHOICES`` offers ``triton``, each
    with its largest error against a float32 reference; (b) low-rank page selection at
-   32K tokens (rank 44 in int4 codes, the default at head dim 128; top 128 of 2048
+   32K tokens (the default sketch at head dim 128: rank 54, 2 int8, 28 int4 and 24 int2
+   channels; top 128 of 2048
    pages), reference against Triton, with the share of top-k pages they agree on; (c)
    host-to-device copies of 8 MiB and 64 MiB staging buffers, non_blocking: pageable memory, a ``pin_memory()`` tensor, and
    a shared-memory mapping (a memfd, as the client's buffers are) registered with
@@ -514,14 +515,15 @@ class MicroShape:
     selected: int = 128
     slots: int = 512  # cache slots per (row, KV head): attach()'s x4 cache of the selection
     local: int = 64
-    rank: int = 44  # the low-rank index's default sketch at head dim 128: 11/32 of it, all int4
-    int8_channels: int = 0
+    rank: int = 54  # the low-rank index's default sketch at head dim 128: 27/64 of it,
+    int8_channels: int = 2  # its first 2 channels int8,
+    int2_channels: int = 24  # its last 24 int2, the rest int4 (22 bytes a token)
     tokens: int = 32768  # low-rank select's indexed tokens
     cached: int = 512  # cached pages whose scores the selection also returns
 
 
 TINY = MicroShape(batch=1, kv_heads=2, group=2, head_dim=32, page=16, selected=4, slots=8, local=16, rank=8,
-                  int8_channels=4, tokens=256, cached=8)
+                  int8_channels=2, int2_channels=2, tokens=256, cached=8)
 
 
 def _kernel_variants(device) -> list[tuple[str, object | None, str | None]]:
@@ -597,19 +599,24 @@ def micro_lowrank(device, shape: MicroShape, reps: int) -> dict:
 
     sh = shape
     g = torch.Generator(device=device).manual_seed(1)
-    b, h, gq, d, r, wide, t, s = sh.batch, sh.kv_heads, sh.group, sh.head_dim, sh.rank, sh.int8_channels, sh.tokens, sh.page
+    b, h, gq, d, t, s = sh.batch, sh.kv_heads, sh.group, sh.head_dim, sh.tokens, sh.page
+    layout = ref.SketchLayout(sh.rank, sh.int8_channels, sh.int2_channels)
+    r, wide = layout.rank, layout.int8
     p, k = t // s, sh.selected
     query = torch.randn(b, h, gq, d, device=device, generator=g).to(torch.float16)
     qproj = torch.randn(b, h, d, r, device=device, generator=g) * 0.1
     scale = torch.rand(b, h, r, device=device, generator=g) * 0.05 + 1e-3
     values = torch.randint(-127, 128, (b, h, r, t), device=device, generator=g, dtype=torch.int8)
-    values[:, :, wide:] = torch.randint(-7, 8, values[:, :, wide:].shape, device=device, generator=g, dtype=torch.int8)
-    codes = ref.pack_lowrank_codes(values, wide).contiguous()
+    values[:, :, wide:] = torch.randint(-8, 8, values[:, :, wide:].shape, device=device, generator=g, dtype=torch.int8)
+    narrow = values[:, :, r - layout.int2:]
+    narrow.copy_(torch.randint(-2, 2, narrow.shape, device=device, generator=g, dtype=torch.int8))
+    codes = ref.pack_lowrank_codes(values, layout).contiguous()
     valid = torch.ones(b, t, dtype=torch.bool, device=device)
     selectable = torch.ones(b, p, dtype=torch.bool, device=device)
     cached = torch.rand(b, h, p, device=device, generator=g).argsort(dim=-1)[..., : sh.cached].contiguous()
     scaling = d**-0.5
     result = {"shape": {"batch": b, "kv_heads": h, "group": gq, "head_dim": d, "rank": r, "int8_channels": wide,
+                        "int2_channels": layout.int2,
                         "tokens": t, "pages": p, "top_k": k, "cached_pages": sh.cached},
               "bytes_read": codes.numel(), "variants": []}
     flush = _flush_buffer(device)
@@ -621,7 +628,8 @@ def micro_lowrank(device, shape: MicroShape, reps: int) -> dict:
         else:
             try:
                 def call(kern=kern):
-                    return kern.lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, s, cached, wide)
+                    return kern.lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, s, cached,
+                                               layout)
 
                 pages, top, _ = call()
                 if base is None:

@@ -19,8 +19,7 @@ def selector_options(cfg: AttachConfig, head_dim: int) -> dict:
     if cfg.index is IndexKind.HIERARCHICAL:
         return {"pages_per_cluster": cfg.pages_per_cluster, "candidate_factor": cfg.candidate_factor}
     if cfg.index is IndexKind.LOWRANK:
-        return {"rank": cfg.lowrank_rank(head_dim), "int8_channels": cfg.int8_channels,
-                "pages_per_cluster": cfg.pages_per_cluster}
+        return {"layout": cfg.lowrank_layout(head_dim), "pages_per_cluster": cfg.pages_per_cluster}
     return {}
 
 

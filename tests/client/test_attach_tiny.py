@@ -178,8 +178,10 @@ def test_a_full_attention_qwen2_with_a_window_size_set_is_still_accepted(daemon)
     ({"sink_tokens": 10}, "multiple of page_size"),
     ({"local_tokens": 4}, "local_tokens"),
     ({"rank": 0}, "rank must be a whole number in 1..4096"),
-    ({"int8_channels": -1}, "int8_channels must be a whole number in 0..4096, got -1"),
+    ({"int8_channels": -1}, "int8_channels must be a whole number in 0..4096 or None \\(the default layout\\), got -1"),
     ({"int8_channels": 2.5}, "int8_channels must be a whole number"),
+    ({"int2_channels": -2}, "int2_channels must be a whole number in 0..4096 or None"),
+    ({"rank": 8, "int8_channels": 4, "int2_channels": 5}, "exceed rank 8"),
     ({"nonsense": 1}, "nonsense"),
 ])
 def test_bad_options_are_refused(options, message, tiny_qwen2):
@@ -225,19 +227,21 @@ def test_beam_search_and_several_sequences_are_refused_with_a_reason(daemon, tin
     handle.detach()
 
 
-def test_the_sketch_rank_and_int8_channels_reach_every_layers_index(daemon, make_tiny):
-    model = make_tiny("llama")  # head dim 32: the default sketch is rank 11, all int4
+def test_the_sketch_layout_reaches_every_layers_index(daemon, make_tiny):
+    model = make_tiny("llama")  # head dim 32: the default sketch is rank 13: 1 int8, 6 int4, 6 int2 channels
     ids, mask = left_padded([300])
     with daemon.client() as store:
         sketches = {}
-        for options in ({}, {"rank": 12, "int8_channels": 4}):
+        for options in ({}, {"rank": 12, "int8_channels": 4}, {"rank": 12, "int8_channels": 4, "int2_channels": 4}):
             handle = attach(model, store, budget=0.25, **options)
             cache = handle.new_cache(1)
             with torch.no_grad():
                 model(input_ids=ids, attention_mask=mask, cache=cache)
             selectors = [ls.selector for ls in cache.session.ctx.layers]
-            sketches[options.get("rank")] = {(s.rank, s.int8_channels, s.codes.shape[2]) for s in selectors}
+            sketches[tuple(options.values())] = {(s.layout.rank, s.layout.int8, s.layout.int2, s.codes.shape[2])
+                                                 for s in selectors}
             assert cache.session.index_bytes() == sum(s.index_bytes for s in selectors) > 0
             cache.close()
             handle.detach()
-    assert sketches == {None: {(11, 0, 6)}, 12: {(12, 4, 8)}}  # int4 channels two to a row, a spare nibble for 11
+    # int8 channels a row each, int4 two to a row, int2 four (a given rank has no int2 unless asked)
+    assert sketches == {(): {(13, 1, 6, 6)}, (12, 4): {(12, 4, 0, 8)}, (12, 4, 4): {(12, 4, 4, 7)}}

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kvdrive.kernels.reference import SketchLayout
 from kvdrive_client.selectors import (HierarchicalIndex, IndexKind, LowRankIndex, MeanKeyIndex, OracleSelector,
                                      QuestIndex, make_selector)
 
@@ -92,7 +93,7 @@ def test_lowrank_at_full_rank_scores_the_exact_attention_mass():
     keys, query, _ = planted(5)
     valid = torch.ones(B, P * S, dtype=torch.bool)
     valid[1, : 2 * S + 3] = False
-    lowrank, oracle = LowRankIndex(S, D**-0.5, rank=D, int8_channels=D), OracleSelector(S, D**-0.5)
+    lowrank, oracle = LowRankIndex(S, D**-0.5, SketchLayout(D, D, 0)), OracleSelector(S, D**-0.5)
     lowrank.build(keys, valid, query[:, :, :, None])
     oracle.build(keys, valid)
     # int8 codes: the log mass is off by the rounding of each logit only.
@@ -100,21 +101,30 @@ def test_lowrank_at_full_rank_scores_the_exact_attention_mass():
     torch.testing.assert_close(est, exact, atol=0.02, rtol=0.05)
 
 
-def test_lowrank_refuses_a_bad_rank_or_int8_channel_count():
-    with pytest.raises(ValueError, match="rank"):
-        LowRankIndex(S, D**-0.5, rank=0)
-    with pytest.raises(ValueError, match="int8_channels"):
-        LowRankIndex(S, D**-0.5, int8_channels=-1)
+def test_a_sketch_layout_refuses_bad_counts_and_narrows_to_the_head_dim():
+    for bad in ((0, 0, 0), (8, -1, 0), (8, 0, -1), (8, 4, 5)):
+        with pytest.raises(ValueError, match="0 <= int8 \\+ int2 <= rank"):
+            SketchLayout(*bad)
+    # A rank past the head dim narrows the sketch from its int2 end.
+    sel = LowRankIndex(S, D**-0.5, SketchLayout(D + 8, 4, 12))
+    keys, query, _ = planted(1)
+    sel.build(keys, torch.ones(B, P * S, dtype=torch.bool), query[:, :, :, None])
+    assert (sel.layout.rank, sel.layout.int8, sel.layout.int2) == (D, 4, 4)
+    sel = LowRankIndex(S, D**-0.5, SketchLayout(D + 8, 4, 4))  # past the int2 channels, int4 ones go
+    sel.build(keys, torch.ones(B, P * S, dtype=torch.bool), query[:, :, :, None])
+    assert (sel.layout.rank, sel.layout.int8, sel.layout.int4, sel.layout.int2) == (D, 4, D - 4, 0)
 
 
-def test_lowrank_int4_tail_keeps_the_ranking_of_all_int8_codes():
-    # The trailing channels carry little of q.k: int4 codes there barely move a page's mass.
+@pytest.mark.parametrize("int2", [0, 4], ids=["int4 tail", "int4 then int2 tail"])
+def test_lowrank_narrow_tail_keeps_the_ranking_of_all_int8_codes(int2):
+    # The trailing channels carry little of q.k: int4 or int2 codes there barely move a page's mass.
     keys, query, _ = planted(5)
     valid = torch.ones(B, P * S, dtype=torch.bool)
-    mixed, wide = LowRankIndex(S, D**-0.5, rank=16, int8_channels=8), LowRankIndex(S, D**-0.5, rank=16, int8_channels=16)
+    mixed = LowRankIndex(S, D**-0.5, SketchLayout(16, 8, int2))
+    wide = LowRankIndex(S, D**-0.5, SketchLayout(16, 16, 0))
     for sel in (mixed, wide):
         sel.build(keys, valid, query[:, :, :, None])
-    assert mixed.codes.shape[2] == 8 + 4 and wide.codes.shape[2] == 16
+    assert mixed.codes.shape[2] == 8 + (8 - int2) // 2 + int2 // 4 and wide.codes.shape[2] == 16
     torch.testing.assert_close(mixed.scores(query).exp(), wide.scores(query).exp(), atol=0.02, rtol=0.1)
     selectable = torch.ones(B, P, dtype=torch.bool)
     agree = (mixed.select(query, selectable, 4)[0].sort(dim=-1).values == wide.select(query, selectable, 4)[0].sort(dim=-1).values)
@@ -136,7 +146,7 @@ def test_lowrank_fits_the_directions_the_queries_use():
         keys[:, :, p * S : (p + 1) * S, D // 2 :] += 1.5 * (direction / direction.norm(dim=-1, keepdim=True))[:, :, None]
     valid = torch.ones(B, P * S, dtype=torch.bool)
     selectable = torch.ones(B, P, dtype=torch.bool)
-    fitted, unfitted = LowRankIndex(S, D**-0.5, rank=4), LowRankIndex(S, D**-0.5, rank=4)
+    fitted, unfitted = (LowRankIndex(S, D**-0.5, SketchLayout(4, 0, 0)) for _ in range(2))
     fitted.build(keys, valid, query)
     unfitted.build(keys, valid)
     step = query[:, :, :, -1]
@@ -163,7 +173,8 @@ def test_lowrank_index_is_a_small_fraction_of_the_kv():
     keys, query, _ = planted(8)
     sel = LowRankIndex(S, D**-0.5)
     sel.build(keys.half(), torch.ones(B, P * S, dtype=torch.bool), query[:, :, :, None].half())
-    assert (sel.rank, sel.int8_channels, sel.codes.shape[2]) == (22, 0, 11)
-    # 22 int4 channels = 11 bytes per token and head + one validity byte per token, against
-    # 2 x D fp16 values; on top, the fp16 key projection, the fp32 query projection and scales.
-    assert sel.index_bytes == (11 * H + 1) * B * P * S + B * H * D * 22 * (2 + 4) + B * H * 22 * 4
+    assert (sel.layout.rank, sel.layout.int8, sel.layout.int2, sel.codes.shape[2]) == (27, 1, 12, 11)
+    # 1 int8 + 14 int4 + 12 int2 channels = 11 bytes per token and head + one validity byte
+    # per token, against 2 x D fp16 values; on top, the fp16 key and query projections and
+    # the fp32 scales.
+    assert sel.index_bytes == (11 * H + 1) * B * P * S + B * H * D * 27 * (2 + 2) + B * H * 27 * 4

@@ -49,9 +49,9 @@ def assert_top_k(pages, top, expect_top, scores, selectable, kernel):
 @pytest.mark.parametrize("seed", range(len(LOWRANK_SHAPES)))
 def test_lowrank_codes_round_trip(seed):
     case = lowrank_case(seed)
-    rank = case.qproj.shape[3]
-    assert case.codes.shape[2] == ref.lowrank_code_rows(rank, case.wide)
-    assert torch.equal(ref.unpack_lowrank_codes(case.codes, rank, case.wide), case.values)
+    assert case.layout.rank == case.qproj.shape[3]
+    assert case.codes.shape[2] == ref.lowrank_code_rows(case.layout) == case.layout.rows
+    assert torch.equal(ref.unpack_lowrank_codes(case.codes, case.layout), case.values)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -60,7 +60,7 @@ def test_lowrank_scores_match_reference(kernels, seed, dtype):
     case = lowrank_case(seed, dtype)
     expect = case.reference_scores()
     got = kernels.lowrank_scores(case.query, case.qproj, case.scale, case.scaling, case.codes, case.valid,
-                                 case.num_pages, case.page_size, case.wide)  # spare capacity past num_pages
+                                 case.num_pages, case.page_size, case.layout)  # spare capacity past num_pages
     assert got.shape == expect.shape and got.dtype == torch.float32
     assert_close(got, expect, "lowrank_scores")  # -inf where the reference has it, too
     assert torch.isneginf(got[PADDED_ROW, :, :3]).all() and torch.isneginf(got[EMPTY_ROW]).all()
@@ -73,7 +73,7 @@ def test_lowrank_scores_match_reference(kernels, seed, dtype):
 def test_lowrank_scores_of_no_pages_are_empty(kernels):
     case = lowrank_case(0)
     got = kernels.lowrank_scores(case.query, case.qproj, case.scale, case.scaling, case.codes, case.valid, 0,
-                                 case.page_size, case.wide)
+                                 case.page_size, case.layout)
     assert got.shape == (*case.query.shape[:2], 0)
 
 
@@ -94,7 +94,7 @@ def test_lowrank_select_matches_reference(kernels, seed, dtype, k):
     selectable, g = _selectable(case, seed)
     cached = torch.randint(-1, case.num_pages, (*case.codes.shape[:2], 9), generator=g)
     args = (case.qproj, case.scale, case.scaling, case.codes, case.valid, selectable, k, case.page_size, cached,
-            case.wide)
+            case.layout)
     _, expect_top, expect_cached = ref.lowrank_select(case.query.float(), *args)
     pages, top, cached_scores = kernels.lowrank_select(case.query, *args)
     assert pages.shape == (*case.codes.shape[:2], min(k, case.num_pages))
@@ -111,7 +111,7 @@ def test_lowrank_select_pads_with_unselectable_pages(kernels):
     selectable = torch.zeros(case.codes.shape[0], case.num_pages, dtype=torch.bool)
     selectable[:, 10:13] = True
     pages, top, none = kernels.lowrank_select(case.query, case.qproj, case.scale, case.scaling, case.codes, case.valid,
-                                              selectable, 5, case.page_size, None, case.wide)
+                                              selectable, 5, case.page_size, None, case.layout)
     assert none is None
     assert_distinct_pages(pages, case.num_pages)
     scored = [r for r in range(pages.shape[0]) if r != EMPTY_ROW]  # there every page scores -inf: any will do
@@ -125,7 +125,7 @@ def test_lowrank_select_of_no_pages_still_scores_the_cached_ones(kernels):
     selectable = torch.ones(b, case.num_pages, dtype=torch.bool)
     cached = torch.tensor([[[3, -1]] * h] * b)
     pages, top, cached_scores = kernels.lowrank_select(case.query, case.qproj, case.scale, case.scaling, case.codes,
-                                                       case.valid, selectable, 0, case.page_size, cached, case.wide)
+                                                       case.valid, selectable, 0, case.page_size, cached, case.layout)
     assert pages.shape == top.shape == (b, h, 0)
     assert_close(cached_scores, case.reference_scores()[..., [3, 3]].masked_fill(cached < 0, NEG_INF), "lowrank_select")
     assert torch.isneginf(cached_scores[..., 1]).all() and torch.isneginf(cached_scores[EMPTY_ROW]).all()

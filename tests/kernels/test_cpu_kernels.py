@@ -53,9 +53,9 @@ def test_lowrank_split_across_threads_matches_one_call(monkeypatch, threads, row
 
     def both():
         return (cpu.lowrank_scores(c.query, c.qproj, c.scale, c.scaling, c.codes, c.valid, c.num_pages, c.page_size,
-                                   c.wide),
+                                   c.layout),
                 *cpu.lowrank_select(c.query, c.qproj, c.scale, c.scaling, c.codes, c.valid, selectable, 6, c.page_size,
-                                    cached, c.wide))
+                                    cached, c.layout))
 
     threads(1)
     one = both()
@@ -83,9 +83,9 @@ def test_lowrank_scratch_left_from_an_earlier_call_never_reaches_a_result(thread
 
     def both():
         return (cpu.lowrank_scores(c.query, c.qproj, c.scale, c.scaling, c.codes, c.valid, c.num_pages, c.page_size,
-                                   c.wide),
+                                   c.layout),
                 *cpu.lowrank_select(c.query, c.qproj, c.scale, c.scaling, c.codes, c.valid, selectable, 6, c.page_size,
-                                    cached, c.wide))
+                                    cached, c.layout))
 
     threads(1)  # one part: the scratch is this thread's
     fresh = both()

@@ -148,31 +148,33 @@ def test_dense_attention_matches_reference(guarded):
 
 # ---------------------------------------------------------------- low-rank scores
 
-# Seeds of kernel_cases.lowrank_case: (rank, int8 channels, query heads) (22, 0, 3) the
-# default layout, (13, 0, 3) all int4 with a spare nibble, (8, 8, 3) all int8, (13, 8, 3).
-LOWRANK_SEEDS = [4, 3, 2, 1]
+# Seeds of kernel_cases.lowrank_case: (rank, int8, int2 channels, query heads) (27, 1, 12, 3)
+# the default layout, (14, 2, 7, 3) int2 in a partial row and int4 with a spare nibble,
+# (8, 8, 0, 3) all int8, (10, 0, 10, 3) all int2.
+LOWRANK_SEEDS = [4, 9, 2, 10]
 
 
 @interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("seed, splits", [(4, None), (3, 3), (2, 1), (1, 2)])  # tiles of 8 pages of 16
+@pytest.mark.parametrize("seed, splits", list(zip(LOWRANK_SEEDS, [None, 3, 1, 2])))  # tiles of 8 pages of 16
 def test_lowrank_scores_match_reference(guarded, seed, splits, dtype):
     case = lowrank_case(seed, dtype)  # spare capacity past num_pages, which must not be read
     _check_lowrank_scores(case, splits, dtype)
 
 
-# (rank, int8 channels, query heads) whose code rows take more than one of the kernel's row
-# chunks: Llama-3-8B's default sketch (44 int4 channels, 22 rows) and 20 int8 rows + 10 packed.
+# (rank, int8, int2 channels, query heads) whose code rows of each kind take more than one of
+# the kernel's row chunks: Llama-3-8B's default sketch (2 int8, 28 int4, 24 int2 channels:
+# 22 rows) and 20 int8 rows, 18 int4 rows and 17 int2 rows.
 @interpreted
-@pytest.mark.parametrize("shape", [(44, 0, 4), (40, 20, 3)], ids=str)
+@pytest.mark.parametrize("shape", [(54, 2, 24, 4), (124, 20, 68, 3)], ids=str)
 def test_lowrank_scores_over_several_row_chunks_match_reference(guarded, shape):
-    assert tk.LOWRANK_ROW_CHUNK < ref.lowrank_code_rows(shape[0], shape[1])
+    assert tk.LOWRANK_ROW_CHUNK < ref.SketchLayout(*shape[:3]).rows
     _check_lowrank_scores(lowrank_case(11, shape=shape), None, torch.float32)
 
 
 def _check_lowrank_scores(case, splits, dtype):
     got = tk.lowrank_scores(case.query, case.qproj, case.scale, case.scaling, case.codes, case.valid,
-                            case.num_pages, case.page_size, case.wide, block_p=8, num_splits=splits)
+                            case.num_pages, case.page_size, case.layout, block_p=8, num_splits=splits)
     expect = case.reference_scores()
     assert got.shape == expect.shape
     _close(got, expect, "triton_lowrank_scores", dtype)  # -inf where the reference has it
@@ -183,7 +185,7 @@ def _check_lowrank_scores(case, splits, dtype):
 def test_lowrank_scores_of_no_pages_are_empty(guarded):
     case = lowrank_case(0)
     got = tk.lowrank_scores(case.query, case.qproj, case.scale, case.scaling, case.codes, case.valid, 0,
-                            case.page_size, case.wide)
+                            case.page_size, case.layout)
     assert got.shape == (*case.query.shape[:2], 0)
 
 
@@ -195,7 +197,7 @@ def test_lowrank_select_matches_reference(k):
     selectable = torch.rand(case.codes.shape[0], case.num_pages, generator=gen) > 0.3
     cached = torch.randint(-1, case.num_pages, (*case.codes.shape[:2], 5), generator=gen)
     args = (case.qproj, case.scale, case.scaling, case.codes, case.valid, selectable, k, case.page_size, cached,
-            case.wide)
+            case.layout)
     _, expect_top, expect_cached = ref.lowrank_select(case.query, *args)
     pages, top, cached_scores = for_device("cpu", "triton").lowrank_select(case.query, *args)
     tol = tolerance("triton_lowrank_scores", torch.float32)

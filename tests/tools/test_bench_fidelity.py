@@ -190,7 +190,9 @@ def test_subcommand_is_registered_and_bad_options_are_refused(capsys):
     assert bench.main(["fidelity", "--rank", "0"]) == 2
     assert "--rank must be a whole number in 1..4096" in capsys.readouterr().err
     assert bench.main(["fidelity", "--int8-channels", "-2"]) == 2
-    assert "--int8-channels must be a whole number in 0..4096, got -2" in capsys.readouterr().err
+    assert "--int8-channels must be a whole number in 0..4096 or None (the default layout), got -2" in capsys.readouterr().err
+    assert bench.main(["fidelity", "--int2-channels", "-1"]) == 2
+    assert "--int2-channels must be a whole number in 0..4096" in capsys.readouterr().err
 
 
 def test_text_windows_start_at_the_text_and_end_with_it_without_overlap():
