@@ -75,7 +75,7 @@ class LowRankIndex(Selector):
         top = vec[..., -r:].flip(-1)
         # fp16: it only projects keys, once each (prefill and every new page alike), into integer codes.
         self.kproj = (a @ top).to(torch.float16).contiguous()  # [B, H, D, R]
-        # fp16 too: its rounding (1e-3) is far below the codes'; the kernels take it widened, a few KiB a call.
+        # fp16 too: its rounding (1e-3) is far below the codes'; every kernel widens it itself, a few KiB a call.
         self.qproj = (a_inv @ top).to(torch.float16).contiguous()
         # A head dim below the rank keeps the first r channels: it drops int2 ones first, then int4.
         req = self.requested
@@ -121,11 +121,11 @@ class LowRankIndex(Selector):
         self.num_pages += 1
 
     def scores(self, query):
-        return self.kernels(query).lowrank_scores(query, self.qproj.float(), self.scale, self.scaling, self.codes, self.valid,
+        return self.kernels(query).lowrank_scores(query, self.qproj, self.scale, self.scaling, self.codes, self.valid,
                                                   self.num_pages, self.page_size, self.layout)
 
     def select_and_score(self, query, selectable, k, cached):
-        return self.kernels(query).lowrank_select(query, self.qproj.float(), self.scale, self.scaling, self.codes, self.valid,
+        return self.kernels(query).lowrank_select(query, self.qproj, self.scale, self.scaling, self.codes, self.valid,
                                                   selectable[:, : self.num_pages], k, self.page_size, cached, self.layout)
 
     def select(self, query, selectable, k):

@@ -45,7 +45,7 @@ def score_quest(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> 
 
 def project_lowrank_query(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor, scaling: float) -> torch.Tensor:
     """``[B, H, G, D]`` queries -> ``[B, H, G, R]`` float32 weights of the sketch channels."""
-    return torch.matmul(query.float(), qproj) * (scale[:, :, None, :] * scaling)
+    return torch.matmul(query.float(), qproj.float()) * (scale[:, :, None, :] * scaling)
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,8 @@ class _Case:
 def _lowrank_inputs():
     g = torch.Generator().manual_seed(0)
     rows = _LAYOUT.rows  # reference.pack_lowrank_codes
-    return (torch.randn(_B, _H, _G, _D, generator=g), torch.randn(_B, _H, _D, _R, generator=g),
+    # The query projection in fp16, as the low-rank index keeps it (the kernels take its bits).
+    return (torch.randn(_B, _H, _G, _D, generator=g), torch.randn(_B, _H, _D, _R, generator=g).half(),
             torch.rand(_B, _H, _R, generator=g) + 0.5, 0.125,
             torch.randint(-8, 8, (_B, _H, rows, _P * _S), dtype=torch.int8, generator=g),
             torch.ones(_B, _P * _S, dtype=torch.bool))
