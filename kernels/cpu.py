@@ -445,9 +445,10 @@ def _lowrank_weights(query, qproj, scale, scaling, b, h, w):  # pragma: no cover
 # every query head of a chunk of up to 4 takes its logit from them in the same loop
 # iteration, with the padding and the running max. No float tile is written and read
 # back per head. Narrow codes are sign-extended by a shift left and an arithmetic shift
-# right (two integer ops a channel, not four). (At a 7K context, one layer of SmolLM2, 3
-# KV heads of 3 query heads each, selected its top 28 pages in about 150 us here, against
-# 195 with the mask-and-xor unpacking and 220 for the rank-22 all-int4 layout, tiled.)
+# right (two integer ops a channel, not four; the tiled pass below does the same). (At a
+# 7K context, one layer of SmolLM2, 3 KV heads of 3 query heads each, selected its top 28
+# pages in about 150 us here, against 195 with mask-and-xor unpacking and 220 for the
+# rank-22 all-int4 layout, tiled.)
 # The loop body has to be straight-line code for the vectorizer, so it is written out
 # per chunk size from the template below.
 _FUSED_RANK, _FUSED_WIDE, _FUSED_NARROW, _FUSED_CHUNK = 27, 1, 12, 4
@@ -544,7 +545,7 @@ def _lowrank_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, cf
             hi = cf[r + 1]  # when the last int4 channel has no pair, the first int2 one is rewritten below
             for t in range(n):
                 x = np.int32(src[t])
-                lo[t] = np.float32(((x & np.int32(15)) ^ np.int32(8)) - np.int32(8))
+                lo[t] = np.float32(np.int32(x << np.int32(28)) >> np.int32(28))
                 hi[t] = np.float32(x >> np.int32(4))
         row2 = wide + (end4 - wide + 1) // 2
         for r in range(end4, r_n, 4):  # four int2 channels per row, from the lowest bits up (spare rows past r_n)
@@ -552,9 +553,9 @@ def _lowrank_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, cf
             f0, f1, f2, f3 = cf[r], cf[r + 1], cf[r + 2], cf[r + 3]
             for t in range(n):
                 x = np.int32(src[t])
-                f0[t] = np.float32(((x & np.int32(3)) ^ np.int32(2)) - np.int32(2))
-                f1[t] = np.float32((((x >> np.int32(2)) & np.int32(3)) ^ np.int32(2)) - np.int32(2))
-                f2[t] = np.float32((((x >> np.int32(4)) & np.int32(3)) ^ np.int32(2)) - np.int32(2))
+                f0[t] = np.float32(np.int32(x << np.int32(30)) >> np.int32(30))
+                f1[t] = np.float32(np.int32(x << np.int32(28)) >> np.int32(30))
+                f2[t] = np.float32(np.int32(x << np.int32(26)) >> np.int32(30))
                 f3[t] = np.float32(x >> np.int32(6))
         okt = ok[t0:t1]
         for g in range(g_n):

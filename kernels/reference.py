@@ -97,11 +97,6 @@ class SketchLayout:
         return out
 
 
-def lowrank_code_rows(layout: SketchLayout) -> int:
-    """Rows of a code array of ``layout`` (its bytes per token)."""
-    return layout.rows
-
-
 def quantize_lowrank(z: torch.Tensor, layout: SketchLayout) -> torch.Tensor:
     """Sketch values in steps ``[..., R, T]`` (the value over its channel's scale) -> integer
     codes as :class:`SketchLayout` says: int8 channels rounded, the others floored, each
