@@ -10,57 +10,62 @@
 What ``Handle.stats()`` and ``StoreClient.stats()`` report is in docs/stats.md.
 """
 
-import importlib.metadata as _metadata
+if __name__ == "client":  # imported from the repository root by its bare folder name: see tools/checkout.py
+    from tools.checkout import step_aside
 
-from kvdrive_client.errors import (
-    ChecksumError,
-    ExistsError,
-    KVDriveError,
-    NotFoundError,
-    RequestError,
-    StoreError,
-    StoreFullError,
-    StoreUnavailableError,
-)
-from kvdrive_client.store import PendingGet, Sequence, StoreClient, connect
-from kvdrive.layout.geometry import DType, Geometry
+    step_aside(__name__)
+else:
+    import importlib.metadata as _metadata
 
-try:
-    __version__ = _metadata.version("kvdrive")
-except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed: pyproject.toml's version
-    __version__ = "0.1.0"
+    from kvdrive_client.errors import (
+        ChecksumError,
+        ExistsError,
+        KVDriveError,
+        NotFoundError,
+        RequestError,
+        StoreError,
+        StoreFullError,
+        StoreUnavailableError,
+    )
+    from kvdrive_client.store import PendingGet, Sequence, StoreClient, connect
+    from kvdrive.layout.geometry import DType, Geometry
 
-__all__ = [
-    "ChecksumError",
-    "DType",
-    "ExistsError",
-    "Geometry",
-    "KVDriveError",
-    "NotFoundError",
-    "PendingGet",
-    "RequestError",
-    "Sequence",
-    "StoreClient",
-    "StoreError",
-    "StoreFullError",
-    "StoreUnavailableError",
-    "connect",
-]
+    try:
+        __version__ = _metadata.version("kvdrive")
+    except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed: pyproject.toml's version
+        __version__ = "0.1.0"
 
-_LAZY = {
-    "attach": "kvdrive_client.handle",
-    "Handle": "kvdrive_client.handle",
-    "KVDriveCache": "kvdrive_client.hooks",
-    "UnsupportedModelError": "kvdrive_client.architecture",
-    "AttachConfig": "kvdrive_client.config",
-}
-__all__ += list(_LAZY)
+    __all__ = [
+        "ChecksumError",
+        "DType",
+        "ExistsError",
+        "Geometry",
+        "KVDriveError",
+        "NotFoundError",
+        "PendingGet",
+        "RequestError",
+        "Sequence",
+        "StoreClient",
+        "StoreError",
+        "StoreFullError",
+        "StoreUnavailableError",
+        "connect",
+    ]
+
+    _LAZY = {
+        "attach": "kvdrive_client.handle",
+        "Handle": "kvdrive_client.handle",
+        "KVDriveCache": "kvdrive_client.hooks",
+        "UnsupportedModelError": "kvdrive_client.architecture",
+        "AttachConfig": "kvdrive_client.config",
+    }
+    __all__ += list(_LAZY)
 
 
-def __getattr__(name: str):
-    # attach() pulls in transformers; the store client alone does not need it.
-    if name in _LAZY:
-        import importlib
+    def __getattr__(name: str):
+        # attach() pulls in transformers; the store client alone does not need it.
+        if name in _LAZY:
+            import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'kvdrive_client' has no attribute {name!r}")
+            return getattr(importlib.import_module(_LAZY[name]), name)
+        raise AttributeError(f"module 'kvdrive_client' has no attribute {name!r}")

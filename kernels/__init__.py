@@ -12,68 +12,18 @@ cache directory (:mod:`kvdrive.kernels.jit`); :func:`warm_up` compiles or loads 
 before a decode needs them (:mod:`kvdrive.kernels.warmup`).
 """
 
-from __future__ import annotations
+if __name__ == "kernels":  # imported from the repository root by its bare folder name: see tools/checkout.py
+    from tools.checkout import step_aside
 
-import os
+    step_aside(__name__)
+else:
+    from kvdrive.kernels import jit
 
-from kvdrive.kernels import jit
+    jit.configure_cache()  # before the kernels below import numba: they cache where it says
 
-jit.configure_cache()  # before the kernels below import numba: they cache where it says
+    from kvdrive.kernels.backends import CpuKernels, Kernels, ReferenceKernels
+    from kvdrive.kernels.choice import KERNEL_CHOICES, compiles_on_cpu, for_device
+    from kvdrive.kernels.warmup import KernelProgress, WarmUpReport, warm_up
 
-import torch  # noqa: E402
-
-from kvdrive.kernels.backends import CpuKernels, Kernels, ReferenceKernels  # noqa: E402
-from kvdrive.kernels.warmup import KernelProgress, WarmUpReport, warm_up  # noqa: E402
-
-KERNEL_CHOICES = ("auto", "cpu", "reference", "triton")
-
-__all__ = ["KERNEL_CHOICES", "CpuKernels", "KernelProgress", "Kernels", "ReferenceKernels", "WarmUpReport",
-           "compiles_on_cpu", "for_device", "warm_up"]
-
-
-def compiles_on_cpu(device: torch.device | str, choice: str = "auto") -> bool:
-    """Whether :func:`for_device` gives the compiled CPU kernels for ``(device, choice)``: the
-    kernels :func:`warm_up` prepares."""
-    return torch.device(device).type == "cpu" and choice in ("auto", "cpu")
-
-
-def for_device(device: torch.device | str, choice: str = "auto") -> Kernels:
-    """The kernels for ``device``: ``auto`` takes the compiled CPU kernels on the CPU and the
-    torch references elsewhere; ``cpu`` or ``reference`` forces one (``cpu`` only on the CPU);
-    ``triton`` the Triton kernels (CUDA, or the CPU under Triton's interpreter). On a CUDA
-    device fetched pages reach it through pinned staging and a copy stream
-    (:class:`kvdrive.kernels.transfer.CudaTransfer`)."""
-    device = torch.device(device)
-    kernels = _choose(device, choice)
-    if device.type == "cuda":
-        from kvdrive.kernels.transfer import CudaTransfer  # noqa: PLC0415
-
-        kernels.transfer = CudaTransfer(device)
-    return kernels
-
-
-def _choose(device: torch.device, choice: str) -> Kernels:
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"kernels={choice!r}: choose one of {', '.join(KERNEL_CHOICES)}")
-    on_cpu = device.type == "cpu"
-    if choice == "triton":
-        return _triton(device)
-    if choice == "cpu" and not on_cpu:
-        raise ValueError(f"kernels='cpu' runs on CPU tensors; the model is on {device} (use 'auto' or 'reference')")
-    if compiles_on_cpu(device, choice):
-        return CpuKernels(device)
-    return ReferenceKernels(device, one_thread=on_cpu, widen_half=on_cpu)
-
-
-def _triton(device: torch.device) -> Kernels:
-    """The Triton kernels (imported here: ``import kvdrive.kernels`` never needs triton): on a
-    CUDA device, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``)."""
-    interpreting = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
-    if device.type != "cuda" and not (device.type == "cpu" and interpreting):
-        raise ValueError(f"kernels='triton' runs on CUDA devices (on the CPU only under Triton's interpreter, "
-                         f"TRITON_INTERPRET=1); the model is on {device}")
-    try:
-        from kvdrive.kernels.triton_kernels import TritonKernels
-    except ImportError as e:
-        raise ValueError(f"kernels='triton' cannot load the Triton kernels: {e}") from e
-    return TritonKernels(device)
+    __all__ = ["KERNEL_CHOICES", "CpuKernels", "KernelProgress", "Kernels", "ReferenceKernels", "WarmUpReport",
+               "compiles_on_cpu", "for_device", "warm_up"]

@@ -15,21 +15,26 @@ Primitives and their life cycle:
 The daemon (``kvstored``) owns the bytes; this package only decides where they go.
 """
 
-from kvdrive.layout.allocator import ExtentAllocator, SpaceError
-from kvdrive.layout.coalesce import ReadPlan, plan_reads
-from kvdrive.layout.format import ALIGN, FORMAT_VERSION, align_up
-from kvdrive.layout.geometry import DType, Geometry
-from kvdrive.layout.packing import packing_order
+if __name__ == "layout":  # imported from the repository root by its bare folder name: see tools/checkout.py
+    from tools.checkout import step_aside
 
-__all__ = [
-    "ALIGN",
-    "FORMAT_VERSION",
-    "DType",
-    "ExtentAllocator",
-    "Geometry",
-    "ReadPlan",
-    "SpaceError",
-    "align_up",
-    "packing_order",
-    "plan_reads",
-]
+    step_aside(__name__)
+else:
+    from kvdrive.layout.allocator import ExtentAllocator, SpaceError
+    from kvdrive.layout.coalesce import ReadPlan, plan_reads
+    from kvdrive.layout.format import ALIGN, FORMAT_VERSION, align_up
+    from kvdrive.layout.geometry import DType, Geometry
+    from kvdrive.layout.packing import packing_order
+
+    __all__ = [
+        "ALIGN",
+        "FORMAT_VERSION",
+        "DType",
+        "ExtentAllocator",
+        "Geometry",
+        "ReadPlan",
+        "SpaceError",
+        "align_up",
+        "packing_order",
+        "plan_reads",
+    ]
