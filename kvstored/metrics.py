@@ -116,7 +116,7 @@ class DaemonCollector(Collector):
 
         by_tier = GaugeMetricFamily("kvstored_tier_bytes", "Bytes held by each tier", labels=["tier"])
         by_tier.add_metric(["dram"], dram_bytes)
-        by_tier.add_metric(["ssd"], store.ssd.allocator.used_bytes)
+        by_tier.add_metric(["ssd"], store.ssd.used_bytes)
         yield by_tier
         capacity = GaugeMetricFamily("kvstored_tier_capacity_bytes", "Size of each tier (--dram, --ssd-max)",
                                      labels=["tier"])

@@ -1,4 +1,15 @@
-"""The SSD tier: one data file of 4 KiB-aligned extents, written once, read sparsely."""
+"""The SSD tier: one data file of 4 KiB-aligned extents, written once, read sparsely.
+
+Free space in the data file is of two kinds the allocator does not tell apart: ranges
+still backed by filesystem blocks, and holes punched out of it on a full disk (see
+docs/durability.md, Full disk). Writing into a hole needs new filesystem blocks, so on a
+full disk it fails with ENOSPC where a backed range would not. :meth:`SsdTier.place`
+therefore sets a range that fails so aside (parked: taken from the free list and punched
+again, so a partial write keeps no blocks) and tries the next one, until the extents are
+written or no free range is left. Parked ranges go back to the free list when a delete
+frees space (:meth:`SsdTier.unpark`); they are never referenced by the catalog, so a
+restart finds them free as well.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +21,17 @@ from pathlib import Path
 
 import numpy as np
 
-from kvdrive.layout.allocator import ExtentAllocator
+from kvdrive.layout.allocator import ExtentAllocator, SpaceError
+from kvstored.config import format_size
+from kvstored.files import punch_hole
 
 log = logging.getLogger(__name__)
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(OSError):
+    """The filesystem could not back any free range of the data file for a put."""
 
 
 class SsdTier:
@@ -41,6 +60,13 @@ class SsdTier:
         self.allocator = ExtentAllocator(capacity)
         self._ready_frees: list[tuple[int, int]] = []
         self._frees_lock = threading.Lock()
+        self._parked: list[tuple[int, int]] = []  # free ranges the filesystem could not back
+        self._parked_bytes = 0
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of extents in use (parked ranges are free space)."""
+        return self.allocator.used_bytes - self._parked_bytes
 
     def load(self, used: list[tuple[int, int]]) -> None:
         self.allocator = ExtentAllocator.from_used(self.allocator.capacity, used)
@@ -57,6 +83,66 @@ class SsdTier:
             frees, self._ready_frees = self._ready_frees, []
         for start, nbytes in frees:
             self.allocator.free(start, nbytes)
+
+    def unpark(self) -> None:
+        """Give parked ranges back to the free list (a delete may have made room for them)."""
+        parked, self._parked = self._parked, []
+        self._parked_bytes = 0
+        for start, nbytes in parked:
+            self.allocator.free(start, nbytes)
+
+    def place(self, staging: np.ndarray, count: int, ext_bytes: int) -> list[int]:
+        """Allocate ``count`` extents of ``ext_bytes`` and write extent i from
+        ``staging[i * ext_bytes:]``; their offsets. A run that fails with ENOSPC is parked
+        and written elsewhere; one past the data file's end (new space, which no other
+        range can replace) is not. Raises SpaceError when the tier is full,
+        :class:`DiskFullError` when every free range was tried, OSError for other write
+        errors; nothing stays allocated when it raises."""
+        self.apply_frees()
+        tail = self.allocator.end  # offsets from here on grow the file
+        offsets: list[int] = []
+        try:
+            while len(offsets) < count:
+                offsets.append(self.allocator.allocate(ext_bytes))
+            i = 0
+            while i < count:
+                j = i + 1  # extents allocated back to back become one write
+                while j < count and offsets[j] == offsets[j - 1] + ext_bytes:
+                    j += 1
+                try:
+                    self.write(offsets[i], staging[i * ext_bytes : j * ext_bytes])
+                except OSError as exc:
+                    if exc.errno not in NO_SPACE or offsets[i] >= tail:
+                        raise
+                    self._park(offsets, i, j, ext_bytes)
+                    continue
+                i = j
+        except BaseException:
+            for off in offsets:
+                self.allocator.free(off, ext_bytes)
+            raise
+        return offsets
+
+    def _park(self, offsets: list[int], i: int, j: int, ext_bytes: int) -> None:
+        """Set extents ``offsets[i:j]`` aside and allocate others in their place."""
+        failed = offsets[i:j]
+        del offsets[i:j]
+        for off in failed:
+            self._parked.append((off, ext_bytes))
+            self._parked_bytes += ext_bytes
+            punch_hole(self.fd, off, ext_bytes)
+        log.debug("%d bytes at %d of %s could not be backed by the filesystem; trying other free space",
+                  len(failed) * ext_bytes, failed[0], self.path)
+        replaced = []
+        try:
+            for _ in failed:
+                replaced.append(self.allocator.allocate(ext_bytes))
+        except SpaceError:
+            for off in replaced:
+                self.allocator.free(off, ext_bytes)
+            raise DiskFullError(errno.ENOSPC, f"no free range of {self.path} could be written "
+                                f"({format_size(self._parked_bytes)} of punched free space tried)") from None
+        offsets[i:i] = replaced
 
     def write(self, offset: int, data: np.ndarray) -> None:
         view = memoryview(data)

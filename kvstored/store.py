@@ -23,7 +23,6 @@ Buffers are looked up in the calling session's registry only.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import fnmatch
 import itertools
@@ -49,13 +48,15 @@ from kvstored.checksum import block_crcs
 from kvstored.copy import address_tags, gather_scatter
 from kvstored.dram import DramTier
 from kvstored.files import StoreBusyError, StoreOpenError, lock_exclusive, punch_hole
+from kvstored.footprint import check_put_bytes
 from kvstored.gate import ReclaimGate
 from kvstored.index import BlockIndex, Growth, IndexFullError, PageSpanError, SeqEntry
 from kvstored.io_engine import AlignedScratch, choose_engine
-from kvstored.ssd import SsdTier
+from kvstored.ssd import NO_SPACE, SsdTier
 from kvstored.staging import StagingPool
 from kvstored.protocol import (MAX_SEQS_PER_GET, Create, Delete, ErrorCode, Get, ListSeqs, Lookup, OpenSeq,
                                ProtocolError, Put)
+from kvstored.quota import pick_victims
 from kvstored.sessions import Session
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class Store:
         self._keep_reserve()
         log.info(
             "store at %s: format %d, %d sequences, %s on SSD (cap %s), DRAM tier %s pre-faulted, opened in %.2f s",
-            cfg.ssd_dir, FORMAT_VERSION, len(self.index.all()), format_size(self.ssd.allocator.used_bytes),
+            cfg.ssd_dir, FORMAT_VERSION, len(self.index.all()), format_size(self.ssd.used_bytes),
             format_size(cfg.ssd_max_bytes), format_size(cfg.dram_bytes), time.monotonic() - t0,
         )
 
@@ -410,6 +411,7 @@ class Store:
             extents = list(entry.extents)
             self.gate.retire(lambda bb=bb, slots=slots: self.dram.release(bb, slots))
             self.gate.retire(lambda extents=extents: self._release_extents(extents))
+        self.ssd.unpark()  # the filesystem may back them now
         self._keep_reserve()
 
     def quota_of(self, ns: str) -> int | None:
@@ -419,7 +421,8 @@ class Store:
     def enforce_quotas(self, prepared: list[PreparedPut]) -> None:
         """After a commit: in each namespace these puts took past its --quota, delete the least
         recently used sequences (by their last put or get) until it is within it. The
-        sequences these puts wrote are kept, so a put is never undone by its own quota."""
+        sequences these puts wrote are kept, so a put is never undone by its own quota, and
+        so is every sequence not yet put into (see quota.py)."""
         if not self.cfg.quotas:
             return
         keep = {p.entry.uid for p in prepared}
@@ -429,13 +432,7 @@ class Store:
                 continue
             candidates = [e for e in self.index.all() if e.owner == owner and e.ns == ns and e.uid not in keep]
             with self.index.lock:
-                candidates.sort(key=lambda e: (int(e.last_use.max()) if e.last_use.size else 0, e.uid))
-            over, victims = self._ns_bytes[(owner, ns)] - limit, []
-            for e in candidates:
-                if over <= 0:
-                    break
-                victims.append(e)
-                over -= e.bytes
+                victims = pick_victims(candidates, self._ns_bytes[(owner, ns)] - limit)
             if not victims:
                 continue
             freed = sum(e.bytes for e in victims)
@@ -461,6 +458,7 @@ class Store:
                 ErrorCode.TOO_LARGE,
                 f"put of {num_l} layers x {num_h} heads x {num_p} pages = {total} blocks, limit {self.cfg.max_blocks_per_request}",
             )
+        check_put_bytes(num_l * num_h, num_p, bb)
         for name, arr in (("cluster", req.cluster), ("order", req.order), ("importance", req.importance)):
             if arr is not None and len(arr) != total:
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, f"'{name}' has {len(arr)} values for {total} blocks")
@@ -500,29 +498,7 @@ class Store:
         slot_imp = np.take_along_axis(importance, perm_idx, axis=2)
         slot_cluster = np.take_along_axis(cluster, perm_idx, axis=2)
         # Space is taken only once nothing but the write can fail, so no path leaks it.
-        self.ssd.apply_frees()
-        offsets: list[int] = []
-        try:
-            for _ in range(num_l * num_h):
-                offsets.append(self.ssd.allocator.allocate(ext_bytes))
-        except SpaceError as exc:
-            for off in offsets:
-                self.ssd.allocator.free(off, ext_bytes)
-            self.counters["puts_refused_full"] += 1
-            raise ProtocolError(
-                ErrorCode.FULL,
-                f"SSD tier full: this put needs {format_size(num_l * num_h * ext_bytes)} ({exc}); "
-                f"delete sequences or raise --ssd-max",
-            ) from None
-        try:
-            self._write_extents(offsets, staging, ext_bytes)
-        except OSError as exc:
-            for off in offsets:
-                self.ssd.allocator.free(off, ext_bytes)
-            # The staging map is left to the garbage collector: views of it (the traceback's
-            # frames hold some) keep it exported, and closing it now would raise BufferError.
-            code = ErrorCode.FULL if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ErrorCode.IO
-            raise ProtocolError(code, f"writing blocks failed: {exc}") from None
+        offsets = self._place(staging, num_l * num_h, ext_bytes)
         try:
             # The index grows now, so that publishing after the commit cannot fail.
             self.index.grow(entry, growth)
@@ -563,15 +539,22 @@ class Store:
             self.counters["puts_refused_index"] += 1
             raise ProtocolError(ErrorCode.FULL, str(exc)) from None
 
-    def _write_extents(self, offsets: list[int], staging: np.ndarray, ext_bytes: int) -> None:
-        # Extents allocated back to back become one write.
-        i = 0
-        while i < len(offsets):
-            j = i + 1
-            while j < len(offsets) and offsets[j] == offsets[j - 1] + ext_bytes:
-                j += 1
-            self.ssd.write(offsets[i], staging[i * ext_bytes : j * ext_bytes])
-            i = j
+    def _place(self, staging: np.ndarray, count: int, ext_bytes: int) -> list[int]:
+        """Write a put's extents to the data file (see SsdTier.place); refusals as replies."""
+        try:
+            return self.ssd.place(staging, count, ext_bytes)
+        except SpaceError as exc:
+            self.counters["puts_refused_full"] += 1
+            raise ProtocolError(
+                ErrorCode.FULL,
+                f"SSD tier full: this put needs {format_size(count * ext_bytes)} ({exc}); "
+                f"delete sequences or raise --ssd-max",
+            ) from None
+        except OSError as exc:
+            # The staging map is left to the garbage collector: views of it (the traceback's
+            # frames hold some) keep it exported, and closing it now would raise BufferError.
+            code = ErrorCode.FULL if exc.errno in NO_SPACE else ErrorCode.IO
+            raise ProtocolError(code, f"writing blocks failed: {exc}") from None
 
     def _check_new_pages(self, entry: SeqEntry, layers: np.ndarray, pages: np.ndarray) -> None:
         inside = pages[entry.inside(pages)]
@@ -963,7 +946,7 @@ class Store:
             "sequences": sum(1 for e in self.index.all() if e.owner == session.uid),
             "dram_used_bytes": self.dram.used_bytes,
             "dram_blocks": self.dram.num_blocks,
-            "ssd_used_bytes": self.ssd.allocator.used_bytes,
+            "ssd_used_bytes": self.ssd.used_bytes,
             "ssd_file_bytes": self.ssd.allocator.end,
             "index_bytes": self.index.num_bytes,
             "index_max_bytes": self.index.max_bytes,

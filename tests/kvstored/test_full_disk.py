@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import lmdb
 import numpy as np
 import pytest
 
+from kvdrive.protocol import Op
 from kvdrive_client import Geometry, StoreFullError
 
 GEOM = Geometry(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", page_size=16)
@@ -165,3 +167,67 @@ def test_lmdb_keeps_a_preallocated_file(tmp_path):
     env.close()
     st = os.stat(tmp_path / "data.mdb")
     assert st.st_size == 4 << 20 and st.st_blocks * 512 >= 4 << 20
+
+
+def create_until_refused(c, batch: int = 500, limit: int = 20000) -> None:
+    """Create sequences of long names, a batch in flight at a time, until one is refused."""
+    for first in range(0, limit, batch):
+        sent = [c._submit(Op.CREATE, {"ns": "small", "seq": f"{k:05d}-{LONG_NAME}", "geometry": GEOM.to_dict()})
+                for k in range(first, first + batch)]
+        for req_id in sent:
+            c._wait(req_id)
+
+
+def test_puts_work_again_after_a_delete_on_a_full_disk(daemon_factory, small_disk):
+    """Holes punched out of the data file on a full disk need new filesystem blocks, ranges
+    freed while the disk has room do not: a put that meets a punched hole first is written
+    into backed free space, before and after a restart, and nothing stored is harmed."""
+    d = daemon_factory(dram="0")
+    d.ssd = small_disk / "ssd"
+    d.start()
+    c = d.client()
+    num_seqs = 4
+    seqs = [c.create("t", f"s{i}", GEOM) for i in range(num_seqs)]
+    stored = [0] * num_seqs
+
+    def put_next(seq, i: int) -> None:
+        c.put(seq, range(GEOM.num_layers), range(stored[i], stored[i] + PAGES_PER_PUT), pages_of(i, stored[i]))
+        stored[i] += PAGES_PER_PUT
+
+    for turn in range(NUM_PUTS):  # the sequences' extents interleave in the data file
+        put_next(seqs[turn % num_seqs], turn % num_seqs)
+    filler = small_disk / "filler"
+    fill(filler)
+    # Restarted on the full disk, the daemon keeps the catalog's reserve without its slack:
+    # a few thousand creates outgrow it, and then the daemon is short of space.
+    d.stop()
+    d.start()
+    c = d.client()
+    with pytest.raises(StoreFullError):
+        create_until_refused(c)
+    assert "disk full under" in d.log()
+    # Deleted while short, s0's extents (the first of the data file) are punched; once the
+    # reserve has grown, s3's are freed with their blocks kept. Then the disk fills again.
+    c.delete("t", "s0")
+    c.delete("t", "s3")
+    fill(filler)
+    put_next(c.open("t", "s1"), 1)
+    page_bytes = GEOM.num_layers * GEOM.num_kv_heads * BB
+    assert c.stats()["ssd_used_bytes"] == (stored[1] + stored[2]) * page_bytes
+    d.stop()
+    d.start()
+    c = d.client()
+    put_next(c.open("t", "s2"), 2)
+    used = c.stats()["ssd_used_bytes"]
+    assert used == (stored[1] + stored[2]) * page_bytes
+    d.stop()
+    verify = subprocess.run([sys.executable, "-m", "kvdrive.tools.inspect", str(d.ssd), "--verify"],
+                            capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    d.start()
+    c = d.client()
+    assert c.stats()["ssd_used_bytes"] == used
+    for i in (1, 2):
+        got = c.get(c.open("t", f"s{i}"), blocks(range(stored[i])))
+        expect = np.concatenate([pages_of(i, first) for first in range(0, stored[i], PAGES_PER_PUT)], axis=2)
+        np.testing.assert_array_equal(got, expect.reshape(-1, BB))

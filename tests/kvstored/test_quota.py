@@ -1,9 +1,13 @@
 """--quota: a namespace past its size loses its least recently used sequences, nothing else."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from kvdrive_client import Geometry, NotFoundError
+from kvdrive_client.integrations.blocks import BlockStore
 
 GEOM = Geometry(num_layers=1, num_kv_heads=1, head_dim=1024, dtype="float16", page_size=64)  # 256 KiB blocks
 BB = GEOM.block_bytes
@@ -74,3 +78,47 @@ def test_quotas_from_a_config_file_and_the_command_line_replaces_them(daemon_fac
     for i in range(6):
         put_one(c2, "eng/x", f"s{i}", i)
     assert len(names(c2, "eng/x")) == 6  # the file's quota is replaced by the command line's
+
+
+def verify_clean(d) -> None:
+    """The stopped store's catalog and every block check out."""
+    d.stop()
+    done = subprocess.run([sys.executable, "-m", "kvdrive.tools.inspect", str(d.ssd), "--verify"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_sequence_not_yet_put_into_is_never_a_victim(daemon_factory):
+    d = daemon_factory(extra=["--quota", "eng=1M"]).start()
+    owner, other = d.client(), d.client()
+    for i in range(4):
+        put_one(other, "eng", f"s{i}", i)
+    fresh = owner.create("eng", "fresh", GEOM)  # the least recently used of all, but empty
+    put_one(other, "eng", "s4", 4)  # past the quota: s0 goes, the empty sequence stays
+    assert names(owner, "eng") == ["s1", "s2", "s3", "fresh", "s4"]
+    owner.put(fresh, [0], [0], np.full(BB, 7, np.uint8))
+    assert names(owner, "eng") == ["s2", "s3", "fresh", "s4"]
+    assert (owner.get(fresh, [(0, 0, 0)]) == 7).all()
+    assert owner.stats()["counters"]["quota_evicted"] == 2
+    verify_clean(d)
+
+
+def test_an_adapter_store_at_its_quota_stores_every_key_of_the_batch(daemon_factory):
+    """The engine adapters keep one sequence per block and create a batch's sequences
+    before putting into any: none of them may be taken for the batch's own room."""
+    num_keys, block_bytes = 64, 64 << 10
+    d = daemon_factory(extra=["--quota", f"vllm/*={2 * num_keys * block_bytes}"]).start()
+    store = BlockStore(block_bytes, engine="vllm", model="m", address=d.address)
+    try:
+        batches = [[f"k{b}-{i}" for i in range(num_keys)] for b in range(3)]
+        for b, keys in enumerate(batches):
+            sources = [np.full(block_bytes, (b * num_keys + i) % 251, np.uint8) for i in range(num_keys)]
+            assert store.store(keys, sources) == [True] * num_keys, f"batch {b}: {store.stats()}"
+        assert store.lookup(batches[0]) == [False] * num_keys  # the oldest batch made the room
+        assert store.lookup(batches[1] + batches[2]) == [True] * (2 * num_keys)
+        targets = [np.zeros(block_bytes, np.uint8) for _ in range(num_keys)]
+        assert store.load(batches[2], targets) == [True] * num_keys
+        assert all((t == (2 * num_keys + i) % 251).all() for i, t in enumerate(targets))
+    finally:
+        store.close()
+    verify_clean(d)

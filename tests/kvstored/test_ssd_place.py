@@ -1,0 +1,76 @@
+"""SsdTier.place: a free range the filesystem cannot back (ENOSPC) is set aside and the
+extents are written elsewhere; new space past the file's end is never retried."""
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from kvstored.ssd import DiskFullError, SsdTier
+
+EXT = 4096
+
+
+def open_tier(path, capacity: int, num_used: int) -> SsdTier:
+    """A tier whose data file holds ``num_used`` extents, all in use."""
+    t = SsdTier(path, capacity, direct=False)
+    os.truncate(t.fd, num_used * EXT)
+    t.load([(0, num_used * EXT)])
+    return t
+
+
+@pytest.fixture
+def tier(tmp_path):
+    t = open_tier(tmp_path / "blocks.kvd", 1 << 20, 8)
+    yield t
+    t.close()
+
+
+def refusing(tier, bad: set[int], monkeypatch) -> list[int]:
+    """Make writes that start at an offset in ``bad`` fail as on a full disk; the offsets tried."""
+    tried, write = [], tier.write
+
+    def write_or_enospc(offset, data):
+        tried.append(offset)
+        if offset in bad:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(offset, data)
+
+    monkeypatch.setattr(tier, "write", write_or_enospc)
+    return tried
+
+
+def test_a_range_that_cannot_be_backed_is_set_aside_and_another_written(tier, monkeypatch):
+    tier.allocator.free(EXT, EXT)  # holes at 1 and 5: best fit takes 1 first
+    tier.allocator.free(5 * EXT, EXT)
+    tried = refusing(tier, {EXT}, monkeypatch)
+    staging = np.full(EXT, 7, np.uint8)
+    assert tier.place(staging, 1, EXT) == [5 * EXT]
+    assert tried == [EXT, 5 * EXT]
+    assert tier.used_bytes == 7 * EXT  # the range set aside is free space
+    assert tier.place(staging, 1, EXT) == [8 * EXT]  # not tried again until a delete
+    tier.unpark()
+    assert tier.allocator.holes == [(EXT, EXT)] and tier.used_bytes == 8 * EXT
+
+
+def test_new_space_that_cannot_be_written_is_a_full_disk_at_once(tier, monkeypatch):
+    tier.allocator.free(EXT, EXT)
+    tried = refusing(tier, {EXT, 8 * EXT, 9 * EXT}, monkeypatch)
+    with pytest.raises(OSError) as info:
+        tier.place(np.zeros(2 * EXT, np.uint8), 2, EXT)
+    assert info.value.errno == errno.ENOSPC
+    assert tried == [EXT, 9 * EXT]  # the hole, then new space (its stand-in) once: no more
+    assert tier.allocator.end == 8 * EXT and tier.used_bytes == 7 * EXT
+
+
+def test_every_free_range_refused_is_a_disk_full_error(tmp_path, monkeypatch):
+    t = open_tier(tmp_path / "blocks.kvd", 4 * EXT, 4)
+    try:
+        t.allocator.free(EXT, EXT)
+        refusing(t, {EXT}, monkeypatch)
+        with pytest.raises(DiskFullError):
+            t.place(np.zeros(EXT, np.uint8), 1, EXT)
+        assert t.used_bytes == 3 * EXT
+    finally:
+        t.close()
