@@ -63,6 +63,11 @@ BENCHMARKS: dict[str, Benchmark] = {
         "the vLLM and SGLang adapters storing and loading Llama-3-8B-shaped blocks through kvstored's DRAM and SSD "
         "tiers, as GB/s beside a memcpy and the disk's sequential read",
     ),
+    "flood": Benchmark(
+        "bench_flood",
+        "a well-behaved client's put-ack latency (p50, p99) at rest and while another floods kvstored with "
+        "connections, lists, 4 MiB puts and SSD-tier gets, and whether the daemon survives each flood",
+    ),
 }
 
 
