@@ -105,27 +105,14 @@ def test_a_disk_filled_after_the_catalog_grew_still_deletes(daemon_factory, smal
     """Another file takes the disk just after the catalog outgrew the free pages LMDB can reuse,
     so that what the catalog commits next lands past LMDB's last page. With one page left, a
     commit needing more is a short write, which LMDB reports as an I/O error."""
-    d = daemon_factory(dram="0")
-    d.ssd = small_disk / "ssd"
-    d.start()
-    c = d.client()
-    num_seqs = 4
-    seqs = [c.create("t", f"s{i}", GEOM) for i in range(num_seqs)]
-    stored = [0] * num_seqs
-
-    def put_next(seq, i: int) -> None:
-        c.put(seq, range(GEOM.num_layers), range(stored[i], stored[i] + PAGES_PER_PUT), pages_of(i, stored[i]))
-        stored[i] += PAGES_PER_PUT
-
-    for turn in range(NUM_PUTS):
-        put_next(seqs[turn % num_seqs], turn % num_seqs)
+    d, c, seqs, stored, put_next = _interleaved(daemon_factory, small_disk)
     for k in range(NUM_SMALL):
         c.create("small", f"{k:04d}-{LONG_NAME}", GEOM)
     filler = small_disk / "filler"
     fill(filler)
 
     with pytest.raises(StoreFullError, match=r"\[full\]"):  # the data file cannot grow by a put
-        put_next(seqs[3], 3)
+        put_next(c, seqs[3], 3)
     # With a page free again, a commit that needs more pages is cut short.
     os.truncate(filler, filler.stat().st_size - left)
     try:  # taken from the catalog's reserve, or refused as 'full', never an internal error
@@ -139,7 +126,7 @@ def test_a_disk_filled_after_the_catalog_grew_still_deletes(daemon_factory, smal
     d.start()
     c = d.client()
     assert c.delete("t", "s1")["freed_bytes"] == stored[1] * 8 * BB
-    put_next(c.open("t", "s2"), 2)
+    put_next(c, c.open("t", "s2"), 2)
     d.stop()
     d.start()
     c = d.client()
@@ -182,20 +169,7 @@ def test_puts_work_again_after_a_delete_on_a_full_disk(daemon_factory, small_dis
     """Holes punched out of the data file on a full disk need new filesystem blocks, ranges
     freed while the disk has room do not: a put that meets a punched hole first is written
     into backed free space, before and after a restart, and nothing stored is harmed."""
-    d = daemon_factory(dram="0")
-    d.ssd = small_disk / "ssd"
-    d.start()
-    c = d.client()
-    num_seqs = 4
-    seqs = [c.create("t", f"s{i}", GEOM) for i in range(num_seqs)]
-    stored = [0] * num_seqs
-
-    def put_next(seq, i: int) -> None:
-        c.put(seq, range(GEOM.num_layers), range(stored[i], stored[i] + PAGES_PER_PUT), pages_of(i, stored[i]))
-        stored[i] += PAGES_PER_PUT
-
-    for turn in range(NUM_PUTS):  # the sequences' extents interleave in the data file
-        put_next(seqs[turn % num_seqs], turn % num_seqs)
+    d, c, seqs, stored, put_next = _interleaved(daemon_factory, small_disk)
     filler = small_disk / "filler"
     fill(filler)
     # Restarted on the full disk, the daemon keeps the catalog's reserve without its slack:
@@ -211,13 +185,13 @@ def test_puts_work_again_after_a_delete_on_a_full_disk(daemon_factory, small_dis
     c.delete("t", "s0")
     c.delete("t", "s3")
     fill(filler)
-    put_next(c.open("t", "s1"), 1)
+    put_next(c, c.open("t", "s1"), 1)
     page_bytes = GEOM.num_layers * GEOM.num_kv_heads * BB
     assert c.stats()["ssd_used_bytes"] == (stored[1] + stored[2]) * page_bytes
     d.stop()
     d.start()
     c = d.client()
-    put_next(c.open("t", "s2"), 2)
+    put_next(c, c.open("t", "s2"), 2)
     used = c.stats()["ssd_used_bytes"]
     assert used == (stored[1] + stored[2]) * page_bytes
     d.stop()
@@ -231,3 +205,23 @@ def test_puts_work_again_after_a_delete_on_a_full_disk(daemon_factory, small_dis
         got = c.get(c.open("t", f"s{i}"), blocks(range(stored[i])))
         expect = np.concatenate([pages_of(i, first) for first in range(0, stored[i], PAGES_PER_PUT)], axis=2)
         np.testing.assert_array_equal(got, expect.reshape(-1, BB))
+
+
+def _interleaved(daemon_factory, small_disk, num_seqs: int = 4):
+    """A daemon on the small disk holding ``num_seqs`` sequences put into in turn (their
+    extents interleave in the data file); with its client, the sequences, the pages stored
+    in each and ``put_next(client, seq, i)``, which puts sequence i's next pages."""
+    d = daemon_factory(dram="0")
+    d.ssd = small_disk / "ssd"
+    d.start()
+    c = d.client()
+    seqs = [c.create("t", f"s{i}", GEOM) for i in range(num_seqs)]
+    stored = [0] * num_seqs
+
+    def put_next(client, seq, i: int) -> None:
+        client.put(seq, range(GEOM.num_layers), range(stored[i], stored[i] + PAGES_PER_PUT), pages_of(i, stored[i]))
+        stored[i] += PAGES_PER_PUT
+
+    for turn in range(NUM_PUTS):
+        put_next(c, seqs[turn % num_seqs], turn % num_seqs)
+    return d, c, seqs, stored, put_next
