@@ -1,14 +1,16 @@
 """A private kvstored in a temporary directory, started and stopped by its client.
 
 ``connect(None)`` starts one. Its directory (``kvdrive-XXXXXXXX`` in the temp root:
-``$TMPDIR``, else ``/tmp``) holds the store, both sockets and the daemon's log, and
-goes when the daemon does, whichever way its client ends:
+``$TMPDIR``, else ``/tmp``) is created by the daemon itself (``--ephemeral-dir`` of a
+path that does not exist yet), so that the daemon may remove it; it holds the store,
+both sockets and the owner file, and goes when the daemon does, whichever way its
+client ends. The daemon's log is an unnamed temporary file in the temp root (nothing
+of it outlives its holders); :meth:`EmbeddedDaemon.log_tail` reads it.
 
-- the client closes (or is collected, or exits): it stops the daemon and removes
+- the client closes (or is collected, or exits): it stops the daemon, which removes
   the directory;
 - the client dies (SIGKILL, a crash): the daemon, started with ``--parent-pid``,
-  sees its parent gone, shuts down and, started with ``--ephemeral-dir``, removes
-  the directory itself;
+  sees its parent gone, shuts down and removes the directory;
 - both die at once (the machine's OOM killer, ``kill -9`` of the process group): the
   directory stays, and the next embedded daemon started in the same temp root by
   the same user removes it. Each directory names its client's and its daemon's
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import stat
@@ -34,6 +37,8 @@ log = logging.getLogger(__name__)
 
 PREFIX = "kvdrive-"
 OWNER_FILE = "owner.json"
+# How long the daemon may take to create its directory (Python's start and kvstored's checks).
+CREATE_DEADLINE_S = 60.0
 
 
 class EmbeddedDaemon:
@@ -43,30 +48,53 @@ class EmbeddedDaemon:
                  root: str | os.PathLike | None = None) -> None:
         temp_root = Path(root if root is not None else tempfile.gettempdir())
         sweep_stale(temp_root)
-        self.root = Path(tempfile.mkdtemp(prefix=PREFIX, dir=temp_root))
-        # Written before the daemon exists: a sweep meanwhile sees a live client and leaves it.
-        _write_owner(self.root, os.getpid(), None)
+        # A fresh name the daemon creates (it refuses one that appeared meanwhile and is not empty).
+        self.root = _fresh_name(temp_root)
+        self._owned = False
         self.address = f"ipc://{self.root / 'kvstored.sock'}"
-        self.log_path = self.root / "kvstored.log"
         cmd = [
             sys.executable, "-m", "kvstored", "--ssd", str(self.root / "ssd"), "--dram", dram,
             "--ssd-max", ssd_max, "--listen", self.address, "--parent-pid", str(os.getpid()),
             "--ephemeral-dir", str(self.root), *(extra_args or []),
         ]
-        self._log = open(self.log_path, "ab")
+        self._log = tempfile.TemporaryFile(dir=temp_root, prefix=PREFIX)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        _write_owner(self.root, os.getpid(), self.proc.pid)
+        self._claim_root()
         log.info("embedded kvstored (pid %d) in %s, DRAM %s", self.proc.pid, self.root, dram)
+
+    def _claim_root(self) -> None:
+        """Wait for the daemon to create its directory, then name both processes in it, so that a later
+        sweep removes it only once both are gone (until then it has no owner file: sweeps leave it)."""
+        deadline = time.monotonic() + CREATE_DEADLINE_S
+        while not self.root.is_dir():
+            self.check_alive()
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                self.proc.wait()
+                raise TimeoutError(f"embedded kvstored did not create {self.root} within {CREATE_DEADLINE_S:.0f} s:\n"
+                                   f"{self.log_tail()}")
+            time.sleep(0.01)
+        try:
+            _write_owner(self.root, os.getpid(), self.proc.pid)
+        except FileNotFoundError:  # the daemon failed to start and removed it
+            self.proc.wait(CREATE_DEADLINE_S)
+            self.check_alive()
+            raise
+        self._owned = True
 
     def check_alive(self) -> None:
         if self.proc.poll() is not None:
             raise RuntimeError(f"embedded kvstored exited with {self.proc.returncode}:\n{self.log_tail()}")
 
-    def log_tail(self, lines: int = 20) -> str:
+    def log_tail(self, lines: int = 20, max_bytes: int = 64 << 10) -> str:
+        """The last ``lines`` lines of the daemon's log (read without moving the offset it writes at)."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
+            fd = self._log.fileno()
+            size = os.fstat(fd).st_size
+            text = os.pread(fd, max_bytes, max(0, size - max_bytes)).decode(errors="replace")
+        except (OSError, ValueError):  # ValueError: the log is closed
             return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
 
     def stop(self, timeout: float = 20.0) -> None:
         if self.proc.poll() is None:
@@ -78,8 +106,9 @@ class EmbeddedDaemon:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
-        # The daemon removes its directory as it stops; not when it was killed or failed to start.
-        shutil.rmtree(self.root, ignore_errors=True)
+        # The daemon removes its directory as it stops; not when it was killed.
+        if self._owned:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     def wait_ready(self, ping, deadline_s: float = 60.0) -> None:
         deadline = time.monotonic() + deadline_s
@@ -111,6 +140,15 @@ def sweep_stale(temp_root: Path) -> list[Path]:
             removed.append(path)
             log.info("removed %s, left by an embedded kvstored whose client and daemon are both gone", path)
     return removed
+
+
+def _fresh_name(temp_root: Path) -> Path:
+    """A path in ``temp_root`` that names nothing yet."""
+    for _ in range(100):
+        path = temp_root / f"{PREFIX}{secrets.token_hex(4)}"
+        if not os.path.lexists(path):
+            return path
+    raise FileExistsError(f"no free {PREFIX}XXXXXXXX name in {temp_root} after 100 tries")
 
 
 def _write_owner(root: Path, client_pid: int, daemon_pid: int | None) -> None:

@@ -2,9 +2,11 @@
 
 Start-up runs in the order that lets a mistake cost its operator one line and no
 wait: the options (the command line over ``--config FILE``), the checks of
-kvstored/preflight.py (the SSD directory, the socket, the DRAM size), the metrics
-port, and only then the store, whose DRAM tier is pre-faulted (minutes for a large
-``--dram``). Nothing heavy is imported before the options are read: ``--help`` is fast.
+kvstored/preflight.py (the ephemeral directory, the SSD directory, the socket, the
+DRAM size), the metrics port, and only then the store, whose DRAM tier is pre-faulted
+(minutes for a large ``--dram``). Nothing heavy is imported before the options are
+read: ``--help`` is fast. With ``--ephemeral-dir``, what kvstored made there is removed
+once it has stopped (kvstored/ephemeral.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from kvstored.config import ENGINES, DaemonConfig, SyncPolicy, default_runtime_dir, parse_size
 from kvstored.limits import BufferLimits, SessionLimits
-from kvstored.options import ConfigFileError, load_config_file
+from kvstored.options import ConfigFileError, add_connection_options, connection_limits, load_config_file
 
 if TYPE_CHECKING:
     from kvstored.metrics import Metrics
@@ -47,7 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap on the SSD tier; puts past it get a 'full' error (default: 1T)")
     p.add_argument("--index-max", default="4G", metavar="SIZE",
                    help="cap on the in-memory block index (32 bytes per (layer, head, page) of each sequence's page "
-                        "window); puts and creates past it get a 'full' error (default: 4G)")
+                        "window), all users together; puts and creates past it get a 'full' error; refused at start "
+                        "if more than the host's memory less --dram (default: 4G)")
+    p.add_argument("--index-max-per-uid", default=None, metavar="SIZE",
+                   help="what one user's (uid's) sequences may take of --index-max, less than it so that other "
+                        "users keep room; that user's puts and creates past it get a 'full' error "
+                        "(default: 7/8 of --index-max)")
     p.add_argument("--listen", default="", metavar="ADDR",
                    help=f"ipc://PATH or tcp://127.0.0.1:PORT (default: ipc://{default_runtime_dir()}/kvstored.sock)")
     p.add_argument("--session-socket", default="", metavar="PATH",
@@ -80,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-direct", action="store_true",
                    help="buffered I/O instead of O_DIRECT (reads may hit the page cache) (default: O_DIRECT)")
     p.add_argument("--metrics", default="", metavar="HOST:PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics, e.g. 127.0.0.1:9464 (default: none)")
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics, e.g. 127.0.0.1:9464; any address "
+                        "but loopback (0.0.0.0, ::) lets other hosts read them, with a warning (default: none)")
     p.add_argument("--quota", action="append", default=[], metavar="NS=SIZE",
                    help="a namespace matching the pattern NS (fnmatch: 'vllm/*' is every vLLM namespace, each apart) "
                         "holds at most SIZE; past it, its least recently used sequences are deleted; repeatable, the "
@@ -89,8 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shut down when process PID is no longer this daemon's parent (embedded daemons use it) "
                         "(default: 0, none)")
     p.add_argument("--ephemeral-dir", default=None, metavar="DIR",
-                   help="a private directory holding --ssd, removed with everything in it when the daemon stops "
-                        "(embedded daemons use it, with --parent-pid) (default: none)")
+                   help="a private directory holding --ssd: one that does not exist yet is created and removed, "
+                        "with everything in it, when the daemon stops; an existing one must be empty, and only what "
+                        "the daemon made in it is removed; /, mount points, top-level and system directories and "
+                        "home directories are refused (embedded daemons use it, with --parent-pid) (default: none)")
+    add_connection_options(p)
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="least severe log messages written to stderr (default: INFO)")
     return p
@@ -117,6 +128,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         dram_bytes=parse_size(args.dram),
         ssd_max_bytes=parse_size(args.ssd_max),
         index_max_bytes=parse_size(args.index_max),
+        index_max_per_uid_bytes=parse_size(args.index_max_per_uid) if args.index_max_per_uid else 0,
         address=args.listen,
         io_threads=args.io_threads,
         get_workers=args.get_workers,
@@ -129,7 +141,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         ephemeral_dir=args.ephemeral_dir,
         session_socket=args.session_socket,
         socket_mode=_octal(args.socket_mode),
-        session_limits=SessionLimits(buffers=BufferLimits(max_bytes=parse_size(args.max_client_buffers))),
+        session_limits=SessionLimits(buffers=BufferLimits(max_bytes=parse_size(args.max_client_buffers)),
+                                     connections=connection_limits(args)),
         max_mapped_bytes=parse_size(args.max_mapped),
         metrics_address=args.metrics,
         quotas=tuple(parse_quota(q) for q in args.quota),
@@ -175,10 +188,19 @@ def main(argv: list[str] | None = None) -> int:
     from kvstored.preflight import PreflightError, run_checks  # noqa: PLC0415 - keep --help fast
 
     try:
-        run_checks(cfg, str(args.dram))
+        ephemeral = run_checks(cfg, str(args.dram))
     except PreflightError as exc:
         log.error("cannot start: %s", exc)
         return EXIT_CANNOT_START
+    try:
+        return _run(cfg)
+    finally:
+        if ephemeral is not None:  # what kvstored made there, once it has stopped (or failed to start)
+            ephemeral.remove()
+
+
+def _run(cfg: DaemonConfig) -> int:
+    """The metrics endpoint (with --metrics), then the store, until the daemon stops."""
     metrics = None
     if cfg.metrics_endpoint is not None:
         from kvstored.metrics import Metrics, MetricsPortError  # noqa: PLC0415

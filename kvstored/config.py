@@ -86,6 +86,10 @@ class SyncPolicy:
     ALL = (DURABLE, WRITE_BEHIND)
 
 
+# The part of --index-max one uid may take by default (--index-max-per-uid): most of it, for a daemon
+# with one user, while the rest stays for others.
+INDEX_SHARE_PER_UID = 7 / 8
+
 # SSD read engines (kvstored.io_engine): auto picks one and logs why.
 ENGINES = ("auto", "aio", "posix", "kvikio")
 
@@ -106,11 +110,14 @@ class DaemonConfig:
     max_blocks_per_request: int = 1 << 22
     # Cap on the in-memory block index (kvstored.index): puts and creates past it get 'full'.
     index_max_bytes: int = 4 << 30
+    # What one owner's (uid's) sequences may take of it; 0: INDEX_SHARE_PER_UID of index_max_bytes.
+    index_max_per_uid_bytes: int = 0
     lmdb_map_bytes: int = 64 << 30
     engine: str = "auto"
     # Stop when this process is no longer our parent (a private daemon outliving a crashed client).
     parent_pid: int = 0
-    # A private daemon's own directory (kvdrive_client.embedded), holding ssd_dir: removed at shutdown.
+    # A private daemon's directory (kvdrive_client.embedded), holding ssd_dir; at shutdown kvstored removes
+    # what it made there (kvstored/ephemeral.py).
     ephemeral_dir: Path | None = None
     # The session socket (kvstored/sessions.py); default: beside an ipc socket, else in the runtime directory.
     session_socket: str = ""
@@ -142,6 +149,11 @@ class DaemonConfig:
             raise ValueError(f"--max-io must be >= 4K, got {self.max_io_bytes}")
         if self.index_max_bytes < 1 << 20:
             raise ValueError(f"--index-max must be at least 1M, got {self.index_max_bytes}")
+        if not self.index_max_per_uid_bytes:
+            object.__setattr__(self, "index_max_per_uid_bytes", int(self.index_max_bytes * INDEX_SHARE_PER_UID))
+        if not 0 < self.index_max_per_uid_bytes < self.index_max_bytes:
+            raise ValueError(f"--index-max-per-uid must be less than --index-max {format_size(self.index_max_bytes)}, "
+                             f"so that other users keep room, got {format_size(self.index_max_per_uid_bytes)}")
         if self.sync not in SyncPolicy.ALL:
             raise ValueError(f"--sync must be one of {', '.join(SyncPolicy.ALL)}, got {self.sync!r}")
         if self.engine not in ENGINES:
@@ -154,9 +166,10 @@ class DaemonConfig:
             raise ValueError(f"--max-client-buffers must be at least 4K, got {self.session_limits.buffers.max_bytes}")
         if self.ephemeral_dir is not None:
             object.__setattr__(self, "ephemeral_dir", Path(self.ephemeral_dir))
-            if not self.ephemeral_dir.is_absolute() or not self.ssd_dir.is_relative_to(self.ephemeral_dir):
-                raise ValueError(f"--ephemeral-dir {self.ephemeral_dir} must be an absolute path that contains --ssd "
-                                 f"{self.ssd_dir} (it is removed, with everything in it, when the daemon stops)")
+            inside = self.ssd_dir.is_relative_to(self.ephemeral_dir) and self.ssd_dir != self.ephemeral_dir
+            if not self.ephemeral_dir.is_absolute() or not inside:
+                raise ValueError(f"--ephemeral-dir {self.ephemeral_dir} must be an absolute path with --ssd "
+                                 f"{self.ssd_dir} below it (kvstored makes --ssd there and removes it when it stops)")
         if self.metrics_address:
             parse_host_port(self.metrics_address)
         if self.address and not (self.address.startswith("ipc://") or self.address.startswith("tcp://127.")):

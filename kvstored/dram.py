@@ -4,7 +4,8 @@ The arena is exactly ``--dram`` bytes, mapped and faulted in at start-up, so the
 tier can never hold more than it was given and the first get does not pay for
 page faults. Space is handed to a block size in chunks; within a class, slots sit
 on a free stack. Which blocks stay is the store's decision (importance, then
-least recently used); this class only owns the bytes and the free slots.
+least recently used, within each user's fair share: dram_shares.py); this class
+only owns the bytes and the free slots.
 """
 
 from __future__ import annotations

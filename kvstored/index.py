@@ -6,7 +6,7 @@ Per sequence it keeps dense ``[layers, heads, window]`` arrays over a window of
 pages ``[first_page, first_page + capacity)``, grown by doubling as decode
 appends pages.
 
-Memory, and the two limits that keep it proportional to what is stored:
+Memory, and the limits that keep it proportional to what is stored:
 
 - A new sequence holds no arrays at all; the first put allocates its window, which
   starts at that put's lowest page (a sequence that stores pages 400.. after a shared
@@ -20,9 +20,13 @@ Memory, and the two limits that keep it proportional to what is stored:
   (layer, head, page) slot plus :data:`ENTRY_BYTES` per sequence, stay within
   ``max_bytes`` (``--index-max``); past it a put or create is refused
   (:class:`IndexFullError`).
+- The owner's share: the windows of one owner (uid) stay within ``max_bytes_per_owner``
+  (``--index-max-per-uid``, less than ``--index-max``), so one user cannot take the
+  index from the others; past it that user's put or create is refused
+  (:class:`IndexFullError`), and other users' are not.
 
 Life cycle of a growth, on the writer thread: :meth:`BlockIndex.plan_growth` checks
-both limits and says what the window becomes (nothing changes); :meth:`BlockIndex.grow`
+every limit and says what the window becomes (nothing changes); :meth:`BlockIndex.grow`
 allocates the new arrays (the one step that can fail, with MemoryError) and swaps them
 in under the lock. Both run in ``Store.prepare_put``, before anything is committed, so
 publishing a committed put is assignments into arrays that already exist.
@@ -31,6 +35,7 @@ publishing a committed put is assignments into arrays that already exist.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -146,33 +151,57 @@ def _arrays(g: Geometry, cap: int) -> tuple[np.ndarray, ...]:
 class BlockIndex:
     """Sequences by uid and by (owner uid, namespace, name); guarded by one lock for structure.
 
-    ``num_bytes`` (what every entry counts, see :data:`SLOT_BYTES`) changes on the
-    writer thread only: :meth:`add`, :meth:`remove` and :meth:`grow`.
+    ``num_bytes`` (what every entry counts, see :data:`SLOT_BYTES`) and each owner's
+    part of it change on the writer thread only: :meth:`add`, :meth:`remove` and :meth:`grow`.
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, max_bytes_per_owner: int | None = None) -> None:
         self.lock = threading.Lock()
         self.max_bytes = max_bytes
+        self.max_bytes_per_owner = max_bytes if max_bytes_per_owner is None else max_bytes_per_owner
         self.num_bytes = 0
+        self._owner_bytes: Counter[int] = Counter()
         self._by_uid: dict[int, SeqEntry] = {}
         self._by_name: dict[tuple[int, str, str], int] = {}
 
-    def can_add(self) -> bool:
-        return self.num_bytes + ENTRY_BYTES <= self.max_bytes
+    def owner_bytes(self, owner: int) -> int:
+        """What the sequences of ``owner`` count against the index budget."""
+        return self._owner_bytes.get(owner, 0)
+
+    def check_add(self, owner: int) -> None:
+        """Raise :class:`IndexFullError` where a new sequence of ``owner`` would pass a limit."""
+        if self.num_bytes + ENTRY_BYTES > self.max_bytes:
+            raise IndexFullError(f"block index full: {format_size(self.num_bytes)} of --index-max "
+                                 f"{format_size(self.max_bytes)}; delete sequences or raise --index-max")
+        if self.owner_bytes(owner) + ENTRY_BYTES > self.max_bytes_per_owner:
+            raise IndexFullError(self._owner_full(owner, "a new sequence", ENTRY_BYTES))
+
+    def _owner_full(self, owner: int, what: str, need: int) -> str:
+        return (f"block index full for uid {owner}: {what} would add {format_size(need)}, and this user's sequences "
+                f"hold {format_size(self.owner_bytes(owner))} of --index-max-per-uid "
+                f"{format_size(self.max_bytes_per_owner)} (one user's share of --index-max "
+                f"{format_size(self.max_bytes)}, so that others keep room): delete sequences of this user, put "
+                f"pages near the stored ones, or raise --index-max-per-uid")
 
     def add(self, entry: SeqEntry) -> None:
         with self.lock:
             self._by_uid[entry.uid] = entry
             self._by_name[(entry.owner, entry.ns, entry.name)] = entry.uid
-            self.num_bytes += entry.nbytes
+            self._count(entry.owner, entry.nbytes)
 
     def remove(self, uid: int) -> SeqEntry | None:
         with self.lock:
             entry = self._by_uid.pop(uid, None)
             if entry is not None:
                 self._by_name.pop((entry.owner, entry.ns, entry.name), None)
-                self.num_bytes -= entry.nbytes
+                self._count(entry.owner, -entry.nbytes)
             return entry
+
+    def _count(self, owner: int, delta: int) -> None:
+        self.num_bytes += delta
+        self._owner_bytes[owner] += delta
+        if not self._owner_bytes[owner]:
+            del self._owner_bytes[owner]  # an owner with no sequences leaves nothing behind
 
     def get(self, uid: int) -> SeqEntry | None:
         return self._by_uid.get(uid)
@@ -191,7 +220,7 @@ class BlockIndex:
         """The window ``entry`` needs to also hold ``pages``; changes nothing.
 
         With ``enforce`` (every put; not the start-up load of what LMDB holds) a window
-        past the page span or the byte budget raises :class:`IndexLimitError`.
+        past the page span, the byte budget or the owner's share raises :class:`IndexLimitError`.
         """
         pmin, pmax = int(pages.min()), int(pages.max()) + 1
         lo, hi = (min(entry.lo_page, pmin), max(entry.hi_page, pmax)) if entry.hi_page > entry.lo_page else (pmin, pmax)
@@ -212,18 +241,27 @@ class BlockIndex:
             first = min(first, lo)
             need = max(hi, entry.first_page + cap) - first
             roomy = max(need, 2 * cap)  # doubling keeps appends amortised O(1)
-        new_cap = roomy
-        if enforce:
-            others = self.num_bytes - entry.nbytes
-            if others + index_bytes(entry.geometry, roomy) > self.max_bytes:
-                new_cap = need
-            if others + index_bytes(entry.geometry, need) > self.max_bytes:
-                raise IndexFullError(
-                    f"block index full: a window of {need} pages for {entry.ns}/{entry.name} needs "
-                    f"{format_size(index_bytes(entry.geometry, need))}, and {format_size(others)} of --index-max "
-                    f"{format_size(self.max_bytes)} are held by other sequences: delete sequences or raise --index-max"
-                )
+        new_cap = roomy if not enforce or self._fits(entry, roomy) else need
+        if enforce and not self._fits(entry, need):
+            self._refuse(entry, need)
         return Growth(first, new_cap, lo, hi)
+
+    def _fits(self, entry: SeqEntry, capacity: int) -> bool:
+        """Whether ``entry`` with a window of ``capacity`` pages stays within both budgets."""
+        grown = index_bytes(entry.geometry, capacity) - entry.nbytes
+        return (self.num_bytes + grown <= self.max_bytes
+                and self.owner_bytes(entry.owner) + grown <= self.max_bytes_per_owner)
+
+    def _refuse(self, entry: SeqEntry, need: int) -> None:
+        cost = index_bytes(entry.geometry, need)
+        what = f"a window of {need} pages for {entry.ns}/{entry.name}"
+        others = self.num_bytes - entry.nbytes
+        if others + cost > self.max_bytes:
+            raise IndexFullError(
+                f"block index full: {what} needs {format_size(cost)}, and {format_size(others)} of --index-max "
+                f"{format_size(self.max_bytes)} are held by other sequences: delete sequences or raise --index-max"
+            )
+        raise IndexFullError(self._owner_full(entry.owner, what, cost - entry.nbytes))
 
     def grow(self, entry: SeqEntry, growth: Growth) -> None:
         """Give ``entry`` the window of ``growth``: allocate (may raise MemoryError, leaving
@@ -242,7 +280,7 @@ class BlockIndex:
             entry._install(arrays)
             entry.first_page = growth.first_page
             entry.lo_page, entry.hi_page = growth.lo, growth.hi
-            self.num_bytes += entry.nbytes - before
+            self._count(entry.owner, entry.nbytes - before)
 
     def mark_pages(self, entry: SeqEntry, columns: np.ndarray) -> None:
         """Count ``columns`` (distinct, of a published put) as stored pages (index lock held)."""

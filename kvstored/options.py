@@ -8,6 +8,8 @@ size either a string with a unit (``dram = "96G"``) or a number of bytes.
 The file's values become the parser's defaults, so a flag on the command line wins.
 Anything else (a key no option has, a value of the wrong type, a choice not offered)
 is a :class:`ConfigFileError` naming the key and the file.
+
+The connection limits' options are declared here too (:func:`add_connection_options`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import argparse
 import tomllib
 from pathlib import Path
+
+from kvstored.limits import ConnectionLimits
 
 # Options a file may not set: they are about this invocation, not the daemon.
 _NOT_IN_FILE = {"help", "config"}
@@ -90,3 +94,32 @@ def _checked(path: Path, key: str, value: object, action: argparse.Action) -> ob
 def _type_name(value: object) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
             dict: "a table"}.get(type(value), type(value).__name__)
+
+
+# ---------------------------------------------------------------- connection limits
+
+_FITTED = "; lowered to fit the descriptor limit (kvstored raises its soft RLIMIT_NOFILE to the hard one at start)"
+CONNECTION_OPTIONS = (
+    ("--max-connections", "max_connections",
+     "ZeroMQ connections held at once; past it a new one is shut down or refused in its handshake" + _FITTED),
+    ("--max-session-connections", "max_session_connections",
+     "session-socket connections held at once; past it a new one gets 'busy' and is closed" + _FITTED),
+    ("--max-session-connections-per-uid", "max_session_connections_per_uid",
+     "session-socket connections one uid may hold; less than --max-session-connections, so other users "
+     "always have room"),
+    ("--session-open-timeout", "session_open_timeout",
+     "seconds a session-socket connection may stay open without opening a session"),
+)
+
+
+def add_connection_options(parser: argparse.ArgumentParser) -> None:
+    """The options of :class:`~kvstored.limits.ConnectionLimits`, each defaulting to its field."""
+    defaults = ConnectionLimits()
+    for flag, name, text in CONNECTION_OPTIONS:
+        default = getattr(defaults, name)
+        parser.add_argument(flag, dest=name, type=int, default=default, metavar="N", help=f"{text} (default: {default})")
+
+
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    """The parsed options as limits; ValueError naming the option for a value kvstored cannot use."""
+    return ConnectionLimits(**{name: getattr(args, name) for _, name, _ in CONNECTION_OPTIONS})

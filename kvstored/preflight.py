@@ -9,6 +9,10 @@ and what to change.
 - :func:`check_socket_dirs`: the sockets' directories are this user's own.
 - :func:`check_listen`: no other daemon (or program) holds the ``--listen`` address.
 - :func:`check_dram`: ``--dram`` fits in this host's memory (and this cgroup's limit).
+- :func:`check_index_max`: ``--index-max`` fits in this host's memory beside ``--dram``.
+- :func:`claim_ephemeral_dir`: ``--ephemeral-dir`` is safe to remove things from
+  (kvstored/ephemeral.py); it and the directories kvstored makes in it are created first.
+- :func:`warn_exposed_metrics`: a WARNING where ``--metrics`` serves other hosts.
 
 The metrics port is checked by binding it for real (kvstored/metrics.py), also before
 the store opens.
@@ -17,6 +21,7 @@ the store opens.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import os
 import secrets
@@ -24,6 +29,7 @@ import socket
 from pathlib import Path
 
 from kvstored.config import DaemonConfig, UnsafeDirectoryError, check_private_dir
+from kvstored.ephemeral import EphemeralDir, EphemeralDirError, claim
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +41,38 @@ class PreflightError(RuntimeError):
     """The daemon cannot start as configured; the message says which option to change."""
 
 
-def run_checks(cfg: DaemonConfig, dram_text: str) -> None:
-    check_ssd_dir(cfg.ssd_dir)
-    check_socket_dirs(cfg)
-    check_listen(cfg.bind_address)
-    check_dram(cfg.dram_bytes, dram_text)
+def run_checks(cfg: DaemonConfig, dram_text: str) -> EphemeralDir | None:
+    """Every check; the ``--ephemeral-dir`` claimed (the caller removes it after the daemon stops)."""
+    ephemeral = claim_ephemeral_dir(cfg)
+    try:
+        check_ssd_dir(cfg.ssd_dir)
+        check_socket_dirs(cfg)
+        check_listen(cfg.bind_address)
+        check_dram(cfg.dram_bytes, dram_text)
+        check_index_max(cfg.index_max_bytes, cfg.dram_bytes)
+    except PreflightError:
+        if ephemeral is not None:
+            ephemeral.remove()
+        raise
+    warn_exposed_metrics(cfg.metrics_endpoint)
+    return ephemeral
+
+
+# ---------------------------------------------------------------- --ephemeral-dir
+
+
+def claim_ephemeral_dir(cfg: DaemonConfig) -> EphemeralDir | None:
+    """Refuse an ``--ephemeral-dir`` that is unsafe to remove things from, then create it and, inside
+    it, ``--ssd`` and the sockets' directories, so that kvstored knows what it made."""
+    if cfg.ephemeral_dir is None:
+        return None
+    inside = [cfg.ssd_dir, cfg.session_socket_path.parent]
+    if cfg.bind_address.startswith("ipc://"):
+        inside.append(Path(cfg.bind_address[len("ipc://"):]).parent)
+    try:
+        return claim(cfg.ephemeral_dir, [p for p in inside if p.is_relative_to(cfg.ephemeral_dir)])
+    except EphemeralDirError as exc:
+        raise PreflightError(str(exc)) from None
 
 
 # ---------------------------------------------------------------- --ssd
@@ -132,6 +165,40 @@ def _port_taken(host: str, port: int) -> bool:
     return False
 
 
+# ---------------------------------------------------------------- --metrics
+
+
+def warn_exposed_metrics(endpoint: tuple[str, int] | None) -> None:
+    """Log a WARNING where the metrics endpoint answers other hosts (any address but loopback)."""
+    if endpoint is None:
+        return
+    host, port = endpoint
+    exposed = _reachable_addresses(host)
+    if exposed:
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        log.warning("--metrics %s serves the metrics to other hosts (%s); to keep them on this host, give a "
+                    "loopback address: --metrics 127.0.0.1:%d (or [::1]:%d)", where, ", ".join(exposed), port, port)
+
+
+def _reachable_addresses(host: str) -> list[str]:
+    """The addresses of ``host`` other hosts can reach ("every address" for 0.0.0.0 and ::)."""
+    try:
+        addresses = [ipaddress.ip_address(host.split("%")[0])]
+    except ValueError:  # a name: what it resolves to
+        try:
+            infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        except OSError:
+            return []  # the bind reports a name that does not resolve
+        addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+    out = []
+    for a in addresses:
+        if a.is_unspecified:
+            out.append(f"{a} is every address of this host")
+        elif not a.is_loopback and not (a.version == 6 and a.ipv4_mapped is not None and a.ipv4_mapped.is_loopback):
+            out.append(f"{a} is not a loopback address")
+    return list(dict.fromkeys(out))
+
+
 # ---------------------------------------------------------------- --dram
 
 GIB = 1 << 30
@@ -183,3 +250,31 @@ def cgroup_memory_limit() -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
+
+
+# ---------------------------------------------------------------- --index-max
+
+
+def check_index_max(nbytes: int, dram_bytes: int) -> None:
+    """Refuse a block index cap this host could never back beside the DRAM tier; warn of one
+    past this cgroup's limit or the memory available now.
+
+    The index is the daemon's own memory beside the pre-faulted DRAM tier: a cap past the
+    host's memory less ``--dram`` is reached, if ever, by swapping or the OOM killer, never
+    by the 'full' replies it promises, so it is refused. The index grows only as sequences
+    are stored, so memory that is not available now (or a cgroup limit, which can be
+    raised while the daemon runs) is a risk to be told of, not a reason to refuse.
+    """
+    total, available = meminfo()
+    text = f"--index-max {nbytes / GIB:.1f} GiB"
+    if total and nbytes > total - dram_bytes:
+        raise PreflightError(f"{text} is more than this host's {total / GIB:.1f} GiB of memory less --dram "
+                             f"{dram_bytes / GIB:.1f} GiB; choose a smaller --index-max")
+    limit = cgroup_memory_limit()
+    if limit is not None and limit < total and nbytes > limit - dram_bytes:
+        log.warning("%s is more than this service's cgroup memory.max %.1f GiB less --dram %.1f GiB: a full index "
+                    "would end in the OOM killer; choose a smaller --index-max or raise the limit (MemoryMax=)",
+                    text, limit / GIB, dram_bytes / GIB)
+    elif total and nbytes > available - dram_bytes:
+        log.warning("%s is more than the %.1f GiB of memory this host has available less --dram %.1f GiB: the "
+                    "index may swap before it is full", text, available / GIB, dram_bytes / GIB)

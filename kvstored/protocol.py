@@ -30,11 +30,17 @@ __all__ = [
     "PROTOCOL_VERSION", "PUT_ARRAYS", "SESSION_TOKEN_BYTES", "ErrorCode", "Op", "encode", "error_reply", "ok_reply",
     "request_frames", "ProtocolError", "ErrorTally", "Hello", "Create", "OpenSeq", "ListSeqs", "Delete", "Put", "Get", "Stats", "Lookup",
     "Request", "Envelope", "parse_request", "RegisterMemfd", "RegisterCudaIpc", "parse_register",
+    "MAX_IMPORTANCE", "clamp_importance",
 ]
 
 log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^[\x21-\x7e]{1,256}$")
+
+# Importance hints are kept in [0, MAX_IMPORTANCE]: a value outside is clamped to it (a
+# prefill's attention sums lie far inside), NaN and infinity are refused. Hints rank one
+# user's blocks only; fair shares decide between users (kvstored/dram_shares.py).
+MAX_IMPORTANCE = float(1 << 20)
 
 
 class ProtocolError(Exception):
@@ -305,6 +311,16 @@ def _arrays(header: dict, frames: list, allowed: dict[str, type], max_bytes: int
     return out
 
 
+def clamp_importance(values: np.ndarray | None) -> np.ndarray | None:
+    """``values`` within [0, :data:`MAX_IMPORTANCE`]; NaN or infinity is ``bad_field``."""
+    if values is None:
+        return None
+    if not np.isfinite(values).all():
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"'importance' holds NaN or infinity; give finite values, which are "
+                                                 f"kept within 0..{MAX_IMPORTANCE:.0f}")
+    return np.clip(values, 0.0, MAX_IMPORTANCE).astype(np.float32, copy=False)
+
+
 @dataclass(frozen=True)
 class Envelope:
     """What every request carries besides its op: who sent it and until when it matters."""
@@ -398,7 +414,7 @@ def _parse_op(header: dict, frames: list, max_bytes: int, max_blocks: int) -> Re
         arrays = _arrays(header, frames, PUT_ARRAYS, max_bytes)
         return Put(
             f.int("seq", 0, 1 << 62), layers, pages, f.int("buf", 0, 1 << 31), f.int("offset", 0, 1 << 44),
-            arrays.get("cluster"), arrays.get("order"), arrays.get("importance"),
+            arrays.get("cluster"), arrays.get("order"), clamp_importance(arrays.get("importance")),
         )
     if op is Op.GET:
         arrays = _arrays(header, frames, GET_ARRAYS, max_bytes)

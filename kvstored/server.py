@@ -1,20 +1,25 @@
 """kvstored's front end: one ZeroMQ ROUTER socket, the session socket, a writer thread, a get pool.
 
 The main thread owns the ROUTER socket. It reads what clients sent into one queue per
-connection and serves the queues in turn, one request each per round, so a client
-that floods the daemon delays only itself: another client waits at most one request
-of each busy client. A request is parsed (a bad one gets an error reply at once), its
-session token checked (kvstored/sessions.py) and its deadline; cheap ops are answered
-here, catalog changes and puts are queued for the single writer thread, gets go to a
-worker pool (a get of a few MiB whose blocks are all in DRAM is served here:
-``gets_inline`` counts them). Each connection has at most ``MAX_IN_FLIGHT`` requests
+connection and serves them in turn by user: each round, one request of each user (the
+uid the ipc socket names; over TCP, where no uid is known, each connection is a user
+of its own), from that user's connections one after another. So a user who floods the
+daemon, on however many connections, delays only itself: another user waits at most
+one request of each busy user. A request is parsed (a bad one gets an error reply at
+once), its session token checked (kvstored/sessions.py) and its deadline; cheap ops
+are answered here, catalog changes and puts are queued for the single writer thread,
+which takes them in turn by user and session (kvstored/turns.py) and commits a group
+once its puts hold ``GROUP_BYTES``, so a small put waits behind a few MiB of another
+user's puts, not behind all it sent; gets go to a worker pool (a get of a few MiB
+whose blocks are all in DRAM is served here: ``gets_inline`` counts them). Each connection has at most ``MAX_IN_FLIGHT`` requests
 handed to the writer or the pool at once, and at most ``MAX_QUEUED`` waiting; past
 that it gets ``busy`` replies. Workers and the writer send finished replies back over
 an inproc PUSH/PULL pair, so only the main thread ever touches the ROUTER socket.
 
-On SIGTERM the daemon stops reading, answers every request it had read but not
-started with ``unavailable``, finishes the ones it started, and flushes every reply
-before it exits.
+On SIGTERM the daemon starts no more requests: it answers ``unavailable`` to every
+request it had read but not started and to every one waiting in its socket (until the
+socket has been quiet for ``REFUSE_QUIET_MS``), finishes the ones it started, answers
+those that arrived meanwhile the same way, and flushes every reply before it exits.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import shutil
 import signal
 import threading
 import time
@@ -34,14 +38,17 @@ from typing import TYPE_CHECKING, Callable
 import zmq
 
 from kvstored import cuda_ipc
+from kvstored.admission import RouterAdmission, peer_uid, raise_fd_limit
 from kvstored.config import DaemonConfig, SyncPolicy, check_private_dir
 from kvstored.protocol import (
     Create, Delete, Envelope, ErrorCode, Get, Hello, ListSeqs, Lookup, OpenSeq, ProtocolError, Put, Stats,
     ErrorTally, error_reply, ok_reply, parse_request,
 )
 from kvstored.preflight import daemon_answers
-from kvstored.sessions import Session, SessionServer, SessionTable
+from kvstored.session_server import SessionServer
+from kvstored.sessions import Session, SessionTable
 from kvstored.store import PreparedPut, Store
+from kvstored.turns import FairQueue
 
 if TYPE_CHECKING:
     from kvstored.metrics import Metrics
@@ -50,8 +57,10 @@ log = logging.getLogger(__name__)
 
 _DONE = "inproc://kvstored-done"
 _STOP = object()
-# Puts gathered into one durable commit at most.
+# Puts gathered into one durable commit at most, and the bytes after which a group commits
+# (the puts of a group are acknowledged together, after its last write and its fsync).
 MAX_GROUP = 64
+GROUP_BYTES = 16 << 20
 # Gets of at most this many bytes, all in DRAM, are served on the main thread.
 INLINE_GET_BYTES = 8 << 20
 # Per connection: requests handed to the writer or the get pool and not yet answered,
@@ -62,6 +71,10 @@ MAX_QUEUED = 1024
 READ_BATCH = 256
 # How long replies may take to leave at shutdown.
 SHUTDOWN_LINGER_MS = 5000
+# At shutdown, requests still arriving are refused until the socket is quiet this long,
+# for at most REFUSE_MAX_S (a client that sends on regardless cannot hold the daemon up).
+REFUSE_QUIET_MS = 50
+REFUSE_MAX_S = 2.0
 
 
 class Server:
@@ -78,13 +91,14 @@ class Server:
         self.sessions = SessionTable(cfg.session_limits, cfg.max_mapped_bytes, self.store.gate.retire, self.cuda_ipc)
         self.ctx = zmq.Context()
         self._stop = threading.Event()
-        self._writes: queue.Queue = queue.Queue()
+        self._writes = FairQueue()
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(cfg.get_workers, thread_name_prefix="kvstored-get")
         self._push_lock = threading.Lock()
         self._push_sockets: list[zmq.Socket] = []
         self._writer = threading.Thread(target=self._writer_loop, name="kvstored-writer", daemon=True)
         self._queues: dict[bytes, deque] = {}
+        self._users: dict[bytes, int] = {}  # the uid of each connection with requests waiting (ipc)
         self._in_flight: Counter[bytes] = Counter()
         self._session_server: SessionServer | None = None
         if metrics is not None:
@@ -99,9 +113,12 @@ class Server:
             path = Path(self.address[len("ipc://"):])
             check_private_dir(path.parent, create=True)
             _refuse_live_socket(path)
+        # Connection caps that fit the descriptor limit; admission is set up before the bind.
+        limits = self.cfg.session_limits.connections.fit(raise_fd_limit())
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, 2 * self.cfg.max_message_bytes)
+        self.admission = RouterAdmission(self.ctx, self.router, limits, ipc=self.address.startswith("ipc://"))
         self.router.bind(self.address)
         if self.address.startswith("ipc://"):
             os.chmod(self.address[len("ipc://"):], self.cfg.socket_mode)
@@ -111,7 +128,7 @@ class Server:
                           "max_message_bytes": self.cfg.max_message_bytes,
                           # register may name a CUDA allocation by its IPC handle (kvstored/cuda_ipc.py)
                           "cuda_ipc": self.cuda_ipc.available}
-        self._session_server = SessionServer(session_path, self.sessions, self.cfg.socket_mode, self.errors)
+        self._session_server = SessionServer(session_path, self.sessions, self.cfg.socket_mode, self.errors, limits)
         self._session_server.start()
         log.info("kvstored %d serving %s, sessions on %s (instance %s)", os.getpid(), self.address,
                  session_path, self.sessions.instance)
@@ -142,22 +159,19 @@ class Server:
     def _shutdown(self) -> None:
         if self.metrics is not None:
             self.metrics.close()  # before the store closes under a scrape
-        waiting = sum(len(q) for q in self._queues.values())
-        log.info("shutting down: finishing started work, refusing %d requests not started", waiting)
-        for ident, q in self._queues.items():
-            while q:
-                env_or_frames = q.popleft()
-                req_id = _peek_id(env_or_frames)
-                self.router.send_multipart([ident, *self._error(req_id, ErrorCode.UNAVAILABLE, "kvstored is shutting down")])
-        self._queues.clear()
+        refused = self._refuse_not_started()
+        log.info("shutting down: finishing started work, refused %d requests not started", refused)
         self._pool.shutdown(wait=True)
-        self._writes.put(_STOP)
+        self._writes.put(None, None, _STOP)
         self._writer.join()
         self._drain_replies()
         # The worker threads have ended; their reply sockets close here.
         for sock in self._push_sockets:
             sock.close()
         self._drain_replies()
+        late = self._refuse_not_started()  # sent while the started work finished
+        if late:
+            log.info("refused %d requests that arrived while shutting down", late)
         if self._session_server is not None:
             self._session_server.stop()
         # Replies already queued still leave: a client told nothing would wait out its timeout.
@@ -168,12 +182,31 @@ class Server:
             Path(self.address[len("ipc://"):]).unlink(missing_ok=True)
         self.store.close()
         self.ctx.term()
-        if self.cfg.ephemeral_dir is not None:
-            # A private daemon's directory (kvdrive_client.embedded): its client is gone or done with it.
-            shutil.rmtree(self.cfg.ephemeral_dir, ignore_errors=True)
-            if self.cfg.ephemeral_dir.exists():
-                log.warning("could not remove all of the private directory %s", self.cfg.ephemeral_dir)
         log.info("kvstored stopped cleanly")
+
+    def _refuse_not_started(self) -> int:
+        """Answer ``unavailable`` to every request queued here or waiting in the socket; how many."""
+        refused = 0
+        for ident, q in self._queues.items():
+            while q:
+                self._refuse(ident, q.popleft())
+                refused += 1
+        self._queues.clear()
+        self._users.clear()
+        deadline = time.monotonic() + REFUSE_MAX_S
+        while time.monotonic() < deadline and self.router.poll(REFUSE_QUIET_MS, zmq.POLLIN):
+            for _ in range(READ_BATCH):
+                try:
+                    frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._refuse(frames[0].bytes, frames[1:])
+                refused += 1
+        return refused
+
+    def _refuse(self, ident: bytes, body: list) -> None:
+        reply = self._error(_peek_id(body), ErrorCode.UNAVAILABLE, "kvstored is shutting down; the request did not run")
+        self.router.send_multipart([ident, *reply])
 
     # ------------------------------------------------------------ main thread
 
@@ -187,6 +220,9 @@ class Server:
             q = self._queues.get(ident)
             if q is None:
                 q = self._queues[ident] = deque()
+                uid = peer_uid(body)
+                if uid is not None:
+                    self._users[ident] = uid
             if len(q) >= MAX_QUEUED:
                 self.store.counters["requests_busy"] += 1
                 self.router.send_multipart([ident, *self._error(
@@ -197,15 +233,24 @@ class Server:
             q.append(body)
 
     def _serve_round(self) -> None:
-        """One request from each connection that has one waiting and room in flight."""
+        """One request of each user that has one waiting on a connection with room in flight.
+
+        A served connection that still has requests goes to the back of the queues, so the
+        user's other connections come first next round."""
         idents = list(self._queues)
+        served: set = set()
         for ident in idents:
             q = self._queues[ident]
-            if self._in_flight[ident] >= MAX_IN_FLIGHT:
+            user = self._users.get(ident, ident)
+            if user in served or self._in_flight[ident] >= MAX_IN_FLIGHT:
                 continue
+            served.add(user)
             self._handle(ident, q.popleft())
-            if not q:
-                del self._queues[ident]
+            del self._queues[ident]
+            if q:
+                self._queues[ident] = q
+            else:
+                self._users.pop(ident, None)
             if len(idents) > 1:
                 self._drain_replies()  # others' finished work leaves between requests, not after a round
 
@@ -230,7 +275,7 @@ class Server:
             if isinstance(req, Hello):
                 self.router.send_multipart([ident, *ok_reply(req_id, **self._hello())])
                 return
-            session = self.sessions.find(env.session)
+            session = self.sessions.find(env.session, peer_uid(body))
             _check_deadline(env)
             if isinstance(req, Get):
                 if self.store.in_dram(req, session, INLINE_GET_BYTES):
@@ -246,7 +291,7 @@ class Server:
                     self._pool.submit(self._run, ident, env, lambda: self.store.get(req, session), self._observe_get, t0)
             elif isinstance(req, (Put, Create, Delete)):
                 self._in_flight[ident] += 1
-                self._writes.put((ident, env, session, t0))
+                self._writes.put(session.uid, session.token, (ident, env, session, t0))
             else:
                 self.router.send_multipart([ident, *ok_reply(req_id, **self._inline(req, session))])
         except ProtocolError as exc:
@@ -310,32 +355,31 @@ class Server:
         dirty_since: float | None = None
         running = True
         while running:
-            batch = []
             try:
-                batch.append(self._writes.get(timeout=None if dirty_since is None else 1.0))
+                first = self._writes.get(timeout=None if dirty_since is None else 1.0)
             except queue.Empty:
-                pass
-            while batch and len(batch) < MAX_GROUP:
-                try:
-                    batch.append(self._writes.get_nowait())
-                except queue.Empty:
-                    break
-            if _STOP in batch:
-                running = False
-                batch = [b for b in batch if b is not _STOP]
-            self._write_batch(batch)
+                first = None
+            wrote = first is not None and first is not _STOP
+            running = first is not _STOP and (first is None or self._write_group(first))
             if self.cfg.sync == SyncPolicy.WRITE_BEHIND:
-                if batch and dirty_since is None:
+                if wrote and dirty_since is None:
                     dirty_since = time.monotonic()
-                if dirty_since is not None and (not running or not batch or time.monotonic() - dirty_since >= 1.0):
+                if dirty_since is not None and (not running or not wrote or time.monotonic() - dirty_since >= 1.0):
                     self.store.sync()
                     dirty_since = None
 
-    def _write_batch(self, batch: list) -> None:
+    def _write_group(self, item) -> bool:
+        """Write ``item`` and what follows it in the queue's turns, until the group holds
+        ``MAX_GROUP`` requests or ``GROUP_BYTES`` of puts or the queue is empty, then commit
+        it. Requests are taken one at a time, so one that arrives meanwhile takes its turn
+        in this group or the next. False if the queue said stop."""
         prepared: list[tuple[bytes, int, PreparedPut, float]] = []
         creates: list[tuple[bytes, Envelope, Session]] = []
-        for ident, env, session, t0 in batch:
+        taken, group_bytes = 0, 0
+        while item is not None and item is not _STOP:
+            ident, env, session, t0 = item
             req_id, req = env.req_id, env.request
+            taken += 1
             if isinstance(req, Create):
                 # Creates commit together (an engine creates a sequence per block, many at once).
                 creates.append((ident, env, session))
@@ -343,6 +387,7 @@ class Server:
                 try:
                     _check_deadline(env)
                     prepared.append((ident, req_id, self.store.prepare_put(req, session), t0))
+                    group_bytes += prepared[-1][2].staging.nbytes
                 except ProtocolError as exc:
                     self._send([ident, *self._error(req_id, exc.code, str(exc))])
                 except Exception as exc:
@@ -354,8 +399,15 @@ class Server:
                 self._commit(prepared)
                 creates, prepared = [], []
                 self._run(ident, env, lambda req=req, session=session: self.store.delete(req, session.uid))
+            if taken >= MAX_GROUP or group_bytes >= GROUP_BYTES:
+                break
+            try:
+                item = self._writes.get_nowait()
+            except queue.Empty:
+                item = None
         self._create_group(creates)
         self._commit(prepared)
+        return item is not _STOP
 
     def _create_group(self, creates: list[tuple[bytes, Envelope, Session]]) -> None:
         """Create the sequences of a batch's creates in one catalog commit, each told its own

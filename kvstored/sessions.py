@@ -16,15 +16,24 @@ a dead client's resources never outlive it, and a request queued by a client tha
 gave up (a ghost request replayed after a reconnect) names a token that no longer
 exists and is refused.
 
+A session token is honoured from its session's uid only, where the transport says who
+sends a request (the ipc socket: kvstored/admission.py); over TCP the token alone counts.
+
+Connections are capped in all and per uid (one user never holds every slot), one that
+has not opened a session within ``--session-open-timeout`` is closed, and no peer can
+make the thread wait: replies it does not read queue up to a bound, then it is
+disconnected (kvstored/session_server.py, kvstored/session_conns.py).
+
 Access model: a session acts for its uid. Sequences belong to the uid that created
 them (every lookup by name or uid is scoped to it), and buffers to the session
 that registered them. See docs/protocol.md.
 
-Threading: one thread (``kvstored-sessions``) owns the listening socket and every
-session connection. ``SessionTable`` lookups run on any thread under its lock.
+Threading: one thread (``kvstored-sessions``, kvstored/session_server.py) owns the
+listening socket and every session connection. ``SessionTable`` lookups run on any
+thread under its lock.
 
 Messages on the session socket: one msgpack map per packet (at most
-:data:`MAX_PACKET` bytes), request then reply, in order:
+:data:`kvstored.session_server.MAX_PACKET` bytes), request then reply, in order:
 
 - ``{"v": 1, "op": "open"}`` -> ``{"ok": true, "token", "instance", "uid", "limits"}``
 - ``{"v": 1, "op": "register", "kind": "memfd", "size": N}`` with one descriptor ->
@@ -39,30 +48,19 @@ Errors are ``{"ok": false, "code", "error"}`` with the codes of kvstored.protoco
 
 from __future__ import annotations
 
-import array
 import logging
-import os
 import secrets
-import selectors
-import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
-
-import msgpack
 
 from kvstored.buffers import BufferRegistry, MappedBudget, MappedBuffer
 from kvstored.cuda_ipc import CudaIpc, unavailable
 from kvstored.limits import SessionLimits
-from kvstored.protocol import PROTOCOL_VERSION, ErrorCode, ErrorTally, ProtocolError, RegisterCudaIpc, parse_register
+from kvstored.protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger(__name__)
-
-MAX_PACKET = 4096
-_UCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 @dataclass
@@ -106,8 +104,13 @@ class SessionTable:
         log.info("session opened: pid %d uid %d", pid, uid)
         return session
 
-    def find(self, token: bytes | None) -> Session:
+    def find(self, token: bytes | None, uid: int | None = None) -> Session:
+        """The session of ``token``; with ``uid`` (the peer's, where the transport tells it),
+        only if that session is that uid's: a token copied to another user opens nothing."""
         session = self._by_token.get(token) if token is not None else None
+        if session is not None and uid is not None and uid != session.uid:
+            log.debug("a session token of uid %d was presented by uid %d; refused", session.uid, uid)
+            session = None
         if session is None:
             raise ProtocolError(
                 ErrorCode.SESSION,
@@ -142,161 +145,3 @@ class SessionTable:
         with self._lock:
             sessions = list(self._by_token.values())
         return sum(len(s.buffers) for s in sessions)
-
-
-class SessionServer:
-    """The session socket: accepts connections, opens sessions, takes buffer descriptors."""
-
-    def __init__(self, path: Path, table: SessionTable, mode: int, errors: ErrorTally | None = None) -> None:
-        self.path = path
-        self.table = table
-        self.errors = errors if errors is not None else ErrorTally()
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        path.unlink(missing_ok=True)
-        self._listener.bind(str(path))
-        os.chmod(path, mode)
-        self._listener.listen(128)
-        self._listener.setblocking(False)
-        self._sel = selectors.DefaultSelector()
-        self._sel.register(self._listener, selectors.EVENT_READ, None)
-        self._conns: dict[socket.socket, Session | None] = {}
-        self._wake_r, self._wake_w = os.pipe()
-        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="kvstored-sessions", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop = True
-        os.write(self._wake_w, b"x")
-        self._thread.join()
-        for conn, session in list(self._conns.items()):
-            if session is not None:
-                self.table.close(session)
-            conn.close()
-        self._conns.clear()
-        self._sel.close()
-        self._listener.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-        self.path.unlink(missing_ok=True)
-
-    def _loop(self) -> None:
-        while not self._stop:
-            for key, _ in self._sel.select(1.0):
-                if key.data == "wake":
-                    continue
-                if key.fileobj is self._listener:
-                    self._accept()
-                else:
-                    self._serve(key.fileobj)  # type: ignore[arg-type]
-
-    def _accept(self) -> None:
-        try:
-            conn, _ = self._listener.accept()
-        except BlockingIOError:
-            return
-        if len(self._conns) >= self.table.limits.max_sessions + 64:
-            log.warning("session socket: %d connections open; refusing another", len(self._conns))
-            conn.close()
-            return
-        conn.setblocking(True)
-        conn.settimeout(5.0)  # a reply that cannot be sent in 5 s ends the session
-        self._conns[conn] = None
-        self._sel.register(conn, selectors.EVENT_READ, "conn")
-
-    def _drop(self, conn: socket.socket) -> None:
-        session = self._conns.pop(conn, None)
-        self._sel.unregister(conn)
-        conn.close()
-        if session is not None:
-            self.table.close(session)
-
-    def _serve(self, conn: socket.socket) -> None:
-        fds: list[int] = []
-        try:
-            msg, fds, flags = _recv_with_fds(conn)
-        except OSError as exc:
-            log.debug("session socket read failed: %s", exc)
-            self._drop(conn)
-            return
-        try:
-            if not msg:
-                self._drop(conn)  # EOF: the client closed its session, or died
-                return
-            if flags & socket.MSG_CTRUNC or flags & socket.MSG_TRUNC:
-                reply = _error(ErrorCode.TOO_LARGE, f"a session message is at most {MAX_PACKET} bytes with one descriptor")
-            else:
-                reply = self._handle(conn, msg, fds)
-            if not reply["ok"]:
-                self.errors.add(reply["code"])
-            try:
-                conn.sendall(msgpack.packb(reply, use_bin_type=True))
-            except OSError as exc:
-                log.info("session client unreachable (%s); closing its session", exc)
-                self._drop(conn)
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-    def _handle(self, conn: socket.socket, msg: bytes, fds: list[int]) -> dict:
-        try:
-            req = msgpack.unpackb(msg, raw=False, strict_map_key=True)
-        except Exception as exc:  # msgpack raises several unrelated types for garbage
-            return _error(ErrorCode.BAD_MESSAGE, f"session message is not msgpack: {exc.__class__.__name__}")
-        if not isinstance(req, dict):
-            return _error(ErrorCode.BAD_MESSAGE, "a session message must be a msgpack map")
-        v = req.get("v")
-        if not isinstance(v, int) or isinstance(v, bool) or v != PROTOCOL_VERSION:
-            return _error(ErrorCode.BAD_VERSION, f"protocol version {v!r:.32} is not {PROTOCOL_VERSION}")
-        op = req.get("op")
-        session = self._conns.get(conn)
-        try:
-            if op == "open":
-                if session is not None:
-                    raise ProtocolError(ErrorCode.EXISTS, "this connection already has a session")
-                pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-                session = self.table.open(pid, uid, gid)
-                self._conns[conn] = session
-                return {"v": PROTOCOL_VERSION, "ok": True, "token": session.token, "instance": self.table.instance,
-                        "uid": uid, "pid": os.getpid(), "limits": self.table.limits.to_dict()}
-            if session is None:
-                raise ProtocolError(ErrorCode.SESSION, "open a session first ({'op': 'open'})")
-            if op == "register":
-                return self._register(session, req, fds)
-            if op == "unregister":
-                buf = req.get("buf")
-                if not isinstance(buf, int) or isinstance(buf, bool):
-                    raise ProtocolError(ErrorCode.BAD_FIELD, "field 'buf' must be an integer")
-                mb = session.buffers.unregister(buf)
-                self.table.retire_buffer(session, mb)
-                return {"v": PROTOCOL_VERSION, "ok": True}
-            raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown session op {op!r:.64}")
-        except ProtocolError as exc:
-            return _error(exc.code, str(exc))
-        except Exception as exc:  # keep serving everyone else; the client gets the reason
-            log.exception("internal error on a session request")
-            return _error(ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")
-
-    def _register(self, session: Session, req: dict, fds: list[int]) -> dict:
-        spec = parse_register(req, len(fds))
-        if isinstance(spec, RegisterCudaIpc):
-            mb = session.buffers.register_cuda(spec, self.table.cuda)
-        else:
-            mb = session.buffers.register_fd(fds[0], spec.size)
-        return {"v": PROTOCOL_VERSION, "ok": True, "buf": mb.buf_id, "size": mb.size, "kind": mb.kind}
-
-
-def _error(code: ErrorCode, message: str) -> dict:
-    return {"v": PROTOCOL_VERSION, "ok": False, "code": code.value, "error": message}
-
-
-def _recv_with_fds(conn: socket.socket) -> tuple[bytes, list[int], int]:
-    fds = array.array("i")
-    msg, ancdata, flags, _ = conn.recvmsg(MAX_PACKET, socket.CMSG_SPACE(4 * fds.itemsize))
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    return msg, list(fds), flags

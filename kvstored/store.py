@@ -47,6 +47,7 @@ from kvstored.config import DaemonConfig, SyncPolicy, format_size
 from kvstored.checksum import block_crcs
 from kvstored.copy import address_tags, gather_scatter
 from kvstored.dram import DramTier
+from kvstored.dram_shares import DramShares
 from kvstored.files import StoreBusyError, StoreOpenError, lock_exclusive, punch_hole
 from kvstored.footprint import check_put_bytes
 from kvstored.gate import ReclaimGate
@@ -54,8 +55,8 @@ from kvstored.index import BlockIndex, Growth, IndexFullError, PageSpanError, Se
 from kvstored.io_engine import AlignedScratch, choose_engine
 from kvstored.ssd import NO_SPACE, SsdTier
 from kvstored.staging import StagingPool
-from kvstored.protocol import (MAX_SEQS_PER_GET, Create, Delete, ErrorCode, Get, ListSeqs, Lookup, OpenSeq,
-                               ProtocolError, Put)
+from kvstored.protocol import (MAX_IMPORTANCE, MAX_SEQS_PER_GET, Create, Delete, ErrorCode, Get, ListSeqs, Lookup,
+                               OpenSeq, ProtocolError, Put)
 from kvstored.quota import pick_victims
 from kvstored.sessions import Session
 
@@ -146,7 +147,8 @@ class Store:
         self.engine = choose_engine(cfg.engine, cfg.io_threads, str(self.ssd.path), self.ssd.direct)
         self._scratch = AlignedScratch()  # per get worker: where its SSD reads land
         self.dram = DramTier(cfg.dram_bytes)
-        self.index = BlockIndex(cfg.index_max_bytes)
+        self.shares = DramShares(cfg.dram_bytes)  # guarded by the index lock
+        self.index = BlockIndex(cfg.index_max_bytes, cfg.index_max_per_uid_bytes)
         self.gate = ReclaimGate()
         self.counters: Counter[str] = Counter()
         # Bytes stored per (owner, namespace), for --quota.
@@ -183,7 +185,8 @@ class Store:
                 slots = np.arange(len(ext.pages), dtype=np.int64)
                 entry.ssd_off[ext.layer, ext.head, cols] = ext.offset + slots * bb
                 entry.crc[ext.layer, ext.head, cols] = ext.crc
-                entry.importance[ext.layer, ext.head, cols] = ext.importance
+                # Stores written before hints were bounded may hold larger ones.
+                entry.importance[ext.layer, ext.head, cols] = np.clip(ext.importance, 0.0, MAX_IMPORTANCE)
                 entry.has_page[cols] = True
                 entry.extents.append((ext.offset, len(ext.pages) * bb))
                 entry.num_blocks += len(ext.pages)
@@ -327,12 +330,10 @@ class Store:
                 ErrorCode.EXISTS,
                 f"sequence {req.ns}/{req.seq} exists" + ("" if found.geometry == req.geometry else " with another geometry"),
             )
-        if not self.index.can_add():
-            raise ProtocolError(
-                ErrorCode.FULL,
-                f"block index full: {format_size(self.index.num_bytes)} of --index-max "
-                f"{format_size(self.index.max_bytes)}; delete sequences or raise --index-max",
-            )
+        try:
+            self.index.check_add(owner)
+        except IndexFullError as exc:
+            raise ProtocolError(ErrorCode.FULL, str(exc)) from None
         self._check_room("create")
         uid = self.catalog.next_uid
         rec = SeqRecord(uid, req.ns, req.seq, req.geometry, time.time(), owner)
@@ -404,10 +405,11 @@ class Store:
             self._ns_bytes[key] -= entry.bytes
             if self._ns_bytes[key] <= 0:  # an emptied namespace leaves nothing behind
                 del self._ns_bytes[key]
+            bb = entry.geometry.block_bytes
             with self.index.lock:
                 slots = entry.dram_off[entry.dram_off >= 0].copy()
                 entry.dram_off[:] = -1
-            bb = entry.geometry.block_bytes
+                self.shares.drop(entry.owner, len(slots) * bb)
             extents = list(entry.extents)
             self.gate.retire(lambda bb=bb, slots=slots: self.dram.release(bb, slots))
             self.gate.retire(lambda extents=extents: self._release_extents(extents))
@@ -462,8 +464,6 @@ class Store:
         for name, arr in (("cluster", req.cluster), ("order", req.order), ("importance", req.importance)):
             if arr is not None and len(arr) != total:
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, f"'{name}' has {len(arr)} values for {total} blocks")
-        if req.importance is not None and not np.isfinite(req.importance).all():
-            raise ProtocolError(ErrorCode.BAD_FIELD, "'importance' holds NaN or infinity")
         mb = session.buffers.lookup(req.buf)
         _check_span(mb, req.offset, total * bb, "source")
         self._check_new_pages(entry, layers, pages)
@@ -658,9 +658,10 @@ class Store:
         """Copy blocks into DRAM: into free slots, and with ``replace`` over residents that matter less.
 
         Residents are ranked by importance, then by last use; a candidate displaces the
-        lowest-ranked resident only if it ranks higher itself. With ``expect_crc`` (the
-        source is client memory) only copies that verify against it are kept. Without
-        ``importance`` the index's is used. ``src`` is host memory or a client's buffer,
+        lowest-ranked resident of its own user only if it ranks higher itself, or one of a
+        user over its fair share while its own user is under its share (dram_shares.py).
+        With ``expect_crc`` (the source is client memory) only copies that verify against
+        it are kept. Without ``importance`` the index's is used. ``src`` is host memory or a client's buffer,
         which copies the blocks out itself (from device memory, for a CUDA IPC buffer).
         """
         bb = entry.geometry.block_bytes
@@ -683,8 +684,7 @@ class Store:
             sel = sel[np.argsort(-importance[sel], kind="stable")]
             slots = self.dram.allocate(bb, len(sel))
             if len(slots) < len(sel) and replace:
-                evicted = self._evict_for(bb, importance[sel[len(slots):]], next(self._tick))
-                if evicted:
+                if self._displace(entry.owner, bb, importance[sel[len(slots):]], next(self._tick)):
                     slots = np.concatenate([slots, self.dram.allocate(bb, len(sel) - len(slots))])
             sel = sel[: len(slots)]
             if isinstance(src, MappedBuffer):
@@ -701,10 +701,18 @@ class Store:
                     self.counters["dram_admit_refused"] += int((~good).sum())
                     sel, slots = sel[good], slots[good]
             entry.dram_off[layers[sel], heads[sel], cols[sel]] = slots
+            self.shares.add(entry.owner, len(sel) * bb)
             self.counters["dram_admitted"] += len(sel)
 
-    def _evict_for(self, bb: int, cand_importance: np.ndarray, now: int) -> int:
-        """Evict residents of block size ``bb`` that rank below the candidates (index lock held).
+    def _displace(self, owner: int, bb: int, cand_importance: np.ndarray, now: int) -> int:
+        """Evict residents for candidates of ``owner`` (by descending importance) that found no
+        free slot, within the owners' fair shares (see dram_shares.py); index lock held."""
+        plan = self.shares.plan(owner, bb, len(cand_importance))
+        evicted = sum(self._evict_for(bb, np.full(n, np.inf, np.float32), now, other) for other, n in plan.from_others)
+        return evicted + self._evict_for(bb, cand_importance[len(cand_importance) - plan.own:], now, owner)
+
+    def _evict_for(self, bb: int, cand_importance: np.ndarray, now: int, owner: int) -> int:
+        """Evict residents of ``owner`` of block size ``bb`` that rank below the candidates (index lock held).
 
         At most one resident per candidate goes, so only the ``len(cand_importance)``
         lowest-ranked residents are ranked: a linear partition by importance picks them
@@ -714,15 +722,15 @@ class Store:
         m = len(cand_importance)
         if not m:
             return 0
-        owners, flats, imps, uses = [], [], [], []
+        seq_uids, flats, imps, uses = [], [], [], []
         for entry in self.index._by_uid.values():
-            if entry.geometry.block_bytes != bb:
+            if entry.geometry.block_bytes != bb or entry.owner != owner:
                 continue
             flat = np.flatnonzero(entry.dram_off.reshape(-1) >= 0)
-            owners.append(np.full(len(flat), entry.uid, dtype=np.int64))
+            seq_uids.append(np.full(len(flat), entry.uid, dtype=np.int64))
             flats.append(flat)
             imps.append(entry.importance.reshape(-1)[flat]), uses.append(entry.last_use.reshape(-1)[flat])
-        if not owners:
+        if not seq_uids:
             return 0
         imp, use = np.concatenate(imps), np.concatenate(uses)
         low = np.flatnonzero(imp <= np.partition(imp, m - 1)[m - 1]) if len(imp) > m else np.arange(len(imp))
@@ -735,15 +743,16 @@ class Store:
         if not count:
             return 0
         victims = rank[:count]
-        owner, flat = np.concatenate(owners)[victims], np.concatenate(flats)[victims]
+        seq_uid, flat = np.concatenate(seq_uids)[victims], np.concatenate(flats)[victims]
         freed = []
-        for uid in np.unique(owner).tolist():
+        for uid in np.unique(seq_uid).tolist():
             entry = self.index._by_uid[uid]
-            where = np.unravel_index(flat[owner == uid], entry.dram_off.shape)
+            where = np.unravel_index(flat[seq_uid == uid], entry.dram_off.shape)
             freed.append(entry.dram_off[where].copy())
             entry.dram_off[where] = -1
         slots = np.concatenate(freed)
         self.gate.retire(lambda: self.dram.release(bb, slots))
+        self.shares.drop(owner, count * bb)
         self.counters["dram_evicted"] += count
         return count
 

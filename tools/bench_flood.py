@@ -46,7 +46,8 @@ from kvdrive_client.embedded import EmbeddedDaemon
 
 DEFAULT_SECONDS, QUICK_SECONDS = 5.0, 1.0
 DEFAULT_CONNECTIONS, QUICK_CONNECTIONS = 512, 128
-DEFAULT_SESSION_CONNECTIONS, QUICK_SESSION_CONNECTIONS = 128, 32
+# Below --max-session-connections-per-uid (128 by default): the flood runs as the victim's uid.
+DEFAULT_SESSION_CONNECTIONS, QUICK_SESSION_CONNECTIONS = 96, 32
 DEFAULT_DRAM, QUICK_DRAM = 64 << 20, 16 << 20
 SSD_DATA_FACTOR = 8  # the ssd-gets flood's sequence, in DRAM tiers
 SSD_MAX = 16 << 30

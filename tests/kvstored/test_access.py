@@ -8,16 +8,13 @@ kernel reports that uid to the daemon; these tests need root to do so and are sk
 
 from __future__ import annotations
 
-import json
 import os
-import pwd
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -29,58 +26,18 @@ import zmq
 from kvdrive_client import Geometry, NotFoundError, StoreClient
 from kvdrive_client.errors import BufferError_, RequestError, SessionLostError, UnsafeStoreError
 from kvstored.protocol import PROTOCOL_VERSION
+from tenants import as_other_user, needs_root, other_user, shared_dir
 
 GEOM = Geometry(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", page_size=8)
 BB = GEOM.block_bytes
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another OS user needs root")
 
 
-def other_user() -> pwd.struct_passwd:
-    try:
-        return pwd.getpwnam("nobody")
-    except KeyError:
-        pytest.skip("this host has no 'nobody' user to act as the other tenant")
-
-
-def as_other_user(fn: Callable[[], dict]) -> dict:
-    """Run ``fn`` in a child process that has become ``nobody``; return what it returned."""
-    user = other_user()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(user.pw_gid)
-            os.setuid(user.pw_uid)
-            try:
-                out = {"ok": True, **fn()}
-            except BaseException:  # reported to the parent, which fails the test
-                out = {"ok": False, "error": traceback.format_exc()}
-            os.write(w, json.dumps(out).encode() + b"\n")
-        finally:
-            os._exit(0)
-    os.close(w)
-    # Up to the newline only: a process the child started may hold the pipe open longer.
-    chunks = []
-    while (chunk := os.read(r, 1 << 16)) and not chunk.endswith(b"\n"):
-        chunks.append(chunk)
-    chunks.append(chunk)
-    os.close(r)
-    os.waitpid(pid, 0)
-    result = json.loads(b"".join(chunks) or b'{"ok": false, "error": "the child wrote nothing"}')
-    assert result.pop("ok"), result.get("error")
-    return result
 
 
 @pytest.fixture
 def shared_root():
-    """A daemon directory every user can reach (pytest's own temp dirs are owner-only)."""
-    root = Path(tempfile.mkdtemp(prefix="kvdrive-access-", dir="/tmp"))
-    root.chmod(0o755)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    yield from shared_dir()
 
 
 def refusal(fn: Callable[[], object]) -> str:
