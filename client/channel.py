@@ -5,11 +5,18 @@ the directory holding it must be writable by its owner only, the process behind 
 (the kernel says which, SO_PEERCRED) must run as that owner or as root, and a
 directory inside a directory anyone may write (``/tmp``) must belong to this user
 or to root, since another user may have made it first and put a fake daemon there.
+
+Over TCP the socket's path comes from whoever answers on the port, and any local user
+may have bound it first, so there the process behind the session socket must also run
+as a uid this user trusts (:func:`trusted_daemon_uids`): root, this user, the service
+user ``kvdrive`` of the systemd unit, or one the caller names; otherwise the client
+refuses before it sends anything on that socket, a buffer least of all.
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import select
 import socket
 import stat
@@ -25,6 +32,21 @@ from kvdrive.protocol import PROTOCOL_VERSION
 
 _UCRED = struct.Struct("3i")
 _MAX_REPLY = 4096
+# The user the systemd unit runs kvstored as (systemd/kvstored.service).
+SERVICE_USER = "kvdrive"
+
+
+def trusted_daemon_uids(named: int | None = None) -> frozenset[int]:
+    """The uids a daemon found through a TCP address may run as: root, this user, the
+    service user where it exists, and ``named``."""
+    uids = {0, os.geteuid()}
+    try:
+        uids.add(pwd.getpwnam(SERVICE_USER).pw_uid)
+    except KeyError:
+        pass
+    if named is not None:
+        uids.add(named)
+    return frozenset(uids)
 
 
 def check_socket_dir(path: Path, daemon_uid: int) -> None:
@@ -56,7 +78,9 @@ def check_socket_dir(path: Path, daemon_uid: int) -> None:
 class SessionChannel:
     """One session: its token, the daemon instance it was opened with, buffer registration."""
 
-    def __init__(self, path: Path, timeout: float) -> None:
+    def __init__(self, path: Path, timeout: float, trusted_uids: frozenset[int] | None = None) -> None:
+        """``trusted_uids``: where the path came from the daemon's own answer (TCP), the uids
+        the process behind it may run as; None where the caller named the path (ipc)."""
         self.path = path
         self._lock = threading.Lock()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -70,6 +94,11 @@ class SessionChannel:
         try:
             _pid, self.daemon_uid, _gid = _UCRED.unpack(
                 self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            if trusted_uids is not None and self.daemon_uid not in trusted_uids:
+                raise UnsafeStoreError(
+                    f"the daemon behind session socket {path} runs as {_user(self.daemon_uid)}, not as root, this "
+                    f"user or the service user {SERVICE_USER!r}: over TCP anyone may answer first, so this client "
+                    f"will not open a session there (connect(..., daemon_uid={self.daemon_uid}) trusts it)")
             check_socket_dir(path.parent, self.daemon_uid)
             reply = self._call({"op": "open"})
         except BaseException:
@@ -147,3 +176,9 @@ class SessionChannel:
         self.closed = True
         self._sock.close()
 
+
+def _user(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"

@@ -26,7 +26,7 @@ import zmq
 
 from kvdrive.layout.geometry import Geometry
 from kvdrive_client.embedded import EmbeddedDaemon
-from kvdrive_client.channel import SessionChannel
+from kvdrive_client.channel import SessionChannel, trusted_daemon_uids
 from kvdrive_client.errors import RequestError, SessionLostError, StoreUnavailableError, error_from_reply
 from kvdrive_client.locate import DEFAULT, Default, check_socket, resolve
 from kvdrive_client.shm import CudaIpcBuffer, SharedBuffer
@@ -99,8 +99,11 @@ class StoreClient:
     not start it later, so a request the client gave up on never runs behind its back.
     """
 
-    def __init__(self, address: str, timeout: float = 120.0, daemon: EmbeddedDaemon | None = None) -> None:
+    def __init__(self, address: str, timeout: float = 120.0, daemon: EmbeddedDaemon | None = None,
+                 daemon_uid: int | None = None) -> None:
         self.address = address
+        # Over TCP, the uids the daemon behind the session socket may run as (client/channel.py).
+        self._trusted_uids = None if address.startswith("ipc://") else trusted_daemon_uids(daemon_uid)
         self.timeout = timeout
         self._daemon = daemon
         self._ctx = zmq.Context()
@@ -140,7 +143,7 @@ class StoreClient:
             if ch is not None:
                 ch.close()
                 self._channel = None
-            ch = SessionChannel(self._session_path(), min(self.timeout, 30.0))
+            ch = SessionChannel(self._session_path(), min(self.timeout, 30.0), self._trusted_uids)
             if self.instance is not None and ch.instance != self.instance:
                 self.restarts_seen += 1
                 log.warning("kvstored at %s restarted (instance %s -> %s); registering %d buffers again",
@@ -428,7 +431,7 @@ class StoreClient:
 
 
 def connect(address: str | None | Default = DEFAULT, *, dram: str = "256M", ssd_max: str = "8G",
-            timeout: float = 120.0, daemon_args: list[str] | None = None) -> StoreClient:
+            timeout: float = 120.0, daemon_args: list[str] | None = None, daemon_uid: int | None = None) -> StoreClient:
     """A client of kvstored.
 
     - ``connect()``: the default daemon, the first of ``$KVDRIVE_ADDRESS``; the user's
@@ -442,6 +445,9 @@ def connect(address: str | None | Default = DEFAULT, *, dram: str = "256M", ssd_
       ``kvstored`` flags); :meth:`StoreClient.close` stops it and removes the directory,
       and so does the daemon itself if this process dies first.
 
+    Over TCP the daemon's session socket must be served by root, this user or the
+    service user ``kvdrive`` (a local user could have bound the port first and would
+    otherwise be handed this client's buffers); ``daemon_uid`` trusts one more uid.
     ``timeout`` (seconds) bounds every request. An ipc:// path with no daemon behind it
     (no socket file, or a stale one) raises :class:`StoreUnavailableError` at once, saying
     how to start one; a daemon that does not answer within ``min(timeout, 10)`` seconds
@@ -451,7 +457,7 @@ def connect(address: str | None | Default = DEFAULT, *, dram: str = "256M", ssd_
         return _connect_embedded(dram, ssd_max, timeout, daemon_args)
     address, by_default = resolve(address)
     check_socket(address, by_default)
-    client = StoreClient(address, timeout)
+    client = StoreClient(address, timeout, daemon_uid=daemon_uid)
     wait = min(timeout, 10.0)
     if not client.ping(timeout=wait):
         client.close()
