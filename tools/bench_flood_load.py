@@ -30,6 +30,7 @@ is the measuring process's end of all this.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import enum
 import json
@@ -113,7 +114,7 @@ class Tally:
 # ---------------------------------------------------------------- request floods
 
 
-class RequestLoop:
+class RequestLoop(abc.ABC):
     """One connection's flood: ``setup`` once, then ``step`` until told to stop."""
 
     def __init__(self, spec: FloodSpec, index: int) -> None:
@@ -122,8 +123,9 @@ class RequestLoop:
     def setup(self, client: StoreClient) -> None:
         pass
 
+    @abc.abstractmethod
     def step(self, client: StoreClient, tally: Tally) -> None:
-        raise NotImplementedError
+        """Send one request and wait for its reply, counting it in ``tally``."""
 
     def close(self, client: StoreClient) -> None:
         pass
