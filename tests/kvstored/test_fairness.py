@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -48,17 +49,15 @@ def shared_root():
     yield from shared_dir()
 
 
+@contextlib.contextmanager
 def _stopped(daemon):
     """SIGSTOP the daemon until the block ends: what is sent meanwhile waits in its socket,
     so what it serves first is its choice, not the order of arrival."""
-    class Stopped:
-        def __enter__(self):
-            os.kill(daemon.proc.pid, signal.SIGSTOP)
-            return self
-
-        def __exit__(self, *exc):
-            os.kill(daemon.proc.pid, signal.SIGCONT)
-    return Stopped()
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
 
 
 def test_a_small_put_waits_behind_a_few_mib_of_another_sessions_puts(daemon_factory):
