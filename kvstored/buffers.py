@@ -60,6 +60,15 @@ class MappedBuffer:
         self.array = array
         self.owner = owner
 
+    def check_span(self, offset: int, nbytes: int, what: str) -> None:
+        """Refuse a request whose ``nbytes`` from ``offset`` do not fit in this buffer."""
+        if offset + nbytes > self.size:
+            raise ProtocolError(
+                ErrorCode.BUFFER,
+                f"{what} buffer {self.buf_id} is too small: needs {offset + nbytes} bytes (offset {offset} + {nbytes}), "
+                f"has {self.size}",
+            )
+
     def write_blocks(self, src: np.ndarray, src_offs: np.ndarray, dst_offs: np.ndarray, nbytes: int) -> None:
         """``buffer[dst_offs[i]:+nbytes] = src[src_offs[i]:+nbytes]`` (``src`` host memory)."""
         gather_scatter(src, src_offs, self.array, dst_offs, nbytes)

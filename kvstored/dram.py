@@ -20,6 +20,7 @@ import numpy as np
 from kvdrive.layout.allocator import ExtentAllocator, SpaceError
 from kvstored.config import format_size
 from kvstored.files import StoreOpenError
+from kvstored.tier import Tier
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,9 @@ class DramAllocationError(StoreOpenError):
     """The DRAM tier could not be mapped: ``--dram`` asks for more than the kernel gives."""
 
 
-class DramTier:
+class DramTier(Tier):
+    name = "dram"
+
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.lock = threading.Lock()

@@ -24,6 +24,7 @@ import numpy as np
 from kvdrive.layout.allocator import ExtentAllocator, SpaceError
 from kvstored.config import format_size
 from kvstored.files import punch_hole
+from kvstored.tier import Tier
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +35,15 @@ class DiskFullError(OSError):
     """The filesystem could not back any free range of the data file for a put."""
 
 
-class SsdTier:
+class SsdTier(Tier):
     """Owns the data file and its free space.
 
     The allocator belongs to the single writer thread; frees that readers might
     still race with arrive through :meth:`queue_free` and are applied by the
     writer before its next allocation.
     """
+
+    name = "ssd"
 
     def __init__(self, path: Path, capacity: int, direct: bool) -> None:
         self.path = path
@@ -62,6 +65,10 @@ class SsdTier:
         self._frees_lock = threading.Lock()
         self._parked: list[tuple[int, int]] = []  # free ranges the filesystem could not back
         self._parked_bytes = 0
+
+    @property
+    def capacity(self) -> int:  # type: ignore[override]
+        return self.allocator.capacity
 
     @property
     def used_bytes(self) -> int:

@@ -1,0 +1,302 @@
+"""The put path: check, stage, write and place a put's blocks, then commit and publish groups.
+
+A put is two-phase: :meth:`PutPath.prepare` checks the request (the index's page window
+and byte budget included, see index.py), stages the blocks in packing order, writes them
+to the data file and grows the index arrays the put will land in; :meth:`PutPath.commit`
+makes a group of prepared puts durable (one fdatasync, one LMDB commit) and only then
+publishes them to the index (assignments into those arrays) and offers them to the DRAM
+tier (a cache: a block it does not take is read from the SSD). Everything that can fail
+for one put fails in its prepare, so it is refused alone; only the shared commit fails a
+whole group, and then none of it is durable. A put that fails in either phase leaves no
+blocks behind: its extents are unreferenced space that the allocator takes back.
+Everything here runs on the single writer thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvdrive.layout import SpaceError, align_up, packing_order
+from kvstored.buffers import MappedBuffer
+from kvstored.catalog import Catalog, ExtentRecord
+from kvstored.checksum import block_crcs
+from kvstored.config import DaemonConfig, SyncPolicy, format_size
+from kvstored.copy import address_tags
+from kvstored.footprint import check_put_bytes
+from kvstored.gate import ReclaimGate
+from kvstored.index import BlockIndex, Growth, IndexFullError, PageSpanError, SeqEntry
+from kvstored.protocol import ErrorCode, ProtocolError, Put
+from kvstored.residency import Residency
+from kvstored.sessions import Session
+from kvstored.space import Space
+from kvstored.ssd import NO_SPACE, SsdTier
+from kvstored.staging import StagingPool
+
+log = logging.getLogger(__name__)
+
+STAGING_KEEP_BYTES = 128 << 20  # put staging mappings kept for reuse between puts (staging.py)
+
+
+@dataclass
+class PreparedPut:
+    entry: SeqEntry
+    records: list[ExtentRecord]
+    extents: list[tuple[int, int]]
+    staging: np.ndarray
+    staging_map: mmap.mmap
+    stage_offs: np.ndarray
+    layers: np.ndarray
+    heads: np.ndarray
+    pages: np.ndarray
+    importance: np.ndarray
+    crc: np.ndarray
+    ssd_off: np.ndarray  # where each block lies in the data file
+    page_ids: np.ndarray  # the put's distinct pages
+    pool: StagingPool | None = None  # where the staging mapping goes back to
+
+    def release(self) -> None:
+        self.staging = np.zeros(0, dtype=np.uint8)
+        if self.pool is not None:
+            self.pool.give(self.staging_map)
+        else:
+            self.staging_map.close()
+
+
+@dataclass
+class _Staged:
+    """A put's blocks in slot order: [layer, head, slot] arrays and the staging copy."""
+
+    staging_map: mmap.mmap
+    staging: np.ndarray
+    stage_offs: np.ndarray  # where each block sits in the staging copy
+    slot_pages: np.ndarray
+    crc: np.ndarray
+    importance: np.ndarray
+    cluster: np.ndarray
+    ext_bytes: int
+
+
+class PutPath:
+    def __init__(self, cfg: DaemonConfig, index: BlockIndex, catalog: Catalog, ssd: SsdTier, space: Space,
+                 residency: Residency, gate: ReclaimGate, counters: Counter, ns_bytes: Counter,
+                 clock: itertools.count) -> None:
+        self.cfg, self.index, self.catalog, self.ssd, self.space = cfg, index, catalog, ssd, space
+        self.residency, self.gate, self.counters, self.ns_bytes, self.clock = residency, gate, counters, ns_bytes, clock
+        self.staging = StagingPool(STAGING_KEEP_BYTES)
+        self._inflight: dict[tuple[int, int], list[np.ndarray]] = {}
+
+    # ------------------------------------------------------------ prepare
+
+    def prepare(self, req: Put, session: Session, entry: SeqEntry) -> PreparedPut:
+        mb = self._check(req, session, entry)
+        growth = self._plan_growth(entry, req.pages)
+        self.space.check_room("put")
+        st = self._stage(req, mb, session, entry)
+        num_l, num_h, num_p = st.slot_pages.shape
+        # Space is taken only once nothing but the write can fail, so no path leaks it.
+        offsets = self._place(st.staging, num_l * num_h, st.ext_bytes)
+        try:
+            # The index grows now, so that publishing after the commit cannot fail.
+            self.index.grow(entry, growth)
+        except MemoryError:
+            for off in offsets:
+                self.ssd.allocator.free(off, st.ext_bytes)
+            raise ProtocolError(
+                ErrorCode.FULL,
+                f"no memory for the block index of {entry.ns}/{entry.name} ({growth.capacity} pages); lower --index-max "
+                f"to what this host can hold, or delete sequences",
+            ) from None
+        bb = entry.geometry.block_bytes
+        ssd_off = (np.asarray(offsets, dtype=np.int64)[:, None] + np.arange(num_p, dtype=np.int64) * bb).ravel()
+        records = []
+        for k, (li, h) in enumerate(itertools.product(range(num_l), range(num_h))):
+            self.catalog.next_extent += 1
+            records.append(ExtentRecord(
+                entry.uid, int(req.layers[li]), h, self.catalog.next_extent, offsets[k],
+                st.slot_pages[li, h].astype(np.int32), st.crc[li, h], st.cluster[li, h], st.importance[li, h],
+            ))
+        for li in range(num_l):
+            self._inflight.setdefault((entry.uid, int(req.layers[li])), []).append(req.pages)
+        lay = np.broadcast_to(req.layers[:, None, None], st.slot_pages.shape)
+        hed = np.broadcast_to(np.arange(num_h)[None, :, None], st.slot_pages.shape)
+        return PreparedPut(
+            entry, records, [(o, num_p * bb) for o in offsets], st.staging, st.staging_map, st.stage_offs.ravel(),
+            lay.ravel().copy(), hed.ravel().copy(), st.slot_pages.ravel(), st.importance.ravel(), st.crc.ravel(),
+            ssd_off, req.pages, pool=self.staging,
+        )
+
+    def _check(self, req: Put, session: Session, entry: SeqEntry) -> MappedBuffer:
+        """Refuse a put that names blocks out of range, asks too much, or overwrites; its source buffer."""
+        g = entry.geometry
+        if req.layers.max() >= g.num_layers:
+            raise ProtocolError(ErrorCode.OUT_OF_RANGE, f"layer {int(req.layers.max())} >= num_layers {g.num_layers}")
+        num_l, num_h, num_p = len(req.layers), g.num_kv_heads, len(req.pages)
+        total = num_l * num_h * num_p
+        if total > self.cfg.max_blocks_per_request:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE,
+                f"put of {num_l} layers x {num_h} heads x {num_p} pages = {total} blocks, limit {self.cfg.max_blocks_per_request}",
+            )
+        check_put_bytes(num_l * num_h, num_p, g.block_bytes)
+        for name, arr in (("cluster", req.cluster), ("order", req.order), ("importance", req.importance)):
+            if arr is not None and len(arr) != total:
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"'{name}' has {len(arr)} values for {total} blocks")
+        mb = session.buffers.lookup(req.buf)
+        mb.check_span(req.offset, total * g.block_bytes, "source")
+        self._check_new_pages(entry, req.layers, req.pages)
+        return mb
+
+    def _stage(self, req: Put, mb: MappedBuffer, session: Session, entry: SeqEntry) -> _Staged:
+        """Copy the put's blocks from the client's buffer into staging, each (layer, head)'s
+        pages in packing order as one extent; their CRCs, importance and cluster in that order."""
+        bb, num_h = entry.geometry.block_bytes, entry.geometry.num_kv_heads
+        layers, pages = req.layers, req.pages
+        num_l, num_p = len(layers), len(pages)
+        total = num_l * num_h * num_p
+        cluster = (req.cluster if req.cluster is not None else np.zeros(total, np.int32)).reshape(num_l, num_h, num_p)
+        order = req.order.reshape(num_l, num_h, num_p) if req.order is not None else None
+        importance = (req.importance if req.importance is not None else np.zeros(total, np.float32)).reshape(num_l, num_h, num_p)
+        ext_bytes = align_up(num_p * bb)
+        staging_map, staging = self.staging.take(num_l * num_h * ext_bytes)
+        perm_idx = np.empty((num_l, num_h, num_p), dtype=np.int64)
+        for li, h in itertools.product(range(num_l), range(num_h)):
+            perm_idx[li, h] = packing_order(pages, cluster[li, h], None if order is None else order[li, h])
+        slot_pages = pages[perm_idx]
+        src_offs = req.offset + ((np.arange(num_l * num_h).reshape(num_l, num_h, 1) * num_p) + perm_idx) * bb
+        stage_offs = (np.arange(num_l * num_h, dtype=np.int64)[:, None] * ext_bytes + np.arange(num_p) * bb).reshape(num_l, num_h, num_p)
+        with self.gate.reading():
+            # Inside the gate an unregister of the source waits for this copy to end before
+            # it unmaps the buffer; one that came first fails the put here.
+            session.buffers.lookup(req.buf)
+            mb.read_blocks(src_offs.ravel(), staging, stage_offs.ravel(), bb)
+        lay = np.broadcast_to(layers[:, None, None], slot_pages.shape)
+        hed = np.broadcast_to(np.arange(num_h)[None, :, None], slot_pages.shape)
+        tags = address_tags(entry.uid, lay.ravel(), hed.ravel(), slot_pages.ravel())
+        crc = (block_crcs(staging, stage_offs.ravel(), bb) ^ tags).reshape(slot_pages.shape)
+        # Importance and cluster follow the pages into slot order.
+        return _Staged(staging_map, staging, stage_offs, slot_pages, crc, np.take_along_axis(importance, perm_idx, axis=2),
+                       np.take_along_axis(cluster, perm_idx, axis=2), ext_bytes)
+
+    def _plan_growth(self, entry: SeqEntry, pages: np.ndarray) -> Growth:
+        try:
+            return self.index.plan_growth(entry, pages)
+        except PageSpanError as exc:
+            self.counters["puts_refused_span"] += 1
+            raise ProtocolError(ErrorCode.TOO_LARGE, str(exc)) from None
+        except IndexFullError as exc:
+            self.counters["puts_refused_index"] += 1
+            raise ProtocolError(ErrorCode.FULL, str(exc)) from None
+
+    def _place(self, staging: np.ndarray, count: int, ext_bytes: int) -> list[int]:
+        """Write a put's extents to the data file (see SsdTier.place); refusals as replies."""
+        try:
+            return self.ssd.place(staging, count, ext_bytes)
+        except SpaceError as exc:
+            self.counters["puts_refused_full"] += 1
+            raise ProtocolError(
+                ErrorCode.FULL,
+                f"SSD tier full: this put needs {format_size(count * ext_bytes)} ({exc}); "
+                f"delete sequences or raise --ssd-max",
+            ) from None
+        except OSError as exc:
+            # The staging map is left to the garbage collector: views of it (the traceback's
+            # frames hold some) keep it exported, and closing it now would raise BufferError.
+            code = ErrorCode.FULL if exc.errno in NO_SPACE else ErrorCode.IO
+            raise ProtocolError(code, f"writing blocks failed: {exc}") from None
+
+    def _check_new_pages(self, entry: SeqEntry, layers: np.ndarray, pages: np.ndarray) -> None:
+        inside = pages[entry.inside(pages)]
+        if len(inside):
+            # Columns first: indexing the layers first would copy every page of them.
+            stored = entry.ssd_off[:, :, entry.columns(inside)][layers] >= 0
+            if stored.any():
+                li, h, pi = np.argwhere(stored)[0]
+                raise ProtocolError(
+                    ErrorCode.EXISTS,
+                    f"block (layer {int(layers[li])}, head {int(h)}, page {int(inside[pi])}) is already stored; blocks are write-once",
+                )
+        for li in layers.tolist():
+            for pending in self._inflight.get((entry.uid, li), ()):
+                both = np.intersect1d(pending, pages)
+                if len(both):
+                    raise ProtocolError(ErrorCode.EXISTS, f"page {int(both[0])} of layer {li} is being written by another put")
+
+    # ------------------------------------------------------------ commit
+
+    def abort(self, prepared: list[PreparedPut]) -> None:
+        for p in prepared:
+            for off, nbytes in p.extents:
+                self.ssd.allocator.free(off, nbytes)
+            p.release()
+        self._inflight.clear()
+
+    def commit(self, prepared: list[PreparedPut]) -> dict[int, ProtocolError]:
+        """Make prepared puts durable (one fdatasync, one LMDB commit), then visible.
+
+        A failure of the shared commit raises: ProtocolError(IO) for an I/O error, and
+        then no put of the group is durable. After the commit, publishing a put is
+        assignments into index arrays its prepare grew; should one fail all the same
+        (a bug), only that put is refused: the returned map holds its position.
+        """
+        if not prepared:
+            return {}
+        try:
+            if self.cfg.sync == SyncPolicy.DURABLE:
+                self.ssd.sync()
+            with self.space.catalog_write("put") as txn:
+                self.catalog.add_extents(txn, [rec for p in prepared for rec in p.records])
+        except BaseException as exc:
+            self.abort(prepared)
+            if isinstance(exc, (OSError, ProtocolError)):
+                self.counters["commits_failed"] += 1
+            if isinstance(exc, OSError):
+                raise ProtocolError(ErrorCode.IO, f"commit failed: {exc.__class__.__name__}: {exc}") from None
+            raise
+        self._inflight.clear()
+        self.counters["put_commits"] += 1
+        self.space.keep_reserve()
+        tick = next(self.clock)
+        refused: dict[int, ProtocolError] = {}
+        for i, p in enumerate(prepared):
+            try:
+                self._publish(p, tick)
+            except Exception as exc:
+                log.exception("publishing a committed put to %s/%s failed", p.entry.ns, p.entry.name)
+                self.counters["publish_failed"] += 1
+                refused[i] = ProtocolError(
+                    ErrorCode.INTERNAL,
+                    f"the put is durable but not visible until kvstored restarts: {exc.__class__.__name__}: {exc}",
+                )
+            else:
+                try:
+                    self.residency.admit(p.entry, p.layers, p.heads, p.pages, p.importance, p.staging, p.stage_offs,
+                                         replace=True)
+                except Exception:  # DRAM is a cache: a block it does not take is read from the SSD
+                    log.exception("admitting a put of %s/%s to DRAM failed", p.entry.ns, p.entry.name)
+                    self.counters["dram_admit_failed"] += 1
+            p.release()
+        return refused
+
+    def _publish(self, p: PreparedPut, tick: int) -> None:
+        entry = p.entry
+        with self.index.lock:
+            cols = entry.columns(p.pages)
+            entry.ssd_off[p.layers, p.heads, cols] = p.ssd_off
+            entry.crc[p.layers, p.heads, cols] = p.crc
+            entry.importance[p.layers, p.heads, cols] = p.importance
+            entry.last_use[p.layers, p.heads, cols] = tick
+            self.index.mark_pages(entry, entry.columns(p.page_ids))
+            entry.extents.extend(p.extents)
+            entry.num_blocks += len(p.pages)
+        bb = entry.geometry.block_bytes
+        self.counters["puts"] += 1
+        self.counters["blocks_put"] += len(p.pages)
+        self.counters["bytes_put"] += len(p.pages) * bb
+        self.ns_bytes[(entry.owner, entry.ns)] += len(p.pages) * bb
+

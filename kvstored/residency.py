@@ -1,0 +1,273 @@
+"""Which blocks the DRAM tier keeps: admission, ranking and eviction, never a scan.
+
+A block enters the tier when a put commits (``replace``: it may displace residents) and
+when a get reads it from the SSD (only into free slots). Residents are ranked by
+importance, then by last use (the tick of the put or get that last touched them); a
+candidate that finds no free slot displaces the lowest-ranked resident of its own user
+if it ranks higher itself, or one of a user over its fair share while its own user is
+under its share (dram_shares.py).
+
+The ranking lives in one min-heap per (owner, block size) of *runs*: a run is a group of
+blocks that were admitted or touched together with one importance and one tick, keyed by
+``(importance, tick)``. A put or get pushes one run per sequence and distinct importance,
+so the cost of keeping the order is O(log runs) per run pushed, whatever the number of
+stored sequences or resident blocks. A block touched again is pushed again with its new
+tick; its older record goes stale. Staleness is checked when a run is popped: a block
+counts only if it is still resident and its importance and last use are still the run's
+(ticks are never reused, so a block re-admitted later cannot match an old run). When the
+records a heap holds pass twice its resident blocks (plus a slack), the heap is compacted
+in place: every record checked, stale blocks dropped. So memory stays proportional to the
+resident blocks and every push pays O(1) amortised for compaction.
+
+Eviction pops runs from the bottom of the owner's heap and takes their blocks while the
+candidates (by descending importance) still outrank them: at most one resident per
+candidate, the same pairing as a full sort of the residents would give.
+All methods but :meth:`admit` expect the index lock held.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from kvstored.buffers import MappedBuffer
+from kvstored.checksum import block_crcs
+from kvstored.copy import address_tags, gather_scatter
+from kvstored.dram import DramTier
+from kvstored.dram_shares import DramShares
+from kvstored.index import BlockIndex, SeqEntry
+
+COMPACT_SLACK = 4096  # records a heap may hold beyond twice its resident blocks before compaction
+
+
+@dataclass
+class _Run:
+    """Blocks ``(layers[i], heads[i], pages[i])`` of sequence ``uid`` that had importance
+    ``importance`` and last use ``tick`` when recorded."""
+
+    uid: int
+    importance: float
+    tick: int
+    layers: np.ndarray
+    heads: np.ndarray
+    pages: np.ndarray
+
+    def live(self, index: BlockIndex) -> tuple[SeqEntry | None, np.ndarray]:
+        """The run's entry and, per block, whether it is resident with the run's rank still."""
+        entry = index.get(self.uid)
+        if entry is None:
+            return None, np.zeros(len(self.pages), dtype=bool)
+        cols = entry.columns(self.pages)
+        ok = (cols >= 0) & (cols < entry.capacity)
+        lay, hed, col = self.layers[ok], self.heads[ok], cols[ok]
+        ok[ok] = ((entry.dram_off[lay, hed, col] >= 0) & (entry.last_use[lay, hed, col] == self.tick)
+                  & (entry.importance[lay, hed, col] == self.importance))
+        return entry, ok
+
+    def keep(self, mask: np.ndarray) -> _Run:
+        return _Run(self.uid, self.importance, self.tick, self.layers[mask], self.heads[mask], self.pages[mask])
+
+
+class _Heap:
+    """The runs of one (owner, block size), lowest ``(importance, tick)`` on top."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[float, int, int, _Run]] = []
+        self.records = 0  # blocks across the runs, stale ones included
+        self.resident = 0  # blocks of this owner and size in the tier
+
+    def push(self, run: _Run, seq: int) -> None:
+        heapq.heappush(self.items, (run.importance, run.tick, seq, run))
+        self.records += len(run.pages)
+
+    def pop(self) -> _Run:
+        run = heapq.heappop(self.items)[3]
+        self.records -= len(run.pages)
+        return run
+
+
+class Residency:
+    """The DRAM tier's keeper: what to admit, and whom a block displaces."""
+
+    def __init__(self, dram: DramTier, index: BlockIndex, retire: Callable[[Callable[[], None]], None],
+                 counters: Counter) -> None:
+        self.dram = dram
+        self.index = index
+        self.shares = DramShares(dram.capacity)
+        self._retire = retire
+        self._counters = counters
+        self._heaps: dict[tuple[int, int], _Heap] = {}
+        self._seq = itertools.count()  # breaks ties between runs of one (importance, tick)
+
+    # ------------------------------------------------------------ recording
+
+    def touched(self, entry: SeqEntry, lay: np.ndarray, hed: np.ndarray, pag: np.ndarray) -> None:
+        """Record blocks of ``entry`` whose last use or importance just changed; blocks not
+        resident are skipped (index lock held)."""
+        cols = entry.columns(pag)
+        res = entry.dram_off[lay, hed, cols] >= 0
+        if res.any():
+            self._record(entry, lay[res], hed[res], pag[res], cols[res])
+
+    def _record(self, entry: SeqEntry, lay, hed, pag, cols) -> None:
+        if not len(lay):
+            return
+        heap = self._heap(entry)
+        imp, use = entry.importance[lay, hed, cols], entry.last_use[lay, hed, cols]
+        if (imp == imp[0]).all() and (use == use[0]).all():
+            groups = [np.arange(len(imp))]  # the usual case: one put or get, one hint
+        else:
+            keys = np.stack([imp.astype(np.float64), use.astype(np.float64)])
+            _, inverse = np.unique(keys, axis=1, return_inverse=True)
+            order = np.argsort(inverse, kind="stable")
+            groups = np.split(order, np.flatnonzero(np.diff(inverse[order])) + 1)
+        for g in groups:
+            heap.push(_Run(entry.uid, float(imp[g[0]]), int(use[g[0]]), lay[g].astype(np.int32),
+                           hed[g].astype(np.int32), pag[g].astype(np.int64)), next(self._seq))
+        if heap.records > 2 * heap.resident + COMPACT_SLACK:
+            self._compact(heap)
+
+    def _heap(self, entry: SeqEntry) -> _Heap:
+        key = (entry.owner, entry.geometry.block_bytes)
+        heap = self._heaps.get(key)
+        if heap is None:
+            heap = self._heaps[key] = _Heap()
+        return heap
+
+    def _compact(self, heap: _Heap) -> None:
+        items = []
+        for imp, tick, seq, run in heap.items:
+            _, ok = run.live(self.index)
+            if ok.all():
+                items.append((imp, tick, seq, run))
+            elif ok.any():
+                items.append((imp, tick, seq, run.keep(ok)))
+        heapq.heapify(items)
+        heap.items = items
+        heap.records = sum(len(it[3].pages) for it in items)
+        self._counters["dram_rank_compactions"] += 1
+
+    # ------------------------------------------------------------ admission
+
+    def admit(self, entry, layers, heads, pages, importance, src, src_offs, replace: bool,
+              expect_crc: np.ndarray | None = None) -> None:
+        """Copy blocks into DRAM: into free slots, and with ``replace`` over residents that matter less.
+
+        With ``expect_crc`` (the source is client memory) only copies that verify against
+        it are kept. Without ``importance`` the index's is used. ``src`` is host memory or a
+        client's buffer, which copies the blocks out itself (from device memory, for a CUDA
+        IPC buffer).
+        """
+        bb = entry.geometry.block_bytes
+        if not self.dram.capacity or (not replace and not self.dram.has_room(bb)):
+            return  # a full tier takes blocks read from the SSD only into free slots
+        with self.index.lock:
+            if self.index.get(entry.uid) is not entry:
+                return
+            cols = entry.columns(pages)  # under the lock: a put may move the window
+            if importance is None:
+                importance = entry.importance[layers, heads, cols]
+            sel = _new_residents(entry, layers, heads, cols, importance)
+            if not len(sel):
+                return
+            slots = self.dram.allocate(bb, len(sel))
+            if len(slots) < len(sel) and replace:
+                if self._displace(entry.owner, bb, importance[sel[len(slots):]]):
+                    slots = np.concatenate([slots, self.dram.allocate(bb, len(sel) - len(slots))])
+            sel = sel[: len(slots)]
+            if isinstance(src, MappedBuffer):
+                src.read_blocks(src_offs[sel], self.dram.arena, slots, bb)
+            else:
+                gather_scatter(src, src_offs[sel], self.dram.arena, slots, bb)
+            if expect_crc is not None:
+                # A client's buffer may hold one block twice (overlapping destinations) or
+                # change under the copy; checking the DRAM copy keeps it from poisoning the tier.
+                tags = address_tags(entry.uid, layers[sel], heads[sel], pages[sel])
+                good = (block_crcs(self.dram.arena, slots, bb) ^ tags) == expect_crc[sel]
+                if not good.all():
+                    self.dram.release(bb, slots[~good])
+                    self._counters["dram_admit_refused"] += int((~good).sum())
+                    sel, slots = sel[good], slots[good]
+            entry.dram_off[layers[sel], heads[sel], cols[sel]] = slots
+            self.shares.add(entry.owner, len(sel) * bb)
+            self._heap(entry).resident += len(sel)
+            self._record(entry, layers[sel], heads[sel], pages[sel], cols[sel])
+            self._counters["dram_admitted"] += len(sel)
+
+    def _displace(self, owner: int, bb: int, cand_importance: np.ndarray) -> int:
+        """Evict residents for candidates of ``owner`` (by descending importance) that found no
+        free slot, within the owners' fair shares (see dram_shares.py)."""
+        plan = self.shares.plan(owner, bb, len(cand_importance))
+        evicted = sum(self._evict(other, bb, np.full(n, np.inf, np.float32)) for other, n in plan.from_others)
+        return evicted + self._evict(owner, bb, cand_importance[len(cand_importance) - plan.own:])
+
+    # ------------------------------------------------------------ eviction
+
+    def _evict(self, owner: int, bb: int, cand_importance: np.ndarray) -> int:
+        """Evict residents of ``owner`` of block size ``bb`` that rank below the candidates:
+        the k-th lowest-ranked goes if the k-th candidate outranks it. A candidate ties a
+        resident of equal importance and wins it, being newer."""
+        heap = self._heaps.get((owner, bb))
+        want = len(cand_importance)
+        freed: list[np.ndarray] = []
+        count = 0
+        while heap is not None and heap.items and count < want:
+            run = heap.pop()
+            entry, ok = run.live(self.index)
+            if not ok.any():
+                continue
+            run = run.keep(ok)
+            cols = entry.columns(run.pages)
+            lin = np.ravel_multi_index((run.layers, run.heads, cols), entry.dram_off.shape)
+            _, first = np.unique(lin, return_index=True)  # a block recorded twice in one run goes once
+            if len(first) < len(lin):
+                run, cols = run.keep(np.isin(np.arange(len(lin)), first)), cols[np.sort(first)]
+            # Candidates from position count on, descending: those above the run's rank win.
+            beats = int(np.count_nonzero(cand_importance[count:] >= run.importance))
+            take = min(len(run.pages), beats, want - count)
+            if take < len(run.pages):
+                heap.push(run.keep(np.arange(len(run.pages)) >= take), next(self._seq))
+            if not take:
+                break
+            where = (run.layers[:take], run.heads[:take], cols[:take])
+            freed.append(entry.dram_off[where].copy())
+            entry.dram_off[where] = -1
+            count += take
+        if not count:
+            return 0
+        slots = np.concatenate(freed)
+        self._retire(lambda: self.dram.release(bb, slots))
+        self.shares.drop(owner, count * bb)
+        heap.resident -= count
+        self._counters["dram_evicted"] += count
+        return count
+
+    def forget(self, entry: SeqEntry) -> np.ndarray:
+        """Unmap a deleted sequence's DRAM blocks; returns their slots, to free once no get
+        reads them. Its heap records go stale and leave at the next pop or compaction."""
+        slots = entry.dram_off[entry.dram_off >= 0].copy()
+        entry.dram_off[:] = -1
+        if len(slots):
+            self.shares.drop(entry.owner, len(slots) * entry.geometry.block_bytes)
+            self._heap(entry).resident -= len(slots)
+        return slots
+
+    def resident_records(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """Per (owner, block size): (resident blocks, heap records); for tests and stats."""
+        return {key: (h.resident, h.records) for key, h in self._heaps.items()}
+
+
+def _new_residents(entry: SeqEntry, layers, heads, cols, importance) -> np.ndarray:
+    """Positions of the blocks not yet in DRAM, each block once, by descending importance."""
+    absent = entry.dram_off[layers, heads, cols] < 0
+    lin = np.ravel_multi_index((layers, heads, cols), entry.dram_off.shape)
+    _, first = np.unique(lin, return_index=True)
+    keep = np.zeros(len(lin), dtype=bool)
+    keep[first] = True
+    sel = np.flatnonzero(absent & keep)
+    return sel[np.argsort(-importance[sel], kind="stable")]
