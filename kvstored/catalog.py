@@ -11,7 +11,10 @@ little-endian) of the record's key and the rest of its value:
   read it and refuse a store it does not know); ``counts`` -> {seqs, extents,
   next_uid, next_extent}, rewritten by every write transaction.
 - ``seqs``: ``n:<owner u64 BE><ns>\\0<name>`` -> {uid, geometry, created};
-  ``u:<uid u64 BE>`` -> the name key.
+  ``u:<uid u64 BE>`` -> the name key. A sequence's uid is drawn at random below
+  :data:`UID_LIMIT` (:meth:`Catalog.new_uid`), so no user learns from its uids how many
+  sequences others made or when; ``next_uid`` in ``counts`` is one past the highest
+  handed out (stores made before held consecutive uids from 1, and keep them).
 - ``extents``: ``>QIIQ (uid, layer, head, extent_id)`` -> {off, pages, crc, cluster, importance}
   where ``pages`` lists the extent's pages in slot order (int32 bytes) and ``crc``
   each slot's checksum (uint32 bytes, address-tagged).
@@ -27,6 +30,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import secrets
 import struct
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,6 +52,8 @@ log = logging.getLogger(__name__)
 EXTENT_KEY = struct.Struct(">QIIQ")
 UID_KEY = struct.Struct(">Q")
 CRC = struct.Struct("<I")
+# Sequence uids are drawn below this: the protocol's uid fields take values up to 2**62.
+UID_LIMIT = 1 << 62
 MIGRATES_FROM = 2  # the format this kvstored rewrites in place; older ones are refused
 MAX_SHOWN = 5  # problems named in a CatalogDamagedError's message
 # Disk space kept allocated in data.mdb past LMDB's last page, so that a delete commits on
@@ -215,7 +221,7 @@ def _unpack_map(payload: bytes, fields: tuple[str, ...]) -> dict:
     return v
 
 
-def _decode_seq(key: bytes, payload: bytes) -> SeqRecord:
+def decode_seq(key: bytes, payload: bytes) -> SeqRecord:
     if len(key) < 11 or b"\0" not in key[10:]:
         raise ValueError("its key is not owner + namespace + NUL + name")
     ns, name = key[10:].decode().split("\0", 1)
@@ -241,6 +247,7 @@ class Catalog:
         self.num_seqs = self.num_extents = 0
         self._reserved = 0
         self.next_uid = self.next_extent = 1
+        self._handed_out: set[int] = set()  # uids given to sequences not yet added
         data_mdb = path / "data.mdb"
         try:
             meta = read_lmdb_meta(data_mdb)
@@ -364,7 +371,9 @@ class Catalog:
         ``data_bytes`` (the data file's size), when known, bounds every extent.
         """
         with self.env.begin() as txn:
-            return _check(self, txn, data_bytes)
+            from kvstored.catalog_check import check  # it reads this module's records
+
+            return check(self, txn, data_bytes)
 
     def load(self, data_bytes: int | None = None) -> Contents:
         """:meth:`read`, refusing a catalog with any problem."""
@@ -433,7 +442,20 @@ class Catalog:
             self.num_seqs, self.num_extents = saved
             raise
 
+    def new_uid(self) -> int:
+        """A uid for a new sequence: random in [1, UID_LIMIT), neither held by the catalog
+        nor handed out already for a sequence not yet added (writer thread)."""
+        with self.env.begin(db=self.seqs) as txn:
+            while True:
+                uid = 1 + secrets.randbelow(UID_LIMIT - 1)
+                if uid not in self._handed_out and txn.get(uid_key(uid)) is None:
+                    break
+        self._handed_out.add(uid)
+        self.next_uid = max(self.next_uid, uid + 1)
+        return uid
+
     def add_sequence(self, txn: lmdb.Transaction, rec: SeqRecord) -> None:
+        self._handed_out.discard(rec.uid)
         value = msgpack.packb({"uid": rec.uid, "geometry": rec.geometry.to_dict(), "created": rec.created})
         key = rec.key
         txn.put(key, seal(key, value), db=self.seqs)
@@ -471,91 +493,6 @@ class Catalog:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
-
-
-def _check(cat: Catalog, txn: lmdb.Transaction, data_bytes: int | None) -> Contents:
-    problems: list[str] = []
-    by_key: dict[bytes, SeqRecord] = {}
-    uid_refs: dict[int, bytes] = {}
-    rows = list(txn.cursor(db=cat.seqs))
-    for (key, value), payload in zip(rows, unseal_many(rows)):
-        if payload is None:
-            problems.append(f"{show_key(key)}: checksum mismatch")
-        elif key.startswith(b"n:"):
-            try:
-                by_key[key] = _decode_seq(key, payload)
-            except (ValueError, TypeError, UnicodeDecodeError) as exc:
-                problems.append(f"{show_key(key)}: {exc}")
-        elif key.startswith(b"u:") and len(key) == 10:
-            uid_refs[UID_KEY.unpack(key[2:])[0]] = payload
-        else:
-            problems.append(f"{show_key(key)}: not a sequence or uid record")
-    by_uid: dict[int, SeqRecord] = {}
-    for key, rec in by_key.items():
-        where = f"sequence {rec.ns}/{rec.name} (uid {rec.uid})"
-        if rec.uid in by_uid:
-            problems.append(f"{where} shares its uid with {by_uid[rec.uid].ns}/{by_uid[rec.uid].name}")
-        ref = uid_refs.get(rec.uid)
-        if ref is None:
-            problems.append(f"{where} has no uid record")
-        elif ref != key:
-            problems.append(f"{where}: uid record {rec.uid} names {show_key(ref)} instead")
-        by_uid.setdefault(rec.uid, rec)
-    for uid, ref in uid_refs.items():
-        if ref not in by_key:
-            problems.append(f"uid record {uid} names {show_key(ref)}, which does not exist")
-    extents: list[ExtentRecord] = []
-    num_ext_records = 0
-    rows = list(txn.cursor(db=cat.extents))
-    for (key, value), payload in zip(rows, unseal_many(rows)):
-        num_ext_records += 1
-        if payload is None:
-            problems.append(f"{show_key(key)}: checksum mismatch")
-            continue
-        try:
-            ext = ExtentRecord.decode(key, payload)
-        except (ValueError, TypeError) as exc:
-            problems.append(f"{show_key(key)}: {exc}")
-            continue
-        seq = by_uid.get(ext.uid)
-        if seq is None:
-            problems.append(f"{ext.describe()} belongs to no known sequence")
-            continue
-        g = seq.geometry
-        if ext.layer >= g.num_layers or ext.head >= g.num_kv_heads:
-            problems.append(f"{ext.describe()} lies outside {seq.ns}/{seq.name}'s {g.num_layers} layers x {g.num_kv_heads} heads")
-            continue
-        end = ext.offset + len(ext.pages) * g.block_bytes
-        if data_bytes is not None and end > data_bytes:
-            problems.append(f"{ext.describe()} ends at byte {end}, past the end of the {data_bytes}-byte data file")
-        extents.append(ext)
-    problems.extend(_overlaps(extents, by_uid))
-    counts = cat.counts(txn)
-    if isinstance(counts, str):
-        problems.append(counts)
-    else:
-        if (counts["seqs"], counts["extents"]) != (len(by_key), num_ext_records):
-            problems.append(f"the counts record says {counts['seqs']} sequences and {counts['extents']} extents, "
-                            f"the catalog holds {len(by_key)} and {num_ext_records}")
-        if by_uid and max(by_uid) >= counts["next_uid"]:
-            problems.append(f"the next uid to hand out ({counts['next_uid']}) is already taken")
-        # next_extent is the last extent id handed out (the writer increments it first).
-        if extents and max(e.extent_id for e in extents) > counts["next_extent"]:
-            problems.append(f"extent id {max(e.extent_id for e in extents)} is past the last one handed out "
-                            f"({counts['next_extent']})")
-    return Contents(sorted(by_key.values(), key=lambda s: (s.ns, s.name, s.owner)), extents, problems)
-
-
-def _overlaps(extents: list[ExtentRecord], by_uid: dict[int, SeqRecord]) -> list[str]:
-    spans = sorted((e.offset, e.offset + len(e.pages) * by_uid[e.uid].geometry.block_bytes, e) for e in extents)
-    out = []
-    reach, last = -1, None
-    for start, end, ext in spans:
-        if start < reach:
-            out.append(f"{ext.describe()} at [{start}, {end}) overlaps {last.describe()}")
-        if end > reach:
-            reach, last = end, ext
-    return out
 
 
 def _migrate(cat: Catalog, txn: lmdb.Transaction, owner: int) -> None:

@@ -41,6 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", default=None, metavar="FILE",
                    help="read options from this TOML file (default: none; options come from the command line only)")
+    _add_storage_options(p)
+    _add_socket_options(p)
+    _add_io_options(p)
+    _add_service_options(p)
+    return p
+
+
+def _add_storage_options(p: argparse.ArgumentParser) -> None:
+    """The tiers and the block index: where and how much."""
     p.add_argument("--ssd", default=None, metavar="DIR",
                    help="directory of the SSD tier (data file, LMDB metadata); required, here or in --config")
     p.add_argument("--dram", default=None, metavar="SIZE",
@@ -55,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what one user's (uid's) sequences may take of --index-max, less than it so that other "
                         "users keep room; that user's puts and creates past it get a 'full' error "
                         "(default: 7/8 of --index-max)")
+
+
+def _add_socket_options(p: argparse.ArgumentParser) -> None:
+    """The sockets clients reach and what one session may map."""
     p.add_argument("--listen", default="", metavar="ADDR",
                    help=f"ipc://PATH or tcp://127.0.0.1:PORT (default: ipc://{default_runtime_dir()}/kvstored.sock)")
     p.add_argument("--session-socket", default="", metavar="PATH",
@@ -67,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="client buffer bytes one session may register (default: 256G)")
     p.add_argument("--max-mapped", default="16T", metavar="SIZE",
                    help="client buffer bytes all sessions together may register (the daemon maps them) (default: 16T)")
+
+
+def _add_io_options(p: argparse.ArgumentParser) -> None:
+    """How the SSD is read and written."""
     p.add_argument("--io-threads", type=int, default=8, metavar="N",
                    help="threads issuing SSD reads (posix and kvikio engines) (default: 8)")
     p.add_argument("--get-workers", type=int, default=4, metavar="N",
@@ -86,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "O_DIRECT file, else preadv on --io-threads threads (default: auto)")
     p.add_argument("--no-direct", action="store_true",
                    help="buffered I/O instead of O_DIRECT (reads may hit the page cache) (default: O_DIRECT)")
+
+
+def _add_service_options(p: argparse.ArgumentParser) -> None:
+    """Metrics, quotas, the embedded mode, connections and logging."""
     p.add_argument("--metrics", default="", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics, e.g. 127.0.0.1:9464; any address "
                         "but loopback (0.0.0.0, ::) lets other hosts read them, with a warning (default: none)")
@@ -104,7 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_connection_options(p)
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="least severe log messages written to stderr (default: INFO)")
-    return p
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

@@ -417,28 +417,32 @@ def _parse_op(header: dict, frames: list, max_bytes: int, max_blocks: int) -> Re
             arrays.get("cluster"), arrays.get("order"), clamp_importance(arrays.get("importance")),
         )
     if op is Op.GET:
-        arrays = _arrays(header, frames, GET_ARRAYS, max_bytes)
-        if "blocks" not in arrays:
-            raise ProtocolError(ErrorCode.BAD_FIELD, "a get needs a 'blocks' array frame (int32 [N, 3]: layer, head, page)")
-        blocks = arrays["blocks"]
-        if len(blocks) == 0 or len(blocks) % 3:
-            raise ProtocolError(ErrorCode.BAD_MESSAGE, "'blocks' must hold N > 0 rows of (layer, head, page)")
-        blocks = blocks.reshape(-1, 3)
-        if len(blocks) > max_blocks:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(blocks)} blocks in one get, limit {max_blocks}")
-        if blocks.min() < 0:
-            raise ProtocolError(ErrorCode.OUT_OF_RANGE, "'blocks' holds a negative layer, head or page")
-        dst = arrays.get("dst")
-        if dst is not None:
-            if len(dst) != len(blocks):
-                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"'dst' has {len(dst)} offsets for {len(blocks)} blocks")
-            if len(dst) and dst.min() < 0:
-                raise ProtocolError(ErrorCode.OUT_OF_RANGE, "'dst' holds a negative offset")
-        seqs = arrays.get("seqs")
-        if seqs is not None:
-            if len(seqs) != len(blocks):
-                raise ProtocolError(ErrorCode.BAD_MESSAGE, f"'seqs' has {len(seqs)} uids for {len(blocks)} blocks")
-            if seqs.min() < 0:
-                raise ProtocolError(ErrorCode.OUT_OF_RANGE, "'seqs' holds a negative uid")
-        return Get(f.int("seq", 0, 1 << 62), f.int("buf", 0, 1 << 31), f.int("offset", 0, 1 << 44), blocks, dst, seqs)
+        return _parse_get(f, header, frames, max_bytes, max_blocks)
     raise AssertionError(f"op {op} has no parser")
+
+
+def _parse_get(f: _Fields, header: dict, frames: list, max_bytes: int, max_blocks: int) -> Get:
+    arrays = _arrays(header, frames, GET_ARRAYS, max_bytes)
+    if "blocks" not in arrays:
+        raise ProtocolError(ErrorCode.BAD_FIELD, "a get needs a 'blocks' array frame (int32 [N, 3]: layer, head, page)")
+    blocks = arrays["blocks"]
+    if len(blocks) == 0 or len(blocks) % 3:
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, "'blocks' must hold N > 0 rows of (layer, head, page)")
+    blocks = blocks.reshape(-1, 3)
+    if len(blocks) > max_blocks:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(blocks)} blocks in one get, limit {max_blocks}")
+    if blocks.min() < 0:
+        raise ProtocolError(ErrorCode.OUT_OF_RANGE, "'blocks' holds a negative layer, head or page")
+    dst = arrays.get("dst")
+    if dst is not None:
+        if len(dst) != len(blocks):
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"'dst' has {len(dst)} offsets for {len(blocks)} blocks")
+        if len(dst) and dst.min() < 0:
+            raise ProtocolError(ErrorCode.OUT_OF_RANGE, "'dst' holds a negative offset")
+    seqs = arrays.get("seqs")
+    if seqs is not None:
+        if len(seqs) != len(blocks):
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"'seqs' has {len(seqs)} uids for {len(blocks)} blocks")
+        if seqs.min() < 0:
+            raise ProtocolError(ErrorCode.OUT_OF_RANGE, "'seqs' holds a negative uid")
+    return Get(f.int("seq", 0, 1 << 62), f.int("buf", 0, 1 << 31), f.int("offset", 0, 1 << 44), blocks, dst, seqs)

@@ -1,0 +1,119 @@
+"""The catalog's consistency check: every record decoded, every cross-reference followed.
+
+Run at every open (``Catalog.read``/``Catalog.load``) and by ``kvstore-inspect``: what it
+finds is a list of problems in words, one per damaged or disagreeing record, so that a
+damaged catalog is refused in sentences that name what is wrong.
+"""
+
+from __future__ import annotations
+
+import lmdb
+
+from kvstored.catalog import UID_KEY, Catalog, Contents, ExtentRecord, SeqRecord, decode_seq, show_key, unseal_many
+
+
+def check(cat: Catalog, txn: lmdb.Transaction, data_bytes: int | None) -> Contents:
+    """Everything the catalog holds, decoded, with every problem found: damaged records,
+    uid records that disagree, extents of no sequence or past the data file, overlaps,
+    and counts that do not match."""
+    problems: list[str] = []
+    by_key, by_uid = _check_sequences(cat, txn, problems)
+    extents, num_ext_records = _check_extents(cat, txn, by_uid, data_bytes, problems)
+    problems.extend(_overlaps(extents, by_uid))
+    _check_counts(cat, txn, len(by_key), num_ext_records, by_uid, extents, problems)
+    return Contents(sorted(by_key.values(), key=lambda s: (s.ns, s.name, s.owner)), extents, problems)
+
+
+def _check_sequences(cat: Catalog, txn: lmdb.Transaction, problems: list[str]):
+    """The sequence records by key and by uid; their problems appended to ``problems``."""
+    by_key: dict[bytes, SeqRecord] = {}
+    uid_refs: dict[int, bytes] = {}
+    rows = list(txn.cursor(db=cat.seqs))
+    for (key, value), payload in zip(rows, unseal_many(rows)):
+        if payload is None:
+            problems.append(f"{show_key(key)}: checksum mismatch")
+        elif key.startswith(b"n:"):
+            try:
+                by_key[key] = decode_seq(key, payload)
+            except (ValueError, TypeError, UnicodeDecodeError) as exc:
+                problems.append(f"{show_key(key)}: {exc}")
+        elif key.startswith(b"u:") and len(key) == 10:
+            uid_refs[UID_KEY.unpack(key[2:])[0]] = payload
+        else:
+            problems.append(f"{show_key(key)}: not a sequence or uid record")
+    by_uid: dict[int, SeqRecord] = {}
+    for key, rec in by_key.items():
+        where = f"sequence {rec.ns}/{rec.name} (uid {rec.uid})"
+        if rec.uid in by_uid:
+            problems.append(f"{where} shares its uid with {by_uid[rec.uid].ns}/{by_uid[rec.uid].name}")
+        ref = uid_refs.get(rec.uid)
+        if ref is None:
+            problems.append(f"{where} has no uid record")
+        elif ref != key:
+            problems.append(f"{where}: uid record {rec.uid} names {show_key(ref)} instead")
+        by_uid.setdefault(rec.uid, rec)
+    for uid, ref in uid_refs.items():
+        if ref not in by_key:
+            problems.append(f"uid record {uid} names {show_key(ref)}, which does not exist")
+    return by_key, by_uid
+
+
+def _check_extents(cat: Catalog, txn: lmdb.Transaction, by_uid: dict[int, SeqRecord], data_bytes: int | None,
+                   problems: list[str]) -> tuple[list[ExtentRecord], int]:
+    """The extent records that decode and fit their sequence and the data file, and how many records there are."""
+    extents: list[ExtentRecord] = []
+    num_ext_records = 0
+    rows = list(txn.cursor(db=cat.extents))
+    for (key, value), payload in zip(rows, unseal_many(rows)):
+        num_ext_records += 1
+        if payload is None:
+            problems.append(f"{show_key(key)}: checksum mismatch")
+            continue
+        try:
+            ext = ExtentRecord.decode(key, payload)
+        except (ValueError, TypeError) as exc:
+            problems.append(f"{show_key(key)}: {exc}")
+            continue
+        seq = by_uid.get(ext.uid)
+        if seq is None:
+            problems.append(f"{ext.describe()} belongs to no known sequence")
+            continue
+        g = seq.geometry
+        if ext.layer >= g.num_layers or ext.head >= g.num_kv_heads:
+            problems.append(f"{ext.describe()} lies outside {seq.ns}/{seq.name}'s {g.num_layers} layers x {g.num_kv_heads} heads")
+            continue
+        end = ext.offset + len(ext.pages) * g.block_bytes
+        if data_bytes is not None and end > data_bytes:
+            problems.append(f"{ext.describe()} ends at byte {end}, past the end of the {data_bytes}-byte data file")
+        extents.append(ext)
+    return extents, num_ext_records
+
+
+def _check_counts(cat: Catalog, txn: lmdb.Transaction, num_seqs: int, num_ext_records: int,
+                  by_uid: dict[int, SeqRecord], extents: list[ExtentRecord], problems: list[str]) -> None:
+    """The counts record against what the catalog holds."""
+    counts = cat.counts(txn)
+    if isinstance(counts, str):
+        problems.append(counts)
+    else:
+        if (counts["seqs"], counts["extents"]) != (num_seqs, num_ext_records):
+            problems.append(f"the counts record says {counts['seqs']} sequences and {counts['extents']} extents, "
+                            f"the catalog holds {num_seqs} and {num_ext_records}")
+        if by_uid and max(by_uid) >= counts["next_uid"]:
+            problems.append(f"the next uid to hand out ({counts['next_uid']}) is already taken")
+        # next_extent is the last extent id handed out (the writer increments it first).
+        if extents and max(e.extent_id for e in extents) > counts["next_extent"]:
+            problems.append(f"extent id {max(e.extent_id for e in extents)} is past the last one handed out "
+                            f"({counts['next_extent']})")
+
+
+def _overlaps(extents: list[ExtentRecord], by_uid: dict[int, SeqRecord]) -> list[str]:
+    spans = sorted((e.offset, e.offset + len(e.pages) * by_uid[e.uid].geometry.block_bytes, e) for e in extents)
+    out = []
+    reach, last = -1, None
+    for start, end, ext in spans:
+        if start < reach:
+            out.append(f"{ext.describe()} at [{start}, {end}) overlaps {last.describe()}")
+        if end > reach:
+            reach, last = end, ext
+    return out
