@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvdrive.layout import align_up
 from kvdrive.layout.allocator import ExtentAllocator, SpaceError
 from kvstored.config import format_size
 from kvstored.files import punch_hole
@@ -72,8 +73,11 @@ class SsdTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of extents in use (parked ranges are free space)."""
-        return self.allocator.used_bytes - self._parked_bytes
+        """Bytes of extents in use: parked ranges are free space, and so are extents a delete
+        freed that the writer has not yet put back on the free list."""
+        with self._frees_lock:
+            pending = sum(align_up(n) for _, n in self._ready_frees)
+        return self.allocator.used_bytes - self._parked_bytes - pending
 
     def load(self, used: list[tuple[int, int]]) -> None:
         self.allocator = ExtentAllocator.from_used(self.allocator.capacity, used)
