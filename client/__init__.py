@@ -15,8 +15,6 @@ if __name__ == "client":  # imported from the repository root by its bare folder
 
     step_aside(__name__)
 else:
-    import importlib.metadata as _metadata
-
     from kvdrive_client.errors import (
         ChecksumError,
         ExistsError,
@@ -30,10 +28,9 @@ else:
     from kvdrive_client.store import PendingGet, Sequence, StoreClient, connect
     from kvdrive.layout.geometry import DType, Geometry
 
-    try:
-        __version__ = _metadata.version("kvdrive")
-    except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed: pyproject.toml's version
-        __version__ = "0.1.0"
+    from kvdrive.protocol.release import version as _version
+
+    __version__ = _version()
 
     __all__ = [
         "ChecksumError",

@@ -16,6 +16,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
+from kvdrive.protocol.release import add_version_option
 from kvstored.config import ENGINES, DaemonConfig, SyncPolicy, default_runtime_dir, parse_size
 from kvstored.limits import BufferLimits, SessionLimits
 from kvstored.options import ConfigFileError, add_connection_options, connection_limits, load_config_file
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", default=None, metavar="FILE",
                    help="read options from this TOML file (default: none; options come from the command line only)")
+    add_version_option(p)
     _add_storage_options(p)
     _add_socket_options(p)
     _add_io_options(p)

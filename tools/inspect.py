@@ -32,6 +32,7 @@ from kvdrive.layout.allocator import ExtentAllocator
 from kvdrive.layout.format import DATA_FILE, FORMAT_VERSION, META_DIR
 from kvdrive.layout.geometry import Geometry
 from kvdrive.protocol.address import ADDRESS_ENV, SOCKET_NAME, SYSTEM_SOCKET, default_runtime_dir
+from kvdrive.protocol.release import add_version_option
 
 if TYPE_CHECKING:
     from kvstored.catalog import Catalog, CatalogDamagedError, CatalogMissingError, ExtentRecord, SeqRecord
@@ -554,6 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 success; 1 --verify found damaged blocks or a damaged catalog; 2 usage or store errors "
         "(not a store, another format version, unknown sequence or partition, no daemon at the address).",
     )
+    add_version_option(p)
     p.add_argument("dir", nargs="?", type=Path, metavar="DIR", help="store directory (kvstored --ssd DIR)")
     p.add_argument("--address", nargs="?", const="", metavar="ADDR",
                    help="a running kvstored, ipc://PATH or tcp://HOST:PORT; with no ADDR, the daemon "

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvdrive.protocol.release import add_version_option
 from kvdrive.tools.text_table import text_table
 from kvdrive_client.models import MODELS
 from kvdrive_client.profile import DEFAULT_CHOICES, UNIFORM_WINDOW, WindowProfile, capacity_pages
@@ -266,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Choose a device-cache window per (layer, KV head) of a model for a total cache budget, from "
                     "its page selections on calibration text, and write them as a JSON profile.")
+    add_version_option(p)
     p.add_argument("--out", type=Path, required=True, metavar="FILE", help="the JSON profile to write")
     p.add_argument("--model", default="smollm2", choices=list(MODELS),
                    help="the real model to profile (default smollm2); gemma3-270m: its global layers, the ones KVDrive "

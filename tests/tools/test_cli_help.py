@@ -70,3 +70,11 @@ def test_the_help_tools_do_not_import_torch():
     probe = "import sys, kvdrive.tools.profile, kvdrive.tools.inspect, kvdrive.tools.bench; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_console_script_tells_its_version(script):
+    exe = Path(sys.executable).parent / script
+    out = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=120)
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert out.returncode == 0 and out.stdout.strip() == f"{script} {version}", out.stdout + out.stderr
