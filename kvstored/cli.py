@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvdrive.protocol.release import add_version_option
@@ -147,15 +148,15 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     return DaemonConfig(
         ssd_dir=args.ssd,
-        dram_bytes=parse_size(args.dram),
-        ssd_max_bytes=parse_size(args.ssd_max),
-        index_max_bytes=parse_size(args.index_max),
-        index_max_per_uid_bytes=parse_size(args.index_max_per_uid) if args.index_max_per_uid else 0,
+        dram_bytes=_size("--dram", args.dram),
+        ssd_max_bytes=_size("--ssd-max", args.ssd_max),
+        index_max_bytes=_size("--index-max", args.index_max),
+        index_max_per_uid_bytes=_size("--index-max-per-uid", args.index_max_per_uid) if args.index_max_per_uid else 0,
         address=args.listen,
         io_threads=args.io_threads,
         get_workers=args.get_workers,
-        max_gap_bytes=parse_size(args.max_gap),
-        max_io_bytes=parse_size(args.max_io),
+        max_gap_bytes=_size("--max-gap", args.max_gap),
+        max_io_bytes=_size("--max-io", args.max_io),
         sync=args.sync,
         engine=args.engine,
         direct_io=not args.no_direct,
@@ -163,12 +164,25 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         ephemeral_dir=args.ephemeral_dir,
         session_socket=args.session_socket,
         socket_mode=_octal(args.socket_mode),
-        session_limits=SessionLimits(buffers=BufferLimits(max_bytes=parse_size(args.max_client_buffers)),
+        session_limits=SessionLimits(buffers=BufferLimits(max_bytes=_size("--max-client-buffers", args.max_client_buffers)),
                                      connections=connection_limits(args)),
-        max_mapped_bytes=parse_size(args.max_mapped),
+        max_mapped_bytes=_size("--max-mapped", args.max_mapped),
         metrics_address=args.metrics,
         quotas=tuple(parse_quota(q) for q in args.quota),
     )
+
+
+def _size(option: str, value: str | int) -> int:
+    """A size option's bytes. A size under one 4 KiB page must say it means bytes ("64B"): a
+    bare ``dram = 64`` in a config file is far more often a forgotten unit than a 64-byte tier."""
+    try:
+        n = parse_size(value)
+    except ValueError as exc:
+        raise ValueError(f"{option}: {exc}") from None
+    if 0 < n < 4096 and not str(value).strip().upper().endswith("B"):
+        raise ValueError(f"{option} {value!r} is {n} bytes, less than a 4 KiB page: give a unit (e.g. '{value}G'), "
+                         f"or write '{value}B' if you mean bytes")
+    return n
 
 
 def parse_quota(text: str) -> tuple[str, int]:
@@ -207,16 +221,23 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if args.config:
         log.info("options from %s (flags on the command line win)", args.config)
-    from kvstored.preflight import PreflightError, run_checks  # noqa: PLC0415 - keep --help fast
+    from kvstored.preflight import PreflightError, remove_empty, run_checks  # noqa: PLC0415 - keep --help fast
 
+    made: list[Path] = []  # directories made for --ssd: a start refused later leaves none of them empty
     try:
-        ephemeral = run_checks(cfg, str(args.dram))
+        ephemeral = run_checks(cfg, str(args.dram), made)
     except PreflightError as exc:
         log.error("cannot start: %s", exc)
         return EXIT_CANNOT_START
+    if not cfg.dram_bytes:
+        log.info("--dram 0: no DRAM tier; every get reads the SSD (and the page cache, with --no-direct)")
+    code = EXIT_CANNOT_START
     try:
-        return _run(cfg)
+        code = _run(cfg)
+        return code
     finally:
+        if code == EXIT_CANNOT_START:
+            remove_empty(made)
         if ephemeral is not None:  # what kvstored made there, once it has stopped (or failed to start)
             ephemeral.remove()
 

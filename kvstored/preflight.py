@@ -41,16 +41,20 @@ class PreflightError(RuntimeError):
     """The daemon cannot start as configured; the message says which option to change."""
 
 
-def run_checks(cfg: DaemonConfig, dram_text: str) -> EphemeralDir | None:
-    """Every check; the ``--ephemeral-dir`` claimed (the caller removes it after the daemon stops)."""
+def run_checks(cfg: DaemonConfig, dram_text: str, made: list[Path]) -> EphemeralDir | None:
+    """Every check; the ``--ephemeral-dir`` claimed (the caller removes it after the daemon stops).
+    The directories made for ``--ssd`` are appended to ``made``, outermost first, and removed
+    again (those still empty) when a check refuses; a caller whose start fails later does the same
+    with :func:`remove_empty`."""
     ephemeral = claim_ephemeral_dir(cfg)
     try:
-        check_ssd_dir(cfg.ssd_dir)
+        made.extend(check_ssd_dir(cfg.ssd_dir))
         check_socket_dirs(cfg)
         check_listen(cfg.bind_address)
         check_dram(cfg.dram_bytes, dram_text)
         check_index_max(cfg.index_max_bytes, cfg.dram_bytes)
     except PreflightError:
+        remove_empty(made)
         if ephemeral is not None:
             ephemeral.remove()
         raise
@@ -78,8 +82,19 @@ def claim_ephemeral_dir(cfg: DaemonConfig) -> EphemeralDir | None:
 # ---------------------------------------------------------------- --ssd
 
 
-def check_ssd_dir(path: Path) -> None:
-    """``path`` exists (or is made, owner-only) and this user can list it and write in it."""
+def remove_empty(made: list[Path]) -> None:
+    """Remove the directories of ``made`` (outermost first) that are still empty, innermost first."""
+    for d in reversed(made):
+        try:
+            d.rmdir()
+        except OSError:
+            return  # not empty (a store was made there), or gone: leave it and what holds it
+
+
+def check_ssd_dir(path: Path) -> list[Path]:
+    """``path`` exists (or is made, owner-only) and this user can list it and write in it; the
+    directories made for it, outermost first."""
+    made = [p for p in (*reversed(path.absolute().parents), path.absolute()) if not p.exists()]
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as exc:
@@ -97,9 +112,11 @@ def check_ssd_dir(path: Path) -> None:
         probe.unlink()
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return
+            return made
+        remove_empty(made)
         raise PreflightError(f"--ssd {path}: cannot read and write the directory ({_reason(exc)}); "
                              "fix its owner or permissions, or choose another --ssd") from None
+    return made
 
 
 def _reason(exc: OSError) -> str:

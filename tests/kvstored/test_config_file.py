@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvdrive_client import StoreClient
-from kvstored.cli import build_parser, main, parse_args
+from kvstored.cli import build_parser, config_from_args, main, parse_args
 from kvstored.options import ConfigFileError, load_config_file
 
 
@@ -135,3 +135,27 @@ def test_the_readme_example_loads(tmp_path):
     config = write(tmp_path / "readme.toml", example[:example.index("```")])
     args = parse_args(build_parser(), ["--config", str(config)])
     assert (args.ssd, args.dram, args.metrics, args.io_threads) == ("/var/lib/kvstored", "96G", "127.0.0.1:9464", 8)
+
+
+@pytest.mark.parametrize("text, value", [('dram = 64\n', "64"), ('dram = "12"\n', "'12'")])
+def test_a_size_under_a_page_must_say_it_means_bytes(tmp_path, capsys, text, value):
+    config = write(tmp_path / "k.toml", f'ssd = "{tmp_path / "s"}"\n' + text)
+    assert main(["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert f"--dram {value} is" in err and "less than a 4 KiB page" in err and "B' if you mean bytes" in err
+    assert not (tmp_path / "s").exists()
+    sizes = [config_from_args(parse_args(build_parser(), ["--ssd", "/x", "--dram", d])).dram_bytes for d in ("64B", "0", "1G")]
+    assert sizes == [64, 0, 1 << 30]
+
+
+def test_a_refused_start_leaves_no_new_directory(tmp_path):
+    """The preflight makes --ssd (and its parents) to try them; a refusal takes them back."""
+    ssd = tmp_path / "new" / "store"
+    assert main(["--ssd", str(ssd), "--dram", "1024T", "--listen", f"ipc://{tmp_path}/k.sock"]) == 1
+    assert not (tmp_path / "new").exists()
+
+
+def test_dram_0_is_an_ssd_only_tier_and_says_so(daemon_factory):
+    d = daemon_factory(dram="0").start()
+    assert d.client().stats()["dram_bytes"] == 0
+    assert "--dram 0: no DRAM tier; every get reads the SSD" in d.log()
