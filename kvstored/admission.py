@@ -15,13 +15,17 @@ used here:
   timeout);
 - ZAP (RFC 27) lets a handler refuse a connection during its handshake, also for the
   NULL mechanism once the ROUTER has a ZAP domain. The handler refuses every connection
-  past ``max_connections``; libzmq then closes it, freeing its descriptor at once
-  instead of holding it as long as the peer does;
+  past ``max_connections``, or past ``max_connections_per_uid`` of its uid; libzmq then
+  closes it, freeing its descriptor at once instead of holding it as long as the peer
+  does;
 - a burst is accepted faster than handshakes reach ZAP (a test of 1,100 connections at
   once had 980 accepted before the first refusal), so a connection whose
-  ``EVENT_ACCEPTED`` finds the cap full is also shut down at once (``shutdown(2)``, which
+  ``EVENT_ACCEPTED`` finds a cap full is also shut down at once (``shutdown(2)``, which
   makes libzmq close it; :meth:`RouterAdmission._brake`). 4,000 connections at once
-  against a limit of 1,024 descriptors then held at most about 500;
+  against a limit of 1,024 descriptors then held at most about 500. The uid an ipc
+  connection counts against is read from its descriptor (``SO_PEERCRED``) when it is
+  accepted, so one user's burst fills that user's share only, and a connection shut
+  down here stops counting at once (its descriptor is libzmq's to close);
 - ``ZMQ_HANDSHAKE_IVL`` bounds how long a connection that never sends its greeting (and
   so never reaches ZAP) holds a descriptor.
 
@@ -47,8 +51,10 @@ from __future__ import annotations
 import logging
 import resource
 import socket
+import struct
 import threading
 import time
+from collections import Counter
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -64,6 +70,8 @@ HANDSHAKE_MS = 3000
 # Seconds between warnings about refused connections.
 REFUSAL_LOG_S = 10.0
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+# struct ucred, as getsockopt(SO_PEERCRED) returns it: pid, uid, gid.
+PEERCRED = struct.Struct("3i")
 
 
 def raise_fd_limit() -> int:
@@ -93,7 +101,8 @@ def peer_uid(frames: list) -> int | None:
 
 
 class RouterAdmission:
-    """Caps a ROUTER socket's connections and names each ipc connection's uid (see above).
+    """Caps a ROUTER socket's connections, in all and per uid, and names each ipc
+    connection's uid (see above).
 
     Construct it before the socket binds: libzmq asks the ZAP handler only if one is
     bound when a handshake starts, and without one it lets every connection in.
@@ -105,7 +114,12 @@ class RouterAdmission:
         self.refused = 0
         self.peak = 0  # the most connections held at once
         self._next_warning = 0.0
-        self._open_fds: set[int] = set()
+        # Connections accepted and not yet disconnected: the uid of each that counts against
+        # the caps (None over TCP), and those shut down past a cap, whose descriptors libzmq
+        # has yet to close.
+        self._live: dict[int, int | None] = {}
+        self._num_by_uid: Counter[int] = Counter()
+        self._braked: set[int] = set()
         self._zap = ctx.socket(zmq.REP)
         self._zap.setsockopt(zmq.LINGER, 0)
         self._zap.bind(ZAP_ENDPOINT)
@@ -115,9 +129,9 @@ class RouterAdmission:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvstored-admission", daemon=True)
         self._thread.start()
-        log.info("connections: at most %d on ZeroMQ, %d on the session socket (%d per uid), sessions opened "
-                 "within %d s", limits.max_connections, limits.max_session_connections,
-                 limits.max_session_connections_per_uid, limits.session_open_timeout)
+        log.info("connections: at most %d on ZeroMQ (%d per uid), %d on the session socket (%d per uid), sessions "
+                 "opened within %d s", limits.max_connections, limits.max_connections_per_uid,
+                 limits.max_session_connections, limits.max_session_connections_per_uid, limits.session_open_timeout)
 
     def stop(self) -> None:
         self._stop.set()
@@ -154,15 +168,57 @@ class RouterAdmission:
                 return
             fd = event["value"]
             if event["event"] == zmq.EVENT_ACCEPTED:
-                self._open_fds.add(fd)
-                self.peak = max(self.peak, len(self._open_fds))
-                if len(self._open_fds) > self.limits.max_connections:
-                    self._brake(fd, event["endpoint"])
+                self._accepted(fd, event["endpoint"])
             elif event["event"] == zmq.EVENT_DISCONNECTED:
-                self._open_fds.discard(fd)
+                self._forget(fd)
 
-    def _brake(self, fd: int, endpoint: bytes) -> None:
-        """Shut down a connection accepted past the cap, before its handshake.
+    def _accepted(self, fd: int, endpoint: bytes) -> None:
+        self._forget(fd)  # a number libzmq closed and reused before its disconnect was read
+        uid = self._peer_uid(fd, endpoint) if self._ipc else None
+        self._live[fd] = uid
+        if uid is not None:
+            self._num_by_uid[uid] += 1
+        self.peak = max(self.peak, len(self._live) + len(self._braked))
+        why = self.refusal(uid)
+        if why is not None:
+            self._brake(fd, endpoint, why)
+
+    def _forget(self, fd: int) -> None:
+        self._braked.discard(fd)
+        if fd in self._live:
+            uid = self._live.pop(fd)
+            if uid is not None:
+                self._num_by_uid[uid] -= 1
+                if self._num_by_uid[uid] <= 0:
+                    del self._num_by_uid[uid]
+
+    def refusal(self, uid: int | None) -> str | None:
+        """Why the connections held (the asker's included) are past a cap, or None."""
+        if len(self._live) > self.limits.max_connections:
+            return f"{len(self._live)} held (limit {self.limits.max_connections}, --max-connections)"
+        mine = self._num_by_uid[uid] if uid is not None else 0
+        if mine > self.limits.max_connections_per_uid:
+            return f"uid {uid} holds {mine} (limit {self.limits.max_connections_per_uid}, --max-connections-per-uid)"
+        return None
+
+    def _peer_uid(self, fd: int, endpoint: bytes) -> int | None:
+        """The uid of the ipc peer on ``fd``, if ``fd`` is still a connection of this listener."""
+        try:
+            sock = socket.socket(fileno=fd)  # wraps the number, no new descriptor; detached below
+        except OSError:
+            return None  # closed since, and not a socket now
+        try:
+            if not _is_endpoint(sock, endpoint):
+                return None
+            _, uid, _ = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
+            return uid
+        except OSError:
+            return None
+        finally:
+            sock.detach()
+
+    def _brake(self, fd: int, endpoint: bytes, why: str) -> None:
+        """Shut down a connection accepted past a cap, before its handshake.
 
         A burst of connections is accepted faster than their handshakes reach ZAP, and each
         holds a descriptor until refused; shutting one down here makes libzmq close it at
@@ -178,19 +234,22 @@ class RouterAdmission:
         try:
             if _is_endpoint(sock, endpoint):
                 sock.shutdown(socket.SHUT_RDWR)
-                self._note_refusal()
+                # Going: it no longer takes a place under the caps (its descriptor goes soon).
+                self._forget(fd)
+                self._braked.add(fd)
+                self._note_refusal(why)
         except OSError as exc:
             log.debug("connection admission: cannot shut down descriptor %d: %s", fd, exc)
         finally:
             sock.detach()
 
-    def _note_refusal(self) -> None:
+    def _note_refusal(self, why: str) -> None:
         self.refused += 1
         now = time.monotonic()
         if now >= self._next_warning:  # a flood is told of every REFUSAL_LOG_S, not per connection
             self._next_warning = now + REFUSAL_LOG_S
-            log.warning("refusing ZeroMQ connections: %d held (limit %d, --max-connections, at most %d so far); "
-                        "%d refused so far", len(self._open_fds), self.limits.max_connections, self.peak, self.refused)
+            log.warning("refusing ZeroMQ connections: %s; at most %d held so far, %d refused so far",
+                        why, self.peak, self.refused)
 
     def _answer(self, request: list[bytes]) -> None:
         """One ZAP request: version, request id, domain, address, identity, mechanism[, credentials]."""
@@ -199,12 +258,13 @@ class RouterAdmission:
             self._zap.send_multipart([b"1.0", request[1] if len(request) > 1 else b"", b"400", b"bad request", b"", b""])
             return
         version, request_id, address = request[0], request[1], request[3]
-        held = len(self._open_fds)
-        if held > self.limits.max_connections:
-            self._note_refusal()
+        user_id = _uid_of(address) if self._ipc else b""
+        why = self.refusal(int(user_id) if user_id else None)
+        if why is not None:
+            self._note_refusal(why)
             self._zap.send_multipart([version, request_id, b"400", b"too many connections", b"", b""])
             return
-        self._zap.send_multipart([version, request_id, b"200", b"OK", _uid_of(address) if self._ipc else b"", b""])
+        self._zap.send_multipart([version, request_id, b"200", b"OK", user_id, b""])
 
 
 def _is_endpoint(sock: socket.socket, endpoint: bytes) -> bool:

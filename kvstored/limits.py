@@ -29,19 +29,21 @@ class ConnectionLimits:
     """How many clients may be connected at once (see docs/protocol.md, Connections).
 
     ``max_connections`` counts ZeroMQ connections, the ``session`` ones the session socket's.
-    A uid may hold fewer session-socket connections than there are, so one user can never
-    take every slot; a connection that has not opened a session within
+    On either socket a uid may hold fewer connections than there are, so one user can
+    never take every slot (a ZeroMQ share above half of ``max_connections`` is lowered to
+    that half by :meth:`fit`); a connection that has not opened a session within
     ``session_open_timeout`` seconds is closed.
     """
 
     max_connections: int = 4096
+    max_connections_per_uid: int = 128
     max_session_connections: int = 1088
     max_session_connections_per_uid: int = 128
     session_open_timeout: int = 10
 
     def __post_init__(self) -> None:
-        for name in ("max_connections", "max_session_connections", "max_session_connections_per_uid",
-                     "session_open_timeout"):
+        for name in ("max_connections", "max_connections_per_uid", "max_session_connections",
+                     "max_session_connections_per_uid", "session_open_timeout"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.max_session_connections_per_uid >= self.max_session_connections:
@@ -54,9 +56,11 @@ class ConnectionLimits:
         the descriptors past :data:`RESERVED_FDS`: running out of descriptors aborts libzmq
         (its ipc accept() treats EMFILE as a bug), so the caps must bind long before it."""
         share = max(2, (fd_limit - RESERVED_FDS) // 4)
+        zmq_cap = min(self.max_connections, share)
         session = min(self.max_session_connections, share)
         return ConnectionLimits(
-            max_connections=min(self.max_connections, share),
+            max_connections=zmq_cap,
+            max_connections_per_uid=min(self.max_connections_per_uid, zmq_cap // 2 or 1),
             max_session_connections=session,
             max_session_connections_per_uid=min(self.max_session_connections_per_uid, session // 2 or 1),
             session_open_timeout=self.session_open_timeout,

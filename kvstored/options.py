@@ -102,6 +102,9 @@ _FITTED = "; lowered to fit the descriptor limit (kvstored raises its soft RLIMI
 CONNECTION_OPTIONS = (
     ("--max-connections", "max_connections",
      "ZeroMQ connections held at once; past it a new one is shut down or refused in its handshake" + _FITTED),
+    ("--max-connections-per-uid", "max_connections_per_uid",
+     "ZeroMQ connections one uid may hold (ipc); at most half of --max-connections, so other users "
+     "always have room" + _FITTED),
     ("--max-session-connections", "max_session_connections",
      "session-socket connections held at once; past it a new one gets 'busy' and is closed" + _FITTED),
     ("--max-session-connections-per-uid", "max_session_connections_per_uid",

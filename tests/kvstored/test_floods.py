@@ -212,6 +212,47 @@ def test_idle_connections_of_one_user_leave_room_for_another(shared_root, daemon
     d.stop()
 
 
+def settled_count(count: Callable[[], int], d, step: float = 1.0, timeout: float = 20.0) -> int:
+    """``count()`` once it has stopped growing for ``step`` seconds."""
+    deadline = time.monotonic() + timeout
+    last = -1
+    while (now := count()) != last:
+        assert d.alive(), f"kvstored died (exit {d.proc.returncode}):\n{d.log()[-2000:]}"
+        assert time.monotonic() < deadline, f"still growing after {timeout} s ({now})"
+        last = now
+        time.sleep(step)
+    return now
+
+
+@needs_root
+def test_one_users_zeromq_flood_leaves_room_for_another(shared_root, daemon_at, fds_for_a_flood):
+    """With 1,024 descriptors the ZeroMQ cap is 240 connections, 120 per uid: 500 from one
+    user are more than the whole cap, yet that user is served on 120 only, and another
+    user still connects and is served."""
+    with daemon_fd_limit(1024, 1024):
+        d = daemon_at(shared_root, extra=["--socket-mode", "0666"]).start()
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 600)
+    socks = []
+    try:
+        for _ in range(500):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(d.address)
+            s.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": "hello", "id": 1}))
+            socks.append(s)
+        served = settled_count(lambda: sum(1 for s in socks if s.poll(0)), d)
+        out = as_other_user(lambda: {"uid": use_the_store(d.address, "other-user", timeout=5)})
+        assert out["uid"] > 0
+        assert served == 120, f"one uid was served on {served} ZeroMQ connections (--max-connections-per-uid 120)"
+        assert d.alive()
+    finally:
+        for s in socks:
+            s.close()
+        ctx.term()
+    assert d.stop() == 0
+
+
 def test_a_connection_that_opens_no_session_is_closed(daemon_factory):
     d = daemon_factory(extra=["--session-open-timeout", "1"]).start()
     keeper = StoreClient(d.address, timeout=10)
