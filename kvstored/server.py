@@ -16,6 +16,13 @@ handed to the writer or the pool at once, and at most ``MAX_QUEUED`` waiting; pa
 that it gets ``busy`` replies. Workers and the writer send finished replies back over
 an inproc PUSH/PULL pair, so only the main thread ever touches the ROUTER socket.
 
+Replies never wait on a peer (kvstored/replies.py): a connection whose peer is behind in
+reading them is not served until it catches up, and replies past a small bound are
+dropped and counted. A list reply holds at most ``LIST_PAGE`` sequences (the client asks
+again for the rest), so what one connection that never reads can pin is under 4 MiB,
+and what one uid can pin is that times its connections (``--max-connections-per-uid``;
+docs/protocol.md, Connections).
+
 On SIGTERM the daemon starts no more requests: it answers ``unavailable`` to every
 request it had read but not started and to every one waiting in its socket (until the
 socket has been quiet for ``REFUSE_QUIET_MS``), finishes the ones it started, answers
@@ -32,6 +39,7 @@ import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -45,6 +53,7 @@ from kvstored.protocol import (
     ErrorTally, error_reply, ok_reply, parse_request,
 )
 from kvstored.preflight import daemon_answers
+from kvstored.replies import Replies
 from kvstored.session_server import SessionServer
 from kvstored.sessions import Session, SessionTable
 from kvstored.store import PreparedPut, Store
@@ -67,6 +76,9 @@ INLINE_GET_BYTES = 8 << 20
 # and requests read but not yet served.
 MAX_IN_FLIGHT = 64
 MAX_QUEUED = 1024
+# Sequences in one list reply at most (a reply is then at most about 13 KiB, as large as a
+# lookup's); ``more`` says whether others follow. It bounds what unread replies pin.
+LIST_PAGE = 16
 # Messages read from the socket before the queues are served again.
 READ_BATCH = 256
 # How long replies may take to leave at shutdown.
@@ -118,6 +130,7 @@ class Server:
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, 2 * self.cfg.max_message_bytes)
+        self.replies = Replies(self.router, self.store.counters)
         self.admission = RouterAdmission(self.ctx, self.router, limits, ipc=self.address.startswith("ipc://"))
         self.router.bind(self.address)
         if self.address.startswith("ipc://"):
@@ -147,8 +160,9 @@ class Server:
             if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
                 log.warning("parent process %d is gone; shutting down", self.cfg.parent_pid)
                 break
-            servable = any(self._in_flight[i] < MAX_IN_FLIGHT for i in self._queues)
-            ready = dict(poller.poll(0 if servable else 200))
+            servable = any(self._servable(i) for i in self._queues)
+            ready = dict(poller.poll(0 if servable else self._idle_ms()))
+            self.replies.flush()
             if self.done in ready:
                 self._drain_replies()
             if self.router in ready:
@@ -175,6 +189,9 @@ class Server:
         if self._session_server is not None:
             self._session_server.stop()
         # Replies already queued still leave: a client told nothing would wait out its timeout.
+        dropped = self.replies.drain(SHUTDOWN_LINGER_MS / 1000)
+        if dropped:
+            log.info("dropped %d replies for clients that did not read them", dropped)
         self.router.setsockopt(zmq.LINGER, SHUTDOWN_LINGER_MS)
         self.router.close()
         self.done.close()
@@ -206,7 +223,7 @@ class Server:
 
     def _refuse(self, ident: bytes, body: list) -> None:
         reply = self._error(_peek_id(body), ErrorCode.UNAVAILABLE, "kvstored is shutting down; the request did not run")
-        self.router.send_multipart([ident, *reply])
+        self.replies.send([ident, *reply])
 
     # ------------------------------------------------------------ main thread
 
@@ -225,7 +242,7 @@ class Server:
                     self._users[ident] = uid
             if len(q) >= MAX_QUEUED:
                 self.store.counters["requests_busy"] += 1
-                self.router.send_multipart([ident, *self._error(
+                self.replies.send([ident, *self._error(
                     _peek_id(body), ErrorCode.BUSY,
                     f"this connection has {len(q)} requests waiting (limit {MAX_QUEUED}); wait for replies",
                 )])
@@ -242,7 +259,7 @@ class Server:
         for ident in idents:
             q = self._queues[ident]
             user = self._users.get(ident, ident)
-            if user in served or self._in_flight[ident] >= MAX_IN_FLIGHT:
+            if user in served or not self._servable(ident):
                 continue
             served.add(user)
             self._handle(ident, q.popleft())
@@ -254,6 +271,16 @@ class Server:
             if len(idents) > 1:
                 self._drain_replies()  # others' finished work leaves between requests, not after a round
 
+    def _idle_ms(self) -> int:
+        """How long the main loop may wait for a request or a finished reply: until the
+        replies waiting for slow readers are due to be offered again (kvstored/replies.py)."""
+        flush_in = self.replies.wait_s()
+        return 200 if flush_in is None else max(1, int(flush_in * 1000))
+
+    def _servable(self, ident: bytes) -> bool:
+        """Whether a request of ``ident`` may start: room in flight, and its replies taken."""
+        return self._in_flight[ident] < MAX_IN_FLIGHT and not self.replies.stalled(ident)
+
     def _drain_replies(self) -> None:
         while True:
             try:
@@ -264,7 +291,7 @@ class Server:
             self._in_flight[ident] -= 1
             if self._in_flight[ident] <= 0:
                 del self._in_flight[ident]
-            self.router.send_multipart(frames)
+            self.replies.send(frames)
 
     def _handle(self, ident: bytes, body: list) -> None:
         req_id = None
@@ -273,7 +300,7 @@ class Server:
             env = parse_request(body, self.cfg.max_message_bytes, self.cfg.max_blocks_per_request)
             req_id, req = env.req_id, env.request
             if isinstance(req, Hello):
-                self.router.send_multipart([ident, *ok_reply(req_id, **self._hello())])
+                self.replies.send([ident, *ok_reply(req_id, **self._hello())])
                 return
             session = self.sessions.find(env.session, peer_uid(body))
             _check_deadline(env)
@@ -285,7 +312,7 @@ class Server:
                     reply = ok_reply(req_id, **self.store.get(req, session))
                     self.store.counters["gets_inline"] += 1
                     self._observe_get(time.perf_counter() - t0)  # before the reply: a scrape after it sees this get
-                    self.router.send_multipart([ident, *reply])
+                    self.replies.send([ident, *reply])
                 else:
                     self._in_flight[ident] += 1
                     self._pool.submit(self._run, ident, env, lambda: self.store.get(req, session), self._observe_get, t0)
@@ -293,15 +320,15 @@ class Server:
                 self._in_flight[ident] += 1
                 self._writes.put(session.uid, session.token, (ident, env, session, t0))
             else:
-                self.router.send_multipart([ident, *ok_reply(req_id, **self._inline(req, session))])
+                self.replies.send([ident, *ok_reply(req_id, **self._inline(req, session))])
         except ProtocolError as exc:
             req_id = getattr(exc, "req_id", req_id)
             self.store.counters["bad_requests"] += 1
             log.debug("refused request %s: %s", req_id, exc)
-            self.router.send_multipart([ident, *self._error(req_id, exc.code, str(exc))])
+            self.replies.send([ident, *self._error(req_id, exc.code, str(exc))])
         except Exception as exc:  # keep serving everyone else; the client gets the reason
             log.exception("internal error on request %s", req_id)
-            self.router.send_multipart([ident, *self._error(req_id, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")])
+            self.replies.send([ident, *self._error(req_id, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")])
 
     def _error(self, req_id: int | None, code: ErrorCode, message: str) -> list:
         """An error reply's frames, counted by code (any thread)."""
@@ -313,16 +340,23 @@ class Server:
 
     def _inline(self, req: object, session: Session) -> dict:
         if isinstance(req, Stats):
-            return {**self.store.stats(session), "instance": self.sessions.instance, "sessions": len(self.sessions),
-                    "mapped_bytes": self.sessions.budget.used, "cuda_ipc": self.cuda_ipc.available,
-                    "cuda_ipc_handles": self.cuda_ipc.open_handles}
+            return {**self.store.stats(session), "instance": self.sessions.instance, **self._session_figures(session)}
         if isinstance(req, OpenSeq):
             return self.store.open(req, session.uid)
         if isinstance(req, ListSeqs):
-            return self.store.list(req, session.uid)
+            return self.store.list(replace(req, limit=min(req.limit, LIST_PAGE)), session.uid)
         if isinstance(req, Lookup):
             return self.store.lookup(req, session.uid)
         raise AssertionError(f"no inline handler for {type(req).__name__}")
+
+    def _session_figures(self, session: Session) -> dict:
+        """Sessions and mapped buffers: the daemon's, or only the caller's user's (docs/stats.md)."""
+        if not session.sees_daemon:
+            mine = self.sessions.of_uid(session.uid)
+            return {"sessions": len(mine), "mapped_bytes": sum(s.buffers.mapped_bytes for s in mine),
+                    "cuda_ipc": self.cuda_ipc.available}
+        return {"sessions": len(self.sessions), "mapped_bytes": self.sessions.budget.used,
+                "cuda_ipc": self.cuda_ipc.available, "cuda_ipc_handles": self.cuda_ipc.open_handles}
 
     # ------------------------------------------------------------ other threads
 
