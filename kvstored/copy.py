@@ -135,8 +135,10 @@ def address_tags(uid: int, layers: np.ndarray, heads: np.ndarray, pages: np.ndar
     A block read back from the wrong place (a stale extent, a misdirected write)
     then fails verification even when its bytes are a valid block of another page.
     """
-    # The uid term wraps modulo 2^64 on purpose; Python ints do it without numpy's overflow warning.
-    x = np.uint64(((uid & 0xFFFFFFFF) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
+    # Both halves of the uid (random, up to 62 bits: catalog.py) fold into 32 bits, which leaves
+    # a uid below 2^32 (a store's uids before they were random) as it was. The uid term wraps
+    # modulo 2^64 on purpose; Python ints do it without numpy's overflow warning.
+    x = np.uint64((((uid ^ (uid >> 32)) & 0xFFFFFFFF) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF)
     x = x ^ (layers.astype(np.uint64) << np.uint64(40)) ^ (heads.astype(np.uint64) << np.uint64(24)) ^ pages.astype(np.uint64)
     x = (x ^ (x >> np.uint64(29))) * np.uint64(0xBF58476D1CE4E5B9)
     x = x ^ (x >> np.uint64(32))

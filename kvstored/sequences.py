@@ -106,12 +106,11 @@ class Sequences:
         except IndexFullError as exc:
             raise ProtocolError(ErrorCode.FULL, str(exc)) from None
         self.space.check_room("create")
-        uid = self.catalog.next_uid
+        uid = self.catalog.new_uid()
         rec = SeqRecord(uid, req.ns, req.seq, req.geometry, time.time(), owner)
         # The entry holds no arrays until its first put; made before the commit, so nothing
         # that can fail is left once the sequence is durable.
         entry = SeqEntry(uid, req.ns, req.seq, req.geometry, rec.created, owner)
-        self.catalog.next_uid += 1
         pending[key] = entry
         records.append(rec)
         return entry

@@ -26,7 +26,9 @@ disconnected (kvstored/session_server.py, kvstored/session_conns.py).
 
 Access model: a session acts for its uid. Sequences belong to the uid that created
 them (every lookup by name or uid is scoped to it), and buffers to the session
-that registered them. See docs/protocol.md.
+that registered them. What a session is told of the daemon's activity is its own
+(``stats``), unless its uid is root's or the daemon's (:attr:`Session.sees_daemon`,
+docs/stats.md). See docs/protocol.md.
 
 Threading: one thread (``kvstored-sessions``, kvstored/session_server.py) owns the
 listening socket and every session connection. ``SessionTable`` lookups run on any
@@ -49,6 +51,7 @@ Errors are ``{"ok": false, "code", "error"}`` with the codes of kvstored.protoco
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -74,6 +77,12 @@ class Session:
 
     def __repr__(self) -> str:
         return f"Session(pid={self.pid}, uid={self.uid})"
+
+    @property
+    def sees_daemon(self) -> bool:
+        """Whether this session is told daemon-wide figures (root, or the daemon's own uid),
+        rather than its user's own."""
+        return self.uid in (0, os.geteuid())
 
 
 class SessionTable:
@@ -139,6 +148,11 @@ class SessionTable:
 
     def __len__(self) -> int:
         return len(self._by_token)
+
+    def of_uid(self, uid: int) -> list[Session]:
+        """The sessions of ``uid`` open now."""
+        with self._lock:
+            return [s for s in self._by_token.values() if s.uid == uid]
 
     def buffer_count(self) -> int:
         """Buffers registered now, all sessions (their bytes: ``budget.used``)."""

@@ -188,10 +188,23 @@ class Store:
         return self.gets.in_dram(req, session, max_bytes)
 
     def stats(self, session: Session) -> dict:
-        """Daemon-wide figures (tiers, counters) and the caller's own sequence count."""
+        """Daemon-wide figures (tiers, counters) and the caller's own sequence count; to a
+        caller that does not see the daemon (docs/stats.md), its own figures and its limits."""
+        mine = [e for e in self.index.all() if e.owner == session.uid]
+        if not session.sees_daemon:
+            return {
+                **self.hello(),
+                "scope": "user",
+                "sequences": len(mine),
+                "dram_used_bytes": self.residency.shares.held(session.uid),
+                "ssd_used_bytes": sum(e.bytes for e in mine),
+                "index_bytes": self.index.owner_bytes(session.uid),
+                "index_max_bytes": self.index.max_bytes_per_owner,
+            }
         return {
             **self.hello(),
-            "sequences": sum(1 for e in self.index.all() if e.owner == session.uid),
+            "scope": "daemon",
+            "sequences": len(mine),
             "dram_used_bytes": self.dram.used_bytes,
             "dram_blocks": self.dram.num_blocks,
             "ssd_used_bytes": self.ssd.used_bytes,

@@ -20,7 +20,8 @@ def put_one(c, ns, name, value):
 
 
 def names(c, ns):
-    return [s["seq"] for s in c.list(ns)]
+    """The namespace's sequences, oldest first (a list is in uid order, and uids are random)."""
+    return [s["seq"] for s in sorted(c.list(ns), key=lambda s: s["created"])]
 
 
 def test_a_namespace_over_its_quota_loses_its_least_recently_used_sequences(daemon_factory):
