@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -22,7 +23,15 @@ from kvdrive_client import StoreClient  # noqa: E402
 
 
 class DaemonProcess:
-    """One kvstored process over a store directory; can be stopped, killed, restarted."""
+    """One kvstored process over a store directory; can be stopped, killed, restarted.
+
+    ``after_exit``, when set, is called with the daemon each time it has been stopped or
+    killed here (tests/kvstored checks its store then); ``started`` lists every daemon
+    started, in order.
+    """
+
+    after_exit: Callable[["DaemonProcess"], None] | None = None
+    started: list["DaemonProcess"] = []
 
     def __init__(self, root: Path, dram: str = "64M", ssd_max: str = "4G", extra: list[str] | None = None) -> None:
         self.root = root
@@ -38,6 +47,8 @@ class DaemonProcess:
                self.ssd_max, "--listen", self.address, *self.extra]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        self.checked = False  # by after_exit, since this start
+        DaemonProcess.started.append(self)
         probe = StoreClient(self.address, timeout=5)
         deadline = time.monotonic() + timeout
         try:
@@ -76,6 +87,7 @@ class DaemonProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(timeout)
+        self._exited()
         return self.proc.returncode
 
     def kill9(self) -> None:
@@ -83,6 +95,12 @@ class DaemonProcess:
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+            self._exited()
+
+    def _exited(self) -> None:
+        if DaemonProcess.after_exit is not None and not self.checked:
+            self.checked = True
+            DaemonProcess.after_exit(self)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -101,6 +119,12 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA device: torch.cuda.is_available() is false")
     for item in gpu:
         item.add_marker(skip)
+
+
+@pytest.fixture
+def daemon_process() -> type[DaemonProcess]:
+    """The class of the daemons these fixtures start: its ``after_exit`` hook, its ``started`` list."""
+    return DaemonProcess
 
 
 @pytest.fixture

@@ -134,6 +134,7 @@ DAMAGE = {
 }
 
 
+@pytest.mark.damages_store
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_a_damaged_catalog_file_is_refused_never_served_empty(daemon_factory, damage):
     d = filled_and_stopped(daemon_factory)
@@ -166,6 +167,7 @@ RECORD_DAMAGE = {
 }
 
 
+@pytest.mark.damages_store
 @pytest.mark.parametrize("damage", RECORD_DAMAGE)
 def test_a_damaged_record_is_refused_naming_it(daemon_factory, damage):
     d = filled_and_stopped(daemon_factory)
@@ -213,6 +215,7 @@ CROSS_DAMAGE = {
 }
 
 
+@pytest.mark.damages_store
 @pytest.mark.parametrize("damage", CROSS_DAMAGE)
 def test_records_that_disagree_are_refused_in_words(daemon_factory, damage):
     d = filled_and_stopped(daemon_factory)
@@ -231,6 +234,7 @@ def test_records_that_disagree_are_refused_in_words(daemon_factory, damage):
     assert checked.returncode == 1 and why in checked.stdout, checked
 
 
+@pytest.mark.damages_store
 def test_an_unknown_format_is_refused_in_one_sentence(daemon_factory):
     d = filled_and_stopped(daemon_factory)
     env = lmdb.open(str(d.ssd / META_DIR), max_dbs=4)

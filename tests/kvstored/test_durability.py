@@ -170,6 +170,7 @@ def flip_bits(path: Path, pos: int, mask: int) -> None:
         os.fsync(f.fileno())
 
 
+@pytest.mark.damages_store
 def test_flipped_byte_is_a_checksum_error_naming_the_block(daemon_factory):
     d = daemon_factory(dram="0").start()
     client = d.client()
@@ -200,6 +201,7 @@ def test_flipped_byte_is_a_checksum_error_naming_the_block(daemon_factory):
     assert d.alive() and "checksum mismatch" in d.log()
 
 
+@pytest.mark.damages_store
 def test_a_get_larger_than_one_read_chunk_is_checked_in_every_chunk(daemon_factory):
     """A get's SSD reads land in a scratch buffer a chunk at a time; every chunk is checked and delivered."""
     from kvstored.store import READ_CHUNK_BYTES
