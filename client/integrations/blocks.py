@@ -19,8 +19,16 @@ block or a refused request turns into a miss (or a store not done), one log line
 counter (:attr:`BlockStore.counters`). After kvstored is found unavailable, calls are
 misses at once, without I/O, for ``retry_s`` seconds; then the next call tries again.
 
-Bytes move through one registered shared buffer: the engine's memory is copied into it
-(stores) and out of it (loads), one memcpy each way, counted in ``staging_s``.
+Bytes move through shared buffers registered with kvstored: the engine's memory is
+copied into one (stores) and out of one (loads), one memcpy each way, counted in
+``staging_us``. Loads and stores go through lanes of their own
+(:mod:`~kvdrive_client.integrations.lanes`): each has its connections and staging
+regions, ``load_channels`` / ``store_channels`` calls of each kind run at once, and a
+load never waits for a store. Lookups have a connection of their own too.
+
+A block is one or more kvstored blocks of one page: up to 64 MiB it is one, past that
+it is split into ``parts`` equal layers of one sequence (a 1 GiB block is 16 of 64 MiB),
+stored by one put and loaded by one get, so a block is stored whole or not at all.
 """
 
 from __future__ import annotations
@@ -38,34 +46,49 @@ Buffer = Any  # anything with the buffer protocol (memoryview, numpy, bytearray)
 
 import numpy as np
 
-from kvdrive.layout.geometry import MAX_HEAD_DIM, MAX_PAGE_SIZE, Geometry
+from kvdrive.layout.geometry import MAX_HEAD_DIM, MAX_LAYERS, MAX_PAGE_SIZE, Geometry
 from kvdrive.protocol import MAX_SEQS_PER_GET, Op
-from kvdrive_client.errors import ChecksumError, ExistsError, KVDriveError, StoreUnavailableError
+from kvdrive_client.errors import ChecksumError, ExistsError, KVDriveError, NotFoundError, StoreUnavailableError
+from kvdrive_client.integrations.lanes import Channel, Lane
 from kvdrive_client.locate import DEFAULT, Default
-from kvdrive_client.shm import SharedBuffer
 from kvdrive_client.store import Sequence, StoreClient, connect
 
 log = logging.getLogger(__name__)
 
 _NAME_OK = re.compile(r"^[\x21-\x7e]{1,200}$")
 DEFAULT_STAGING_BYTES = 64 << 20
+DELETE_WINDOW = 32  # deletes in flight at once
+
+
+MAX_PART_BYTES = 4 * MAX_PAGE_SIZE * MAX_HEAD_DIM  # the largest kvstored block: 64 MiB
+MAX_BLOCK_BYTES = MAX_PART_BYTES * 32  # 2 GiB: one put, well within kvstored's 4 GiB per put
 
 
 def block_geometry(block_bytes: int) -> Geometry:
-    """A one-layer, one-head geometry whose block is ``block_bytes`` (float16 K and V of
-    ``page_size`` x ``head_dim``); ValueError for a size no such geometry has."""
+    """The geometry of a one-page sequence holding a block of ``block_bytes``: float16 K and
+    V of ``page_size`` x ``head_dim``, one head, in as few layers (parts) as keep each part
+    within kvstored's largest block; ValueError for a size no such geometry has. A block of
+    at most 64 MiB is one layer, as it always was, so blocks stored before are found."""
     if not isinstance(block_bytes, int) or block_bytes <= 0 or block_bytes % 4:
         raise ValueError(f"an engine block must be a positive multiple of 4 bytes, got {block_bytes!r}")
-    elems = block_bytes // 4  # page_size x head_dim
-    for head_dim in range(min(MAX_HEAD_DIM, elems), 0, -1):
-        if elems % head_dim == 0:
-            page_size = elems // head_dim
-            if page_size > MAX_PAGE_SIZE:
-                break
-            return Geometry(num_layers=1, num_kv_heads=1, head_dim=head_dim, dtype="float16", page_size=page_size)
+    if block_bytes > MAX_BLOCK_BYTES:
+        raise ValueError(f"an engine block of {block_bytes} bytes is over the {MAX_BLOCK_BYTES >> 30} GiB "
+                         f"a block store takes (one put of kvstored)")
+    for parts in range(-(-block_bytes // MAX_PART_BYTES), min(MAX_LAYERS, block_bytes // 4) + 1):
+        if block_bytes % (4 * parts):
+            continue
+        elems = block_bytes // (4 * parts)  # page_size x head_dim of each part
+        for head_dim in range(min(MAX_HEAD_DIM, elems), 0, -1):
+            if elems % head_dim == 0:
+                page_size = elems // head_dim
+                if page_size > MAX_PAGE_SIZE:
+                    break
+                return Geometry(num_layers=parts, num_kv_heads=1, head_dim=head_dim, dtype="float16",
+                                page_size=page_size)
     raise ValueError(
-        f"an engine block of {block_bytes} bytes does not fit one kvstored block "
-        f"(at most {4 * MAX_PAGE_SIZE * MAX_HEAD_DIM} bytes, as 4 x page_size x head_dim)"
+        f"an engine block of {block_bytes} bytes does not split into kvstored blocks (at most "
+        f"{MAX_PART_BYTES} bytes each, 4 x page_size x head_dim, page_size and head_dim at most "
+        f"{MAX_PAGE_SIZE}); a size with more factors of two fits"
     )
 
 
@@ -111,56 +134,69 @@ class BlockStore:
     ``address``: the daemon (default: the one ``connect()`` finds); ``timeout``: per data
     request; ``lookup_timeout``: per lookup (engines ask on their scheduling path);
     ``retry_s``: how long an unavailable daemon is answered with misses before the next
-    try; ``staging_bytes``: the shared buffer blocks move through (a call moves at most
-    this much per request).
+    try; ``staging_bytes``: each staging region (a call moves at most this much, or one
+    block, per request); ``load_channels`` / ``store_channels``: how many loads / stores
+    run at once, each with a connection and a staging region of its own (made on first
+    use). One store at a time is the default: stores are bound by the disk's durable
+    write, and the CPU and memory bandwidth a second would take are the loads'.
+    ``client``: one client every channel uses instead of connections of their own (the
+    caller closes it).
     """
 
     def __init__(self, block_bytes: int, *, engine: str, model: str, tenant: str = "default",
                  rank: str | None = None, address: str | Default = DEFAULT, timeout: float = 10.0,
                  lookup_timeout: float = 1.0, retry_s: float = 1.0, staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 client: StoreClient | None = None) -> None:
+                 load_channels: int = 2, store_channels: int = 1, client: StoreClient | None = None) -> None:
         self.geometry = block_geometry(block_bytes)
         self.block_bytes = block_bytes
+        self.parts = self.geometry.num_layers
         self.ns = namespace(engine, model, tenant, block_bytes, rank)
         self.address = address
         self.timeout, self.lookup_timeout, self.retry_s = timeout, lookup_timeout, retry_s
         self.batch_blocks = max(1, min(staging_bytes // block_bytes, MAX_SEQS_PER_GET))
+        region = self.batch_blocks * block_bytes
+        self.loads = Lane("load", load_channels, region, self._connect, client)
+        self.stores = Lane("store", store_channels, region, self._connect, client)
         self.counters: Counter[str] = Counter()
-        self._client = client
-        self._own_client = client is None
-        self._staging: SharedBuffer | None = None
-        self._io = threading.Lock()  # one call at a time uses the staging buffer
+        self._tally_lock = threading.Lock()
+        self._lookups = client  # a connection of its own: a lookup never waits for a load or a store
+        self._lookups_lock = threading.Lock()
+        self._own_lookups = client is None
         self._down_until = 0.0
         self._closed = False
 
     # ------------------------------------------------------------ connection
 
-    def _conn(self) -> StoreClient:
-        if self._client is None:
-            self._client = connect(self.address, timeout=self.timeout)
-        return self._client
+    def _connect(self) -> StoreClient:
+        return connect(self.address, timeout=self.timeout)
 
-    def _buffer(self) -> SharedBuffer:
-        if self._staging is None:
-            self._staging = self._conn().register(self.batch_blocks * self.block_bytes)
-        return self._staging
+    def _lookup_client(self) -> StoreClient:
+        with self._lookups_lock:
+            if self._lookups is None:
+                self._lookups = self._connect()
+            return self._lookups
+
+    def _tally(self, **counts: int) -> None:
+        with self._tally_lock:
+            self.counters.update(counts)
 
     def available(self) -> bool:
         """False while a recent failure to reach kvstored holds calls off (``retry_s``)."""
         return not self._closed and time.monotonic() >= self._down_until
 
     def _failed(self, op: str, exc: BaseException, blocks: int) -> None:
-        self.counters[f"{op}_failed"] += blocks
         if isinstance(exc, StoreUnavailableError) or isinstance(exc, OSError):
-            first = time.monotonic() >= self._down_until
-            self._down_until = time.monotonic() + self.retry_s
-            # The session and its buffers are gone with the daemon; the client opens a new
-            # session on its next call, and the staging buffer is registered again there.
+            with self._tally_lock:  # loads, stores and lookups fail at once: one outage
+                first = time.monotonic() >= self._down_until
+                self._down_until = time.monotonic() + self.retry_s
+                self.counters.update({f"{op}_failed": blocks, "unavailable": int(first)})
+            # The session and its buffers are gone with the daemon; each client opens a new
+            # session on its next call, and registers its staging region again there.
             if first:
-                self.counters["unavailable"] += 1
                 log.warning("kvstored is unavailable (%s); %s of %d block(s) of %s treated as not done; calls are "
                             "misses for %.1f s, then tried again", exc, op, blocks, self.ns, self.retry_s)
         else:
+            self._tally(**{f"{op}_failed": blocks})
             log.warning("kvstored %s of %d block(s) of %s failed (%s: %s); treated as not done", op, blocks, self.ns,
                         type(exc).__name__, exc)
 
@@ -168,7 +204,7 @@ class BlockStore:
         if n == 0:
             return False
         if not self.available():
-            self.counters[f"{op}_skipped"] += n
+            self._tally(**{f"{op}_skipped": n})
             return False
         return True
 
@@ -180,14 +216,12 @@ class BlockStore:
         if not self._guard("lookup", len(names)):
             return [False] * len(names)
         try:
-            pages = self._conn().lookup(self.ns, names, timeout=self.lookup_timeout)["pages"]
+            pages = self._lookup_client().lookup(self.ns, names, timeout=self.lookup_timeout)["pages"]
         except (KVDriveError, OSError) as exc:
             self._failed("lookup", exc, len(names))
             return [False] * len(names)
         found = [p >= 1 for p in pages]
-        self.counters["lookups"] += 1
-        self.counters["keys_found"] += sum(found)
-        self.counters["keys_missing"] += len(found) - sum(found)
+        self._tally(lookups=1, keys_found=sum(found), keys_missing=len(found) - sum(found))
         return found
 
     def prefix(self, keys: Iterable) -> int:
@@ -207,41 +241,41 @@ class BlockStore:
             return done
         t0 = time.perf_counter()
         try:
-            with self._io:
-                c = self._conn()
-                pages = c.lookup(self.ns, names, timeout=self.lookup_timeout)["pages"]
+            with self.stores.channel(self.timeout) as ch:
+                pages = ch.client.lookup(self.ns, names, timeout=self.lookup_timeout)["pages"]
                 todo: dict[str, int] = {}
                 for i, (name, p) in enumerate(zip(names, pages)):
                     if p >= 1:
                         done[i] = True
                     elif name not in todo:
                         todo[name] = i
-                self.counters["stored_before"] += sum(done)
+                self._tally(stored_before=sum(done))
                 order = list(todo.values())
                 for start in range(0, len(order), self.batch_blocks):
-                    self._store_batch(c, names, sources, order[start: start + self.batch_blocks], done)
+                    self._store_batch(ch, names, sources, order[start: start + self.batch_blocks], done)
                 for i, name in enumerate(names):  # a key given twice in one call
                     done[i] = done[i] or done[todo.get(name, i)]
         except (KVDriveError, OSError, ValueError) as exc:  # ValueError: a block of another size
             self._failed("store", exc, len(names) - sum(done))
-        self.counters["store_s_us"] += int((time.perf_counter() - t0) * 1e6)
+        self._tally(store_s_us=int((time.perf_counter() - t0) * 1e6))
         return done
 
-    def _store_batch(self, c: StoreClient, names: list[str], sources: Seq[Buffer], batch: list[int],
+    def _store_batch(self, ch: Channel, names: list[str], sources: Seq[Buffer], batch: list[int],
                      done: list[bool]) -> None:
-        bb = self.block_bytes
+        bb, c = self.block_bytes, ch.client
         creates = [c._submit(Op.CREATE, {"ns": self.ns, "seq": names[i], "geometry": self.geometry.to_dict(),
                                          "exist_ok": True}) for i in batch]
         seqs = [Sequence.from_reply(c._wait(r)) for r in creates]
-        staging = self._buffer()
+        staging = ch.region
         t0 = time.perf_counter()
         for j, i in enumerate(batch):
             at = j * bb
             for part in _parts(sources[i], bb, "block"):
                 staging.array[at: at + part.nbytes] = part
                 at += part.nbytes
-        self.counters["staging_us"] += int((time.perf_counter() - t0) * 1e6)
-        puts = [(i, c.put_async(seq, [0], [0], staging, j * bb)) for j, (i, seq) in enumerate(zip(batch, seqs))
+        self._tally(staging_us=int((time.perf_counter() - t0) * 1e6))
+        layers = range(self.parts)  # one put of a block's every part: stored whole or not at all
+        puts = [(i, c.put_async(seq, layers, [0], staging, j * bb)) for j, (i, seq) in enumerate(zip(batch, seqs))
                 if seq.complete_pages < 1]
         for i, seq in zip(batch, seqs):
             if seq.complete_pages >= 1:  # stored by another writer since the lookup
@@ -249,8 +283,7 @@ class BlockStore:
         for i, pending in puts:
             try:
                 pending.wait()
-                self.counters["blocks_stored"] += 1
-                self.counters["bytes_stored"] += bb
+                self._tally(blocks_stored=1, bytes_stored=bb)
             except ExistsError:  # another writer stored it between our create and our put
                 pass
             except StoreUnavailableError:
@@ -272,33 +305,36 @@ class BlockStore:
             return got
         t0 = time.perf_counter()
         try:
-            with self._io:
-                c = self._conn()
-                r = c.lookup(self.ns, names, timeout=self.lookup_timeout)
+            with self.loads.channel(self.timeout) as ch:
+                r = ch.client.lookup(self.ns, names, timeout=self.lookup_timeout)
                 present = [i for i, p in enumerate(r["pages"]) if p >= 1]
-                self.counters["load_missing"] += len(names) - len(present)
+                self._tally(load_missing=len(names) - len(present))
                 for start in range(0, len(present), self.batch_blocks):
                     batch = present[start: start + self.batch_blocks]
-                    self._load_batch(c, [r["uids"][i] for i in batch], [targets[i] for i in batch], got, batch)
+                    self._load_batch(ch, [r["uids"][i] for i in batch], [targets[i] for i in batch], got, batch)
         except (KVDriveError, OSError, ValueError) as exc:  # ValueError: a target of another size
             self._failed("load", exc, len(names) - sum(got))
-        self.counters["load_s_us"] += int((time.perf_counter() - t0) * 1e6)
+        self._tally(load_s_us=int((time.perf_counter() - t0) * 1e6))
         return got
 
-    def _load_batch(self, c: StoreClient, uids: list[int], targets: list, got: list[bool], where: list[int]) -> None:
-        bb = self.block_bytes
-        staging = self._buffer()
+    def _rows(self, num_blocks: int) -> np.ndarray:
+        """The (layer, head, page) rows of ``num_blocks`` blocks' parts, block after block."""
+        rows = np.zeros((num_blocks * self.parts, 3), np.int32)
+        rows[:, 0] = np.tile(np.arange(self.parts, dtype=np.int32), num_blocks)
+        return rows
+
+    def _load_batch(self, ch: Channel, uids: list[int], targets: list, got: list[bool], where: list[int]) -> None:
+        bb, c, staging = self.block_bytes, ch.client, ch.region
         seq = Sequence(uids[0], self.ns, "", self.geometry, 1, 1)
         try:
-            c.get_async(seq, np.zeros((len(uids), 3), np.int32), staging, 0, seqs=uids).wait()
+            c.get_async(seq, self._rows(len(uids)), staging, 0, seqs=np.repeat(uids, self.parts)).wait()
             ok = list(range(len(uids)))
         except ChecksumError:
             # A damaged block fails the get: read them one by one, so only it is a miss.
             ok = []
             for j, uid in enumerate(uids):
                 try:
-                    c.get_async(Sequence(uid, self.ns, "", self.geometry, 1, 1), np.zeros((1, 3), np.int32),
-                                staging, j * bb).wait()
+                    c.get_async(Sequence(uid, self.ns, "", self.geometry, 1, 1), self._rows(1), staging, j * bb).wait()
                     ok.append(j)
                 except ChecksumError as exc:
                     self._failed("load", exc, 1)
@@ -309,26 +345,45 @@ class BlockStore:
                 part[:] = staging.array[at: at + part.nbytes]
                 at += part.nbytes
             got[where[j]] = True
-        self.counters["staging_us"] += int((time.perf_counter() - t0) * 1e6)
-        self.counters["blocks_loaded"] += len(ok)
-        self.counters["bytes_loaded"] += len(ok) * bb
+        self._tally(staging_us=int((time.perf_counter() - t0) * 1e6), blocks_loaded=len(ok), bytes_loaded=len(ok) * bb)
+
+    def delete_all(self) -> int:
+        """Delete every block of this store's namespace that this user stored (any process,
+        any run); how many. Blocks being loaded meanwhile may miss; none loads wrong bytes."""
+        if not self.available():
+            return 0
+        deleted = 0
+        try:
+            with self.stores.channel(self.timeout) as ch:
+                names = [s["seq"] for s in ch.client.list(self.ns)]
+                for start in range(0, len(names), DELETE_WINDOW):  # pipelined, a window at a time
+                    sent = [ch.client._submit(Op.DELETE, {"ns": self.ns, "seq": n})
+                            for n in names[start: start + DELETE_WINDOW]]
+                    for req in sent:
+                        try:
+                            ch.client._wait(req)
+                            deleted += 1
+                        except NotFoundError:  # deleted by another since the list
+                            pass
+        except (KVDriveError, OSError) as exc:
+            self._failed("delete", exc, 0)
+        self._tally(blocks_deleted=deleted)
+        return deleted
 
     def stats(self) -> dict:
         """The counters: lookups, keys_found/keys_missing, blocks_stored, stored_before,
-        blocks_loaded, load_missing, bytes_stored/bytes_loaded, *_failed and *_skipped
-        (blocks), unavailable (outages seen), staging_us, store_s_us, load_s_us."""
-        return dict(self.counters)
+        blocks_loaded, load_missing, bytes_stored/bytes_loaded, blocks_deleted, *_failed
+        and *_skipped (blocks), unavailable (outages seen), staging_us, store_s_us, load_s_us."""
+        with self._tally_lock:
+            return dict(self.counters)
 
     def close(self) -> None:
-        """Free the staging buffer and, if this store opened it, the client."""
+        """Free the staging regions and the connections this store opened (waiting up to
+        ``timeout`` for calls in flight)."""
         self._closed = True
-        with self._io:
-            if self._client is not None and self._own_client:
-                self._client.close()
-            elif self._client is not None and self._staging is not None:
-                try:
-                    self._client.unregister(self._staging)
-                except KVDriveError:
-                    pass
-            self._client = None
-            self._staging = None
+        self.loads.close(self.timeout)
+        self.stores.close(self.timeout)
+        with self._lookups_lock:
+            if self._lookups is not None and self._own_lookups:
+                self._lookups.close()
+            self._lookups = None if self._own_lookups else self._lookups

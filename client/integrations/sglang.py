@@ -12,8 +12,8 @@ backend API changed between releases. SGLang loads it as its ``dynamic`` backend
 Options in the extra config, besides SGLang's own: ``address`` (default: the daemon
 ``connect()`` finds), ``model`` (default: SGLang's model name), ``tenant``, ``timeout`` /
 ``lookup_timeout`` (seconds per data request / lookup), ``retry_s`` (how long a daemon
-found down is answered with misses), ``staging_bytes`` (the shared buffer pages move
-through).
+found down is answered with misses), ``staging_bytes`` (each staging region pages move
+through), ``load_channels`` / ``store_channels`` (loads / stores at once).
 
 Each SGLang page (every layer's K and V of ``page_size`` tokens) is one block of a
 :class:`~kvdrive_client.integrations.blocks.BlockStore`, by SGLang's page hash, in a
@@ -29,7 +29,9 @@ kvstored: one memcpy each way. It is not zero-copy: SGLang's host pool is not me
 kvstored can map. Without ``interface_v1`` SGLang passes flat page tensors (``batch_set``
 / ``batch_get``), which are copied the same way. Pages are write-once: a page stored
 already (by this process, another or an earlier run) is not written again. ``clear()``
-keeps them.
+deletes the namespace's pages (on the storage-writer ranks). Prefetches never wait for
+backups: loads and stores have connections and staging regions of their own
+(``load_channels`` / ``store_channels``, default 2 and 1).
 
 Nothing raises into SGLang on store trouble: a daemon that is down or dies, a full store
 or a damaged page is a miss (or a page not stored) and a log line, within about a second.
@@ -110,7 +112,9 @@ if _IMPORT_ERROR is None:
             self._store_args = dict(address=opts.get("address", DEFAULT), timeout=float(opts.get("timeout", 10.0)),
                                     lookup_timeout=float(opts.get("lookup_timeout", 1.0)),
                                     retry_s=float(opts.get("retry_s", 1.0)),
-                                    staging_bytes=int(opts.get("staging_bytes", 64 << 20)))
+                                    staging_bytes=int(opts.get("staging_bytes", 64 << 20)),
+                                    load_channels=int(opts.get("load_channels", 2)),
+                                    store_channels=int(opts.get("store_channels", 1)))
             self.mem_pool_host = None
             self.store: BlockStore | None = None  # made once the page size is known
             self._make = threading.Lock()
@@ -283,10 +287,14 @@ if _IMPORT_ERROR is None:
         # ------------------------------------------------------------ the rest
 
         def clear(self) -> None:
-            """Keep every stored page: kvstored's pages are shared by every engine of the
-            namespace and outlive this one."""
-            log.warning("KVDrive storage: clear() keeps the pages stored in kvstored (namespace %s)",
-                        None if self.store is None else self.store.ns)
+            """Delete the pages of this backend's namespace: what this user stored there (this
+            process, the other engines of its model, tenant and shard, or earlier runs), as
+            SGLang's file backend empties its directory. A rank that is not a storage writer
+            stored nothing and deletes nothing."""
+            if self.store is None or not self.writer:
+                return
+            deleted = self.store.delete_all()
+            log.info("KVDrive storage: clear() deleted %d page(s) of namespace %s", deleted, self.store.ns)
 
         def get_stats(self) -> Any:
             """SGLang's ``StorageMetrics`` of the prefetches and backups since the last call

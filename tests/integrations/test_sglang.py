@@ -316,3 +316,63 @@ def test_storage_metrics_are_per_call_pages_and_bandwidth(sgl, daemon, monkeypat
     assert len(m.backup_bandwidth) == len(m.prefetch_bandwidth) == 1 and m.prefetch_bandwidth[0] > 0
     assert b.get_stats() == StorageMetricsStandIn()  # each call reports what came since the last
     b.close()
+
+
+def test_a_prefetch_completes_while_a_large_backup_is_in_flight(sgl, daemon, monkeypatch):
+    """The controller's backup thread holds a store (its connection and staging region)
+    until released; a prefetch on another thread loads meanwhile."""
+    pool = host_pool(sgl, seed=9)
+    b = backend(sgl, daemon, pool)
+    old, large = keys(4, "old"), keys(8, "large")
+    assert all(b.batch_set_v1(old, host_indices(sgl, SRC[:4])))
+    want = [page_bytes(sgl, pool, p) for p in SRC[:4]]
+
+    blocks = type(b.store)
+    original, entered, release = blocks._store_batch, threading.Event(), threading.Event()
+
+    def held(self, *args):
+        entered.set()
+        assert release.wait(30), "the backup was never released"
+        return original(self, *args)
+
+    monkeypatch.setattr(blocks, "_store_batch", held)
+    backup: list = []
+    writer = threading.Thread(target=lambda: backup.append(b.batch_set_v1(large, host_indices(sgl, SRC))))
+    writer.start()
+    try:
+        assert entered.wait(10)
+        got, took = timed(b.batch_get_v1, old, host_indices(sgl, DST[:4]))
+        assert got == [True] * 4 and took < 5.0
+        assert all(sgl.torch.equal(page_bytes(sgl, pool, p), w) for p, w in zip(DST[:4], want))
+        assert writer.is_alive() and not backup  # the backup is still in flight
+    finally:
+        release.set()
+        writer.join(30)
+    assert backup == [[True] * 8] and b.batch_exists(large) == 8
+    b.close()
+
+
+def test_clear_deletes_the_pages_this_backend_stored(sgl, daemon):
+    pool = host_pool(sgl, seed=10)
+    b = backend(sgl, daemon, pool)
+    neighbour = backend(sgl, daemon, pool, extra={"tenant": "other"})
+    replica = backend(sgl, daemon, pool, is_mla_model=True, tp_rank=1, tp_size=2)
+    mla_writer = backend(sgl, daemon, pool, is_mla_model=True, tp_rank=0, tp_size=2)
+    ks = keys(8, "clear")
+    for made in (b, neighbour, mla_writer):
+        assert all(made.batch_set_v1(ks, host_indices(sgl, SRC)))
+    before = daemon.client().stats()
+
+    replica.clear()  # not a storage writer: it stored nothing, deletes nothing
+    assert mla_writer.batch_exists(ks) == 8
+    b.clear()
+    assert b.batch_exists(ks) == 0 and b.batch_get_v1(ks, host_indices(sgl, DST)) == [False] * 8
+    assert b.stats()["blocks_deleted"] == 8
+    assert neighbour.batch_exists(ks) == 8 and mla_writer.batch_exists(ks) == 8  # other namespaces kept
+    after = daemon.client().stats()
+    assert after["sequences"] == before["sequences"] - 8
+
+    assert all(b.batch_set_v1(ks, host_indices(sgl, SRC)))  # stored again, anew
+    assert b.stats()["blocks_stored"] == 16 and b.batch_exists(ks) == 8
+    for made in (b, neighbour, replica, mla_writer):
+        made.close()

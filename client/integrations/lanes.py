@@ -1,0 +1,119 @@
+"""Connections and staging regions, by kind of call, so that one kind never waits for another.
+
+A :class:`Lane` is what one kind of call of a
+:class:`~kvdrive_client.integrations.blocks.BlockStore` moves bytes through (loads have
+one, stores another): up to ``width`` :class:`Channel` s, each a connection to kvstored
+(a session of its own) and a staging region registered on it. A call takes a channel
+for its whole length and gives it back; calls of one lane beyond ``width`` wait for a
+channel of that lane only. So a load never waits for a store's copy, its durable write
+or its connection's replies, and two loads run side by side.
+
+Life cycle: a channel connects, and registers its region, on its first use (a lane
+nobody calls costs nothing); after kvstored restarts, its client opens a new session
+and registers the region again on the next call (:class:`~kvdrive_client.store.StoreClient`).
+:meth:`Lane.close` waits for the channels in use, then frees them all.
+
+The threading contract: a channel is used by one thread at a time (the one that took
+it); the lane's free list is a thread-safe queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from kvdrive_client.errors import BusyError, KVDriveError
+from kvdrive_client.shm import SharedBuffer
+from kvdrive_client.store import StoreClient
+
+log = logging.getLogger(__name__)
+
+
+class Channel:
+    """One connection and one staging region of ``region_bytes``, both made on first use.
+
+    ``shared``: a client given by the caller, used (not closed) instead of a connection of
+    the channel's own; the region is still the channel's."""
+
+    def __init__(self, region_bytes: int, connect: Callable[[], StoreClient], shared: StoreClient | None) -> None:
+        self.region_bytes = region_bytes
+        self._connect = connect
+        self._shared = shared
+        self._client: StoreClient | None = shared
+        self._region: SharedBuffer | None = None
+
+    @property
+    def client(self) -> StoreClient:
+        if self._client is None:
+            self._client = self._connect()
+        return self._client
+
+    @property
+    def region(self) -> SharedBuffer:
+        if self._region is None:
+            self._region = self.client.register(self.region_bytes)
+        return self._region
+
+    def close(self) -> None:
+        if self._client is None:
+            return
+        if self._shared is None:
+            self._client.close()  # frees the region with the session
+        elif self._region is not None:
+            try:
+                self._client.unregister(self._region)
+            except KVDriveError as exc:  # the daemon is gone: it freed the region with the session
+                log.info("staging region not unregistered (%s); the daemon dropped it with the session", exc)
+        self._client = self._shared
+        self._region = None
+
+
+class Lane:
+    """Up to ``width`` channels of ``region_bytes`` each, for one kind of call (see the module)."""
+
+    def __init__(self, name: str, width: int, region_bytes: int, connect: Callable[[], StoreClient],
+                 shared: StoreClient | None = None) -> None:
+        if width < 1:
+            raise ValueError(f"the {name} lane needs at least one channel, got {width}")
+        self.name, self.width = name, width
+        self._channels = [Channel(region_bytes, connect, shared) for _ in range(width)]
+        self._free: queue.LifoQueue[Channel] = queue.LifoQueue()  # the warmest channel first
+        for ch in reversed(self._channels):
+            self._free.put(ch)
+
+    @contextmanager
+    def channel(self, timeout: float) -> Iterator[Channel]:
+        """A free channel of this lane, for the ``with`` block; BusyError if none is free
+        within ``timeout`` seconds (every one held by a call of this lane)."""
+        try:
+            ch = self._free.get(timeout=timeout)
+        except queue.Empty:
+            raise BusyError(f"every one of the {self.width} {self.name} channels stayed in use for {timeout:.1f} s") \
+                from None
+        try:
+            yield ch
+        finally:
+            self._free.put(ch)
+
+    def busy(self) -> int:
+        """How many channels calls hold now."""
+        return self.width - self._free.qsize()
+
+    def close(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the channels in use, then free every channel."""
+        deadline = time.monotonic() + timeout
+        held = []
+        for _ in range(self.width):
+            try:
+                held.append(self._free.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                log.warning("%d %s channel(s) still in use after %.1f s; closing them anyway",
+                            self.width - len(held), self.name, timeout)
+                break
+        for ch in self._channels:
+            ch.close()
+        for ch in held:
+            self._free.put(ch)
