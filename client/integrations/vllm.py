@@ -15,13 +15,23 @@ Every option of :class:`KVDriveTier` after ``backpressure_detector`` may be give
 
 How it meets the tier's contract (``SecondaryTierManager``): nothing blocks the
 scheduler. A lookup of a key not known here answers ``RETRY`` and joins the step's
-batch, which one background thread asks kvstored in one request at the step's end; the
-answer is ``HIT`` or ``MISS`` at the next lookup. Stores and loads run on that thread
-through a :class:`~kvdrive_client.integrations.blocks.BlockStore` and finish through
+batch, which a background thread asks kvstored in one request at the step's end; the
+answer is ``HIT`` or ``MISS`` at the next lookup. Keys known stored are remembered, at
+most ``known_keys`` of them (:mod:`~kvdrive_client.integrations.known_keys`): a key
+forgotten is asked again, never a wrong hit; the answers of the last two steps are kept
+whatever the bound, so each is read at least once. Stores and loads run on channels of
+their own (``store_channels``, default 1, and ``load_channels``, default 2: each a
+thread, a connection and a staging region; a load never waits behind a store) through a
+:class:`~kvdrive_client.integrations.blocks.BlockStore`, and finish through
 ``get_finished_jobs``. A daemon that is down or dies makes lookups misses and jobs
 failures within about a second (no exception reaches vLLM, nothing waits on it); one
-that comes back is used again. Blocks are copied between vLLM's CPU tier and one
-shared buffer registered with kvstored (one memcpy per block each way).
+that comes back is used again. Blocks are copied between vLLM's CPU tier and shared
+buffers registered with kvstored (one memcpy per block each way); a chunk over 64 MiB
+(Llama-3-70B with ``block_size`` 256: 80 MiB) is kept as parts of one sequence.
+
+Keys match across restarts with vLLM's default ``--prefix-caching-hash-algo sha256``;
+with ``xxhash`` only where ``PYTHONHASHSEED`` is set alike for every vLLM process
+(docs/engines.md, Keys across restarts).
 
 Verified here: the adapter against vLLM's real base classes and job types, driven as
 the tiering manager drives a tier, against a real kvstored (tests/integrations). Not
@@ -35,11 +45,13 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvdrive_client.integrations.blocks import BlockStore
+from kvdrive_client.integrations.known_keys import DEFAULT_CAPACITY, KnownKeys
 from kvdrive_client.locate import DEFAULT
 
 log = logging.getLogger(__name__)
@@ -47,7 +59,10 @@ log = logging.getLogger(__name__)
 VLLM_VERSION = "0.34.0"
 
 try:
-    from vllm.v1.kv_offload.base import LookupResult, Medium, RequestOffloadingContext
+    from vllm.v1.kv_offload.base import (
+        Locality, LookupResult, Medium, OffloadingCounterMetadata, OffloadingEvent, OffloadingGaugeMetadata,
+        RequestOffloadingContext,
+    )
     from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 except ImportError as _exc:  # vLLM is not installed: the module imports, the tier does not exist
     _IMPORT_ERROR: ImportError | None = _exc
@@ -55,6 +70,37 @@ else:
     _IMPORT_ERROR = None
 
 _STOP = object()
+
+
+@dataclass(frozen=True)
+class _Metric:
+    """One of the tier's own metrics: from which counters of :meth:`KVDriveTier.stats`, with
+    which label values each."""
+
+    counter: bool  # else a gauge
+    documentation: str
+    sources: tuple[tuple[str, tuple[str, ...]], ...]
+    labelnames: tuple[str, ...] = ()
+
+
+# The tier's own metrics; vLLM's tiering manager already counts each tier's bytes, times
+# and failed jobs from the job results.
+METRICS = {
+    "vllm:kv_offload_kvdrive_keys_looked_up": _Metric(
+        True, "Keys the KVDrive tier asked kvstored about, by whether their block was found",
+        (("keys_found", ("found",)), ("keys_missing", ("missing",))), ("result",)),
+    "vllm:kv_offload_kvdrive_blocks_failed": _Metric(
+        True, "Blocks whose load, store or lookup in kvstored failed (a miss, or a store not done), by operation",
+        (("load_failed", ("load",)), ("store_failed", ("store",)), ("lookup_failed", ("lookup",))), ("op",)),
+    "vllm:kv_offload_kvdrive_unavailable": _Metric(
+        True, "Times the KVDrive tier found kvstored unavailable (then answered with misses for retry_s)",
+        (("unavailable", ()),)),
+    "vllm:kv_offload_kvdrive_keys_forgotten": _Metric(
+        True, "Keys the KVDrive tier's scheduler side forgot to stay within known_keys (asked again when next "
+              "looked up)", (("keys_forgotten", ()),)),
+    "vllm:kv_offload_kvdrive_known_keys": _Metric(
+        False, "Keys the KVDrive tier's scheduler side knows stored", (("known_keys", ()),)),
+}
 
 
 def _model_namespace(spec: Any) -> tuple[str, str | None]:
@@ -78,8 +124,12 @@ if _IMPORT_ERROR is None:
         Options: ``address`` (default: the daemon ``connect()`` finds), ``model`` (default:
         vLLM's model name and dtype), ``tenant`` (a namespace of its own per tenant),
         ``lookup_timeout`` / ``timeout`` (seconds per lookup / data request), ``retry_s``
-        (how long a daemon found down is answered with misses), ``staging_bytes`` (the
-        shared buffer blocks move through).
+        (how long a daemon found down is answered with misses), ``staging_bytes`` (each
+        staging region), ``load_channels`` / ``store_channels`` (load / store jobs run at
+        once, each with a connection and staging region of its own), ``known_keys`` (the
+        most keys the scheduler side remembers, :mod:`~kvdrive_client.integrations.known_keys`),
+        ``enable_kv_events`` (a stored event for each store job's keys, where vLLM's KV cache
+        events are on), ``locality`` (of the events; kvstored is local: ``LOCAL``).
         """
 
         medium = Medium.STORAGE
@@ -87,7 +137,9 @@ if _IMPORT_ERROR is None:
         def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                      backpressure_detector: Any = None, *, address: str | None = None, model: str | None = None,
                      tenant: str = "default", lookup_timeout: float = 1.0, timeout: float = 10.0,
-                     retry_s: float = 1.0, staging_bytes: int = 64 << 20, locality: Any = None) -> None:
+                     retry_s: float = 1.0, staging_bytes: int = 64 << 20, load_channels: int = 2,
+                     store_channels: int = 1, known_keys: int = DEFAULT_CAPACITY, enable_kv_events: bool = False,
+                     locality: str = "LOCAL") -> None:
             super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view, tier_type=tier_type,
                              backpressure_detector=backpressure_detector)
             spec_model, layout = _model_namespace(offloading_spec)
@@ -97,31 +149,48 @@ if _IMPORT_ERROR is None:
                                  "set \"model\" in the tier's configuration")
             flat = np.frombuffer(primary_kv_view.cast("B"), dtype=np.uint8)
             self._rows = flat.reshape(-1, self.block_size_bytes)  # chunk b is row b, no copy
+            self._known = KnownKeys(known_keys)
+            self.locality = Locality(locality)  # kvstored is a daemon of this host
+            self._events: list | None = None
+            if enable_kv_events:
+                events_on = getattr(getattr(offloading_spec, "kv_events_config", None), "enable_kv_cache_events", False)
+                if events_on:
+                    self._events = []
+                else:
+                    log.warning("KVDrive tier: enable_kv_events is set but vLLM's KV cache events are off; "
+                                "the tier emits none")
+            self._reported: dict[str, int] = {}  # stats() as of the last get_stats()
             self.store = BlockStore(self.block_size_bytes, engine="vllm", model=model, tenant=tenant, rank=layout,
                                     address=DEFAULT if address is None else address, timeout=timeout,
-                                    lookup_timeout=lookup_timeout, retry_s=retry_s, staging_bytes=staging_bytes)
-            self._present: set[bytes] = set()  # keys known stored
-            self._absent: set[bytes] = set()  # keys just found missing, answered MISS once
+                                    lookup_timeout=lookup_timeout, retry_s=retry_s, staging_bytes=staging_bytes,
+                                    load_channels=load_channels, store_channels=store_channels)
             self._asked: set[bytes] = set()  # keys whose lookup is queued or in flight
+            # Answers of the last two steps, kept whatever the bound: a request needing more
+            # keys than known_keys still gets each answer at least once.
+            self._fresh: dict[bytes, bool] = {}
+            self._fresh_before: dict[bytes, bool] = {}
             self._batch: list[bytes] = []  # keys to ask at the step's end
             self._finished: list[JobResult] = []
             self._outstanding = 0  # jobs submitted, result not yet handed to vLLM
-            self._work: queue.Queue = queue.Queue()
             self._done: queue.SimpleQueue = queue.SimpleQueue()
-            self._worker = threading.Thread(target=self._serve, name="kvdrive-vllm-tier", daemon=True)
-            self._worker.start()
-            log.info("KVDrive tier for vLLM: namespace %s, %d chunks of %d bytes in the CPU tier", self.store.ns,
-                     len(self._rows), self.block_size_bytes)
+            # A queue and its own threads per kind of work: a load never waits behind a store.
+            self._queues = {"lookup": queue.Queue(), "load": queue.Queue(), "store": queue.Queue()}
+            widths = {"lookup": 1, "load": load_channels, "store": store_channels}
+            self._workers = [(kind, threading.Thread(target=self._serve, args=(kind,), name=f"kvdrive-vllm-{kind}-{i}",
+                                                     daemon=True)) for kind, n in widths.items() for i in range(n)]
+            for _, t in self._workers:
+                t.start()
+            log.info("KVDrive tier for vLLM: namespace %s, %d chunks of %d bytes in the CPU tier, %d load and %d "
+                     "store channels, up to %d keys remembered", self.store.ns, len(self._rows), self.block_size_bytes,
+                     load_channels, store_channels, known_keys)
 
         # ------------------------------------------------------------ scheduler side
 
         def lookup(self, key: bytes, req_context: Any) -> LookupResult:
             self._drain()
-            if key in self._present:
-                return LookupResult.HIT
-            if key in self._absent:
-                self._absent.discard(key)  # asked again next time: another engine may store it
-                return LookupResult.MISS
+            stored = self._answer(key)
+            if stored is not None:
+                return LookupResult.HIT if stored else LookupResult.MISS
             if key not in self._asked:
                 self._asked.add(key)
                 self._batch.append(key)
@@ -129,6 +198,17 @@ if _IMPORT_ERROR is None:
 
         def on_schedule_end(self, context: Any) -> None:
             self._flush()
+            self._fresh_before, self._fresh = self._fresh, {}
+
+        def _answer(self, key: bytes) -> bool | None:
+            for fresh in (self._fresh, self._fresh_before):
+                stored = fresh.get(key)
+                if stored is not None:
+                    if not stored:
+                        del fresh[key]
+                        self._known.forget([key])
+                    return stored
+            return True if self._known.stored(key) else None  # not known: asked (a MISS is answered once)
 
         def has_pending_work(self) -> bool:
             self._drain()
@@ -136,11 +216,11 @@ if _IMPORT_ERROR is None:
 
         def submit_store(self, job_metadata: TransferJob) -> None:
             self._outstanding += 1
-            self._work.put(("store", job_metadata))
+            self._queues["store"].put(job_metadata)
 
         def submit_load(self, job_metadata: TransferJob) -> None:
             self._outstanding += 1
-            self._work.put(("load", job_metadata))
+            self._queues["load"].put(job_metadata)
 
         def get_finished_jobs(self) -> Iterable[JobResult]:
             self._flush()
@@ -153,21 +233,56 @@ if _IMPORT_ERROR is None:
             return RequestOffloadingContext()
 
         def drain_jobs(self) -> None:
-            self._work.join()  # every job ends: each request to kvstored has a timeout
+            for kind in ("load", "store"):
+                self._queues[kind].join()  # every job ends: each request to kvstored has a timeout
             self._drain()
 
         def shutdown(self) -> None:
-            self._work.put((_STOP, None))
-            self._worker.join(timeout=max(30.0, self.store.timeout * 3))
+            for kind, _ in self._workers:
+                self._queues[kind].put(_STOP)
+            for _, t in self._workers:
+                t.join(timeout=max(30.0, self.store.timeout * 3))
             self.store.close()
 
+        def take_events(self) -> Iterable[Any]:
+            """Stored events of the store jobs finished since the last call (``enable_kv_events``).
+            Blocks kvstored deletes (``--quota``, a ``clear``) are not announced: kvstored does
+            not tell its clients; a lookup of them misses."""
+            if not self._events:
+                return ()
+            out, self._events = self._events, []
+            return out
+
+        @classmethod
+        def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+            return {name: (OffloadingCounterMetadata if m.counter else OffloadingGaugeMetadata)(
+                        documentation=m.documentation, labelnames=m.labelnames) for name, m in METRICS.items()}
+
+        def get_stats(self) -> Any:
+            """:data:`METRICS` since the last call, as vLLM's ``OffloadingConnectorStats``."""
+            # Imported here: the module imports vLLM's config and much else.
+            from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: PLC0415
+                OffloadingConnectorStats,
+            )
+
+            now, out = self.stats(), OffloadingConnectorStats()
+            for name, m in METRICS.items():
+                for key, labels in m.sources:
+                    if not m.counter:
+                        out.set_gauge(name, now.get(key, 0), labels)
+                    elif now.get(key, 0) > self._reported.get(key, 0):
+                        out.increase_counter(name, now.get(key, 0) - self._reported.get(key, 0), labels)
+            self._reported = now
+            return out
+
         def stats(self) -> dict:
-            """The block store's counters (see :meth:`BlockStore.stats`)."""
-            return self.store.stats()
+            """The block store's counters (see :meth:`BlockStore.stats`), and ``known_keys`` /
+            ``keys_forgotten``: the keys the scheduler side remembers / has had to forget."""
+            return {**self.store.stats(), "known_keys": len(self._known), "keys_forgotten": self._known.num_forgotten}
 
         def _flush(self) -> None:
             if self._batch:
-                self._work.put(("lookup", self._batch))
+                self._queues["lookup"].put(self._batch)
                 self._batch = []
 
         def _drain(self) -> None:
@@ -177,37 +292,44 @@ if _IMPORT_ERROR is None:
                 except queue.Empty:
                     return
                 if kind == "lookup":
-                    for key, found in payload:
-                        self._asked.discard(key)
-                        (self._present if found else self._absent).add(key)
+                    self._asked.difference_update(k for k, _ in payload)
+                    self._fresh.update(payload)
+                    self._known.add_stored(k for k, found in payload if found)
                 else:  # a job's result, with the keys now known stored or not loadable
-                    result, stored, lost = payload
-                    self._present.update(stored)
-                    self._present.difference_update(lost)
+                    result, stored, lost, job = payload
+                    if self._events is not None and stored and not job.is_promotion:
+                        self._events.append(OffloadingEvent(keys=list(stored), medium=self.medium, removed=False,
+                                                            locality=self.locality, ownership=self.tier_type,
+                                                            req_context=job.req_context))
+                    self._known.add_stored(stored)
+                    self._known.forget(lost)
+                    for fresh in (self._fresh, self._fresh_before):
+                        fresh.update(dict.fromkeys(stored, True))
+                        for key in lost:
+                            fresh.pop(key, None)
                     self._finished.append(result)
 
-        # ------------------------------------------------------------ the worker thread
+        # ------------------------------------------------------------ the worker threads
 
-        def _serve(self) -> None:
+        def _serve(self, kind: str) -> None:
+            work = self._queues[kind]
             while True:
-                kind, payload = self._work.get()
+                payload = work.get()
                 try:
-                    if kind is _STOP:
+                    if payload is _STOP:
                         return
                     if kind == "lookup":
                         self._done.put(("lookup", list(zip(payload, self.store.lookup(payload)))))
-                    elif kind == "store":
-                        self._done.put(("job", self._store(payload)))
                     else:
-                        self._done.put(("job", self._load(payload)))
+                        self._done.put(("job", self._store(payload) if kind == "store" else self._load(payload)))
                 except Exception:  # noqa: BLE001 - a bug here must not hang vLLM's jobs
                     log.exception("KVDrive tier: %s failed", kind)
                     if kind == "lookup":
                         self._done.put(("lookup", [(k, False) for k in payload]))
-                    elif kind in ("store", "load"):
-                        self._done.put(("job", (JobResult(job_id=payload.job_id, success=False), (), ())))
+                    else:
+                        self._done.put(("job", (JobResult(job_id=payload.job_id, success=False), (), (), payload)))
                 finally:
-                    self._work.task_done()
+                    work.task_done()
 
         def _store(self, job: TransferJob) -> tuple:
             keys = list(job.keys)
@@ -217,7 +339,7 @@ if _IMPORT_ERROR is None:
             stored = [k for k, good in zip(keys, ok) if good]
             result = JobResult(job_id=job.job_id, success=all(ok), transfer_time=took,
                                transfer_bytes=len(stored) * self.block_size_bytes)
-            return result, stored, ()
+            return result, stored, (), job
 
         def _load(self, job: TransferJob) -> tuple:
             keys = list(job.keys)
@@ -228,7 +350,7 @@ if _IMPORT_ERROR is None:
             lost = [k for k, good in zip(keys, ok) if not good]
             result = JobResult(job_id=job.job_id, success=not lost, successful_keys=None if not lost else loaded,
                                transfer_time=took, transfer_bytes=len(loaded) * self.block_size_bytes)
-            return result, loaded, lost
+            return result, loaded, lost, job
 
 else:
 

@@ -3,8 +3,11 @@ tiering manager drives a secondary tier, against a real kvstored."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
+import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -26,26 +29,29 @@ def vllm(vllm_installed):
     return SimpleNamespace(base=base, tiering=tiering, factory=factory, config=config, adapter=adapter)
 
 
-def offloading_spec(vllm, model="meta-llama/Llama-3.1-8B", tp=1):
+def offloading_spec(vllm, model="meta-llama/Llama-3.1-8B", tp=1, events=False):
     c = vllm.config
     cfg = c.OffloadingConfig(
         groups=(c.OffloadingGroupConfig(tokens_per_block=16, layer_names=("model.layers.0",), group_id=0),),
-        worker_kv_bytes_per_block=BLOCK, enable_kv_cache_events=False, extra_config={}, engine_id="e0",
+        worker_kv_bytes_per_block=BLOCK, enable_kv_cache_events=events, extra_config={}, engine_id="e0",
         model=c.OffloadingModelConfig(name=model, dtype="bfloat16"),
         cache=c.OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=c.OffloadingParallelConfig(rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=1,
                                             data_parallel_index=0, data_parallel_size=1,
                                             data_parallel_rank_local=None, is_parallelism_agnostic=False),
     )
-    return SimpleNamespace(config=cfg)  # the tier reads only the spec's config
+    # The tier reads only these of the spec (OffloadingSpec builds kv_events_config from the config).
+    events_config = vllm.base.OffloadingKVEventsConfig(enable_kv_cache_events=events,
+                                                      self_describing_kv_events=False)
+    return SimpleNamespace(config=cfg, kv_events_config=events_config)
 
 
-def make_tier(vllm, daemon, primary, **options):
+def make_tier(vllm, daemon, primary, events=False, **options):
     """The tier as vLLM builds it: its factory, an out-of-tree type by module path."""
     tier_config = {"type": "KVDriveTier", "module_path": "kvdrive_client.integrations.vllm",
                    "address": daemon.address, "retry_s": 0.5, **options}
     return vllm.factory.SecondaryTierFactory.create_secondary_tier(tier_config, memoryview(primary),
-                                                                    offloading_spec(vllm))
+                                                                    offloading_spec(vllm, events=events))
 
 
 def keys(n, salt=b"k"):
@@ -221,3 +227,138 @@ def test_the_module_imports_without_vllm_and_says_what_is_missing():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "ImportError" in out.stdout and "vllm==0.34.0" in out.stdout
+
+
+def test_a_load_completes_while_a_large_store_is_in_flight(vllm, daemon, primary, monkeypatch):
+    """A store job holds its connection and staging region until released; a load job
+    submitted after it finishes meanwhile (it never queues behind the store)."""
+    tier = make_tier(vllm, daemon, primary)
+    warm = keys(4, b"w")
+    tier.submit_store(job(vllm, 1, warm, range(4), promotion=False))
+    assert finish(tier, 1).success
+
+    blocks = type(tier.store)
+    original, entered, release = blocks._store_batch, threading.Event(), threading.Event()
+
+    def held(self, *args):
+        entered.set()
+        assert release.wait(30), "the store was never released"
+        return original(self, *args)
+
+    monkeypatch.setattr(blocks, "_store_batch", held)
+    large = keys(CHUNKS - 8, b"L")
+    tier.submit_store(job(vllm, 2, large, range(8, CHUNKS), promotion=False))
+    assert entered.wait(10)
+    primary[4:8] = 0
+    tier.submit_load(job(vllm, 3, warm, range(4, 8), promotion=True))
+    try:
+        r = finish(tier, 3, timeout=5.0)
+        assert r.success
+        np.testing.assert_array_equal(primary[4:8], primary[0:4])
+        assert not release.is_set() and 2 not in tier.__dict__["_test_results"]  # the store is still in flight
+    finally:
+        release.set()
+    assert finish(tier, 2).success
+    assert settle(vllm, tier, large) == [vllm.base.LookupResult.HIT] * len(large)
+    tier.drain_jobs()
+    tier.shutdown()
+
+
+def test_an_80_mib_chunk_is_stored_and_loaded(vllm, daemon):
+    """Llama-3-70B's chunk with vLLM's block_size 256: 80 layers x 8 KV heads x 128 x K, V x
+    2 bytes x 256 tokens = 80 MiB, over kvstored's 64 MiB block."""
+    chunk = 80 * 8 * 128 * 2 * 2 * 256
+    primary = np.zeros((1, chunk), np.uint8)
+    primary[0, ::4096] = np.arange(chunk // 4096, dtype=np.uint64) % 251 + 1  # a byte in every page, no two pages alike
+    primary[0, -7:] = np.frombuffer(b"the end", np.uint8)
+    want = hashlib.sha256(primary).digest()
+    tier = make_tier(vllm, daemon, primary)
+    assert tier.store.parts == 2
+    k = keys(1, b"70b")
+    tier.submit_store(job(vllm, 1, k, [0], promotion=False))
+    assert finish(tier, 1, timeout=60).success
+    primary[:] = 0
+    tier.submit_load(job(vllm, 2, k, [0], promotion=True))
+    r = finish(tier, 2, timeout=60)
+    assert r.success and r.transfer_bytes == chunk
+    assert hashlib.sha256(primary).digest() == want
+    tier.shutdown()
+
+
+def test_the_remembered_keys_are_bounded_and_a_forgotten_key_is_asked_again(vllm, daemon, primary):
+    LR = vllm.base.LookupResult
+    tier = make_tier(vllm, daemon, primary, known_keys=4)
+    stored = keys(12, b"b")
+    tier.submit_store(job(vllm, 1, stored, range(12), promotion=False))
+    assert finish(tier, 1).success
+    assert tier.stats()["known_keys"] <= 4 and tier.stats()["keys_forgotten"] >= 8
+    never = keys(12, b"n")
+    for _ in range(3):  # more keys than it remembers, asked again and again
+        assert settle(vllm, tier, stored) == [LR.HIT] * 12  # forgotten ones: RETRY, then HIT from kvstored
+        assert settle(vllm, tier, never) == [LR.MISS] * 12  # never a wrong hit
+        assert tier.stats()["known_keys"] <= 4
+    tier.shutdown()
+
+
+def test_stored_events_where_vllm_has_kv_events_on(vllm, daemon, primary, caplog):
+    base = vllm.base
+    tier = make_tier(vllm, daemon, primary, events=True, enable_kv_events=True)
+    ks = keys(4, b"e")
+    tier.submit_store(job(vllm, 1, ks, range(4), promotion=False))
+    assert finish(tier, 1).success
+    tier.submit_load(job(vllm, 2, ks, range(4, 8), promotion=True))
+    assert finish(tier, 2).success
+    (event,) = tier.take_events()  # the store's, not the load's
+    assert event.keys == ks and not event.removed and event.medium is base.Medium.STORAGE
+    assert event.locality is base.Locality.LOCAL and event.ownership == "KVDriveTier"
+    assert event.req_context.req_id == "r0"
+    assert list(tier.take_events()) == []  # each event is taken once
+    tier.shutdown()
+
+    quiet = make_tier(vllm, daemon, primary, events=False, enable_kv_events=True)
+    assert "KV cache events are off" in caplog.text
+    quiet.submit_store(job(vllm, 1, keys(2, b"q"), range(2), promotion=False))
+    assert finish(quiet, 1).success and list(quiet.take_events()) == []
+    quiet.shutdown()
+
+
+class ConnectorStatsStandIn:
+    """The calls the tier makes on vLLM's ``OffloadingConnectorStats``: its module imports
+    vLLM's config and much else, which the tests do not install."""
+
+    def __init__(self):
+        self.counters, self.gauges = {}, {}
+
+    def increase_counter(self, name, value=1, labelvalues=()):
+        self.counters[name, labelvalues] = self.counters.get((name, labelvalues), 0) + value
+
+    def set_gauge(self, name, value, labelvalues=()):
+        self.gauges[name, labelvalues] = value
+
+
+def test_the_tiers_metrics_are_declared_and_reported_since_the_last_call(vllm, daemon, primary, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics",
+                        SimpleNamespace(OffloadingConnectorStats=ConnectorStatsStandIn))
+    LR = vllm.base.LookupResult
+    definitions = vllm.adapter.KVDriveTier.build_metric_definitions({})
+    assert all(isinstance(d, vllm.base.OffloadingMetricMetadata) for d in definitions.values())
+    writer, tier = make_tier(vllm, daemon, primary), make_tier(vllm, daemon, primary)
+    stored, never = keys(3, b"m"), keys(2, b"z")
+    writer.submit_store(job(vllm, 1, stored, range(3), promotion=False))
+    assert finish(writer, 1).success
+    writer.shutdown()
+    assert settle(vllm, tier, stored + never) == [LR.HIT] * 3 + [LR.MISS] * 2  # asked of kvstored
+    first = tier.get_stats()
+    looked_up = "vllm:kv_offload_kvdrive_keys_looked_up"
+    assert first.counters == {(looked_up, ("found",)): 3, (looked_up, ("missing",)): 2}
+    assert first.gauges == {("vllm:kv_offload_kvdrive_known_keys", ()): 3}
+    assert set(first.counters) | set(first.gauges) <= {(n, v) for n, m in vllm.adapter.METRICS.items()
+                                                       for _, v in m.sources}
+    assert all(n in definitions for n, _ in first.counters)
+
+    daemon.kill9()
+    assert settle(vllm, tier, keys(2, b"d"), timeout=2.0) == [LR.MISS] * 2
+    second = tier.get_stats()
+    assert second.counters == {("vllm:kv_offload_kvdrive_unavailable", ()): 1,
+                               ("vllm:kv_offload_kvdrive_blocks_failed", ("lookup",)): 2}
+    tier.shutdown()
