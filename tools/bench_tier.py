@@ -14,6 +14,11 @@ memcpy of as many bytes here, sequential O_DIRECT reads of the daemon's own data
 O_DIRECT and one fdatasync beside it (the disk's sequential durable write). Loaded bytes are checked against the stored
 bytes; a mismatch fails the run. Stores are durable (acknowledged once on the SSD).
 
+That is ``--modes rate``; ``contention`` (on by default) and ``fill`` are in
+:mod:`kvdrive.tools.bench_tier_stress`: a cache-hit load's latency alone and during
+stores, and the store throughput of the first and the last tenth of ten times the
+daemon's DRAM tier.
+
 The engines are not installed with KVDrive: their pinned packages are installed once per
 machine without dependencies (:mod:`kvdrive.tools.engines`).
 """
@@ -41,6 +46,9 @@ BLOCK_TOKENS, LAYERS, KV_HEADS, HEAD_DIM, ITEM = 16, 32, 8, 128, 2
 BLOCK_BYTES = BLOCK_TOKENS * LAYERS * KV_HEADS * HEAD_DIM * 2 * ITEM
 DEFAULT_BLOCKS, QUICK_BLOCKS = 1000, 64
 JOB_BLOCKS = 32
+MODES = ("rate", "contention", "fill")
+DEFAULT_ROUNDS, QUICK_ROUNDS, LOADS_PER_ROUND = 10, 4, 10
+DEFAULT_FILL_DRAM, QUICK_FILL_DRAM = 256 << 20, 64 << 20
 ADAPTERS = ("vllm", "sglang")
 TIERS = ("dram", "ssd")
 
@@ -110,21 +118,33 @@ class VllmDriver:
         self.tier = KVDriveTier(spec, memoryview(self.primary), "KVDriveTier", address=address, model="llama-3-8b",
                                 timeout=600.0)
         self.keys = [b"bench" + i.to_bytes(8, "little") for i in range(self.n)]
+        self._next_job = 0
+
+    def submit(self, keys: list, chunk_ids: np.ndarray, promotion: bool) -> int:
+        """Submit a load (``promotion``) or store job of ``keys`` to or from those CPU-tier
+        chunks, as vLLM's tiering manager does; its job id."""
+        self._next_job += 1
+        submit = self.tier.submit_load if promotion else self.tier.submit_store
+        submit(self._job(job_id=self._next_job, keys=keys, chunk_ids=chunk_ids, is_promotion=promotion,
+                         req_context=self._ctx))
+        return self._next_job
+
+    def finished(self) -> list[int]:
+        """The ids of the jobs finished since the last call (RuntimeError for a failed one)."""
+        out = []
+        for r in self.tier.get_finished_jobs():
+            if not r.success:
+                raise RuntimeError(f"vLLM job {r.job_id} failed: {self.tier.stats()}")
+            out.append(r.job_id)
+        return out
 
     def _run(self, promotion: bool) -> None:
-        pending, job_id = set(), 0
+        pending = set()
         for start in range(0, self.n, JOB_BLOCKS):
             ids = np.arange(start, min(start + JOB_BLOCKS, self.n)) + (self.n if promotion else 0)
-            job_id += 1
-            pending.add(job_id)
-            keys = self.keys[start: start + JOB_BLOCKS]
-            submit = self.tier.submit_load if promotion else self.tier.submit_store
-            submit(self._job(job_id=job_id, keys=keys, chunk_ids=ids, is_promotion=promotion, req_context=self._ctx))
+            pending.add(self.submit(self.keys[start: start + JOB_BLOCKS], ids, promotion))
         while pending:
-            for r in self.tier.get_finished_jobs():
-                if not r.success:
-                    raise RuntimeError(f"vLLM job {r.job_id} failed: {self.tier.stats()}")
-                pending.discard(r.job_id)
+            pending.difference_update(self.finished())
             time.sleep(0.001)
 
     def store(self) -> None:
@@ -168,18 +188,26 @@ class SglangDriver:
     def _indices(self, start: int, end: int):
         return self.torch.arange(start * BLOCK_TOKENS, end * BLOCK_TOKENS, dtype=self.torch.int64)
 
+    def put(self, keys: list, start: int, end: int) -> None:
+        """``batch_set_v1`` of ``keys`` from host pages ``start`` to ``end``."""
+        if not all(self.backend.batch_set_v1(keys, self._indices(start, end))):
+            raise RuntimeError(f"SGLang batch_set_v1 failed: {self.backend.stats()}")
+
+    def get(self, keys: list, start: int, end: int) -> None:
+        """``batch_get_v1`` of ``keys`` into host pages ``start`` to ``end``."""
+        if not all(self.backend.batch_get_v1(keys, self._indices(start, end))):
+            raise RuntimeError(f"SGLang batch_get_v1 failed: {self.backend.stats()}")
+
     def store(self) -> None:
         for start in range(0, self.n, JOB_BLOCKS):
             end = min(start + JOB_BLOCKS, self.n)
-            if not all(self.backend.batch_set_v1(self.keys[start:end], self._indices(start, end))):
-                raise RuntimeError(f"SGLang batch_set_v1 failed: {self.backend.stats()}")
+            self.put(self.keys[start:end], start, end)
 
     def load(self) -> np.ndarray:
         self.pool.kv_buffer.zero_()
         for start in range(0, self.n, JOB_BLOCKS):
             end = min(start + JOB_BLOCKS, self.n)
-            if not all(self.backend.batch_get_v1(self.keys[start:end], self._indices(start, end))):
-                raise RuntimeError(f"SGLang batch_get_v1 failed: {self.backend.stats()}")
+            self.get(self.keys[start:end], start, end)
         for i in range(self.n):
             self.out[i] = self.pool.page(i).contiguous().view(self.torch.uint8).reshape(-1).numpy()
         return self.out
@@ -248,34 +276,90 @@ def measure(adapter: str, tier: str, rows: np.ndarray, root: Path, memcpy: float
     return rows_out
 
 
+def _size(text: str) -> int:
+    from kvstored.config import parse_size  # noqa: PLC0415
+
+    return parse_size(text)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=int, default=None, help=f"blocks per adapter (default {DEFAULT_BLOCKS}, "
                                                             f"{QUICK_BLOCKS} with --quick)")
-    p.add_argument("--quick", action="store_true", help=f"{QUICK_BLOCKS} blocks")
+    p.add_argument("--quick", action="store_true",
+                   help=f"{QUICK_BLOCKS} blocks, {QUICK_ROUNDS} rounds of loads during stores, fill of 10 x "
+                        f"{QUICK_FILL_DRAM >> 20} MiB")
+    p.add_argument("--modes", type=lambda s: s.split(","), default=["rate", "contention"],
+                   help="comma-separated, of rate (store and load GB/s), contention (a load's latency alone and "
+                        "during stores), fill (store throughput of the first and last tenth of 10 x the DRAM tier) "
+                        "(default rate,contention)")
     p.add_argument("--adapters", type=lambda s: s.split(","), default=list(ADAPTERS),
                    help="comma-separated, of " + ", ".join(ADAPTERS) + " (default both)")
     p.add_argument("--tiers", type=lambda s: s.split(","), default=list(TIERS),
                    help="comma-separated, of dram (every block in the DRAM tier), ssd (DRAM tier off) (default both)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help=f"contention: rounds of loads alone then during stores (default {DEFAULT_ROUNDS}, "
+                        f"{QUICK_ROUNDS} with --quick)")
+    p.add_argument("--loads", type=int, default=LOADS_PER_ROUND, help="contention: loads per side per round")
+    p.add_argument("--fill-dram", type=_size, default=None,
+                   help=f"fill: the daemon's DRAM tier (default {DEFAULT_FILL_DRAM >> 20}M, "
+                        f"{QUICK_FILL_DRAM >> 20}M with --quick)")
     p.add_argument("--dir", type=Path, default=None,
                    help="where the daemons' directories go (default: the temp dir; it must take O_DIRECT)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the rows as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvdrive.tools import bench_tier_stress as stress  # noqa: PLC0415
     from kvdrive.tools.engines import put_on_path  # noqa: PLC0415
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     n = args.blocks or (QUICK_BLOCKS if args.quick else DEFAULT_BLOCKS)
-    unknown = [a for a in args.adapters if a not in ADAPTERS] + [t for t in args.tiers if t not in TIERS]
-    if unknown or n < 1:
-        print(f"kvdrive-bench tier: unknown adapter or tier {unknown}, or --blocks < 1", file=sys.stderr)
+    rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
+    fill_dram = args.fill_dram or (QUICK_FILL_DRAM if args.quick else DEFAULT_FILL_DRAM)
+    unknown = ([a for a in args.adapters if a not in ADAPTERS] + [t for t in args.tiers if t not in TIERS]
+               + [m for m in args.modes if m not in MODES])
+    if unknown or n < 1 or rounds < 1 or args.loads < 1:
+        print(f"kvdrive-bench tier: unknown adapter, tier or mode {unknown}, or --blocks, --rounds or --loads "
+              f"below 1", file=sys.stderr)
         return 2
     for adapter in args.adapters:
         put_on_path(adapter)
     root = args.dir or Path(tempfile.gettempdir())
     _note(f"tier: {n} blocks of {BLOCK_BYTES >> 20} MiB (Llama-3-8B, 16 tokens) per adapter: "
           f"{n * BLOCK_BYTES / 2**30:.2f} GiB")
-    rows = np.frombuffer(bytearray(np.random.default_rng(0).bytes(n * BLOCK_BYTES)), dtype=np.uint8).reshape(n, BLOCK_BYTES)
+    made = max(n, 2 * JOB_BLOCKS) if {"contention", "fill"} & set(args.modes) else n  # the stress modes take 64
+    rows = np.frombuffer(bytearray(np.random.default_rng(0).bytes(made * BLOCK_BYTES)),
+                         dtype=np.uint8).reshape(made, BLOCK_BYTES)
+    report: dict = {}
+    if "rate" in args.modes:
+        report.update(_rates(args, rows[:n], root))
+    if "contention" in args.modes:
+        found = [stress.contention(a, rows, root, rounds, args.loads) for a in args.adapters]
+        report["contention"] = [asdict(r) for r in found]
+        header = ("adapter", "loads", "p50 alone ms", "p99 alone ms", "p50 during ms", "p99 during ms",
+                  "p99 during / alone", "stores meanwhile GB/s")
+        print(f"A cache-hit load of {JOB_BLOCKS} blocks ({JOB_BLOCKS * BLOCK_BYTES >> 20} MiB, DRAM tier) alone and "
+              f"while the adapter stores fresh blocks, {rounds} alternating rounds of {args.loads} loads each; "
+              f"target: p99 during / alone <= 2")
+        print("\n".join(text_table(header, [(r.adapter, str(r.loads), f"{r.p50_alone_ms:.1f}", f"{r.p99_alone_ms:.1f}",
+                                             f"{r.p50_during_ms:.1f}", f"{r.p99_during_ms:.1f}", f"{r.p99_ratio:.2f}",
+                                             f"{r.store_gbps_during:.2f}") for r in found])))
+    if "fill" in args.modes:
+        found = [stress.fill(a, rows, root, fill_dram) for a in args.adapters]
+        report["fill"] = [asdict(r) for r in found]
+        header = ("adapter", "DRAM tier MiB", "stored GiB", "first tenth GB/s", "last tenth GB/s", "last / first")
+        print(f"Stores of fresh blocks until {stress.FILL_TIMES} x the DRAM tier, jobs of {JOB_BLOCKS} one after "
+              f"another; store throughput of the first tenth of the blocks and of the last")
+        print("\n".join(text_table(header, [(r.adapter, str(r.dram_bytes >> 20), f"{r.stored_bytes / 2**30:.2f}",
+                                             f"{r.first_tenth_gbps:.2f}", f"{r.last_tenth_gbps:.2f}",
+                                             f"{r.ratio:.2f}") for r in found])))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def _rates(args: argparse.Namespace, rows: np.ndarray, root: Path) -> dict:
+    n = len(rows)
     memcpy = _memcpy_gbps(rows, np.empty_like(rows))
     _note(f"  memcpy here: {memcpy:.2f} GB/s")
     out: list[Row] = []
@@ -291,6 +375,4 @@ def run(args: argparse.Namespace) -> int:
     print("vs disk seq read: against sequential O_DIRECT reads of that daemon's data file, measured after its loads; "
           "vs disk seq write: stores against as many bytes written sequentially (O_DIRECT, 2 MiB writes, one "
           "fdatasync) beside that daemon's directory")
-    if args.json:
-        args.json.write_text(json.dumps({"memcpy_gbps": memcpy, "rows": [asdict(r) for r in out]}, indent=1))
-    return 0
+    return {"memcpy_gbps": memcpy, "rows": [asdict(r) for r in out]}
