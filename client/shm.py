@@ -80,7 +80,7 @@ class CudaIpcBuffer:
     ``owner`` (the tensor, say) is held until :meth:`close`, so the memory outlives the
     registration. :meth:`from_tensor` makes one from a CUDA torch tensor. The daemon
     opens the handle with its own device numbering: both must see the same devices.
-    This path has never run on a GPU (see docs/protocol.md).
+    On a GPU this path has run once, exact, untimed (see docs/protocol.md).
     """
 
     kind = BUFFER_KIND_CUDA_IPC

@@ -314,7 +314,7 @@ class StoreClient:
         The daemon opens the allocation's IPC handle once; the tensor is held until
         :meth:`unregister`. A daemon without a usable CUDA device refuses with
         :class:`~kvdrive_client.errors.CudaUnavailableError` (its hello says
-        ``cuda_ipc: false``). This path has never run on a GPU (see docs/protocol.md).
+        ``cuda_ipc: false``). On a GPU this path has run once, exact, untimed (see docs/protocol.md).
         """
         return self._register(target if isinstance(target, CudaIpcBuffer) else CudaIpcBuffer.from_tensor(target))
 

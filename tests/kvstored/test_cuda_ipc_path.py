@@ -7,7 +7,7 @@ are registered) and checks its range against the allocation; puts read from the
 buffer and gets write into it at ``base + offset + dst`` through the store's own
 bookkeeping, from the DRAM tier and from the SSD; a damaged SSD block is never
 written; unregister and a session's end close the handle. It says nothing about
-real CUDA: that path has never run on a GPU.
+real CUDA: test_cuda_ipc.py's ``gpu`` test does, on a host with a device.
 """
 
 from __future__ import annotations
