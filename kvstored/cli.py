@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -278,7 +279,13 @@ def _serve(cfg: DaemonConfig, metrics: "Metrics | None") -> int:
         server.store.close()
         return EXIT_CANNOT_START
     install_signal_handlers(server)
-    server.serve_forever()
+    from kvstored.notify import notify  # noqa: PLC0415 - keep --help fast
+
+    notify("READY=1", f"STATUS=serving {cfg.bind_address}", f"MAINPID={os.getpid()}")
+    try:
+        server.serve_forever()
+    finally:
+        notify("STOPPING=1")
     return 0
 
 

@@ -14,17 +14,21 @@ import errno
 import logging
 import mmap
 import threading
+import time
 
 import numpy as np
 
 from kvdrive.layout.allocator import ExtentAllocator, SpaceError
 from kvstored.config import format_size
 from kvstored.files import StoreOpenError
+from kvstored.notify import notify
 from kvstored.tier import Tier
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 << 20
+PREFAULT_STEP_BYTES = 256 << 20  # pre-faulted between two looks at the clock
+PROGRESS_S = 2.0  # how often pre-fault progress is logged (and told to systemd)
 
 
 class DramAllocationError(StoreOpenError):
@@ -52,7 +56,7 @@ class DramTier(Tier):
             # touch, so the faults below already allocate huge pages where the kernel has them.
             self.huge_pages = _advise_huge_pages(self._map)
             self.arena = np.frombuffer(self._map, dtype=np.uint8)
-            self.arena[::4096] = 0  # pre-fault every page now, not on the first get
+            _prefault(self.arena)  # every page now, not on the first get
         else:
             self.huge_pages = False
             self._map = None
@@ -120,6 +124,25 @@ class DramTier(Tier):
                 # A view still exists (a test holding a reference); the OS frees it at exit.
                 log.debug("DRAM arena still referenced at close")
             self._map = None
+
+
+def _prefault(arena: np.ndarray) -> None:
+    """Touch every 4 KiB page of ``arena``; log progress every :data:`PROGRESS_S` seconds
+    with the time left, and ask systemd for more start-up time as it goes (notify.py):
+    a 96 GiB tier takes minutes on some hosts."""
+    total, t0 = len(arena), time.monotonic()
+    last = t0
+    log.info("DRAM tier: pre-faulting %s", format_size(total))
+    for start in range(0, total, PREFAULT_STEP_BYTES):
+        arena[start : start + PREFAULT_STEP_BYTES : 4096] = 0
+        now, done = time.monotonic(), min(total, start + PREFAULT_STEP_BYTES)
+        if now - last >= PROGRESS_S and done < total:
+            last = now
+            left = (now - t0) / done * (total - done)
+            status = f"DRAM tier: pre-faulted {format_size(done)} of {format_size(total)} in {now - t0:.0f} s, about {left:.0f} s left"
+            log.info("%s", status)
+            notify(f"STATUS={status}", f"EXTEND_TIMEOUT_USEC={int((left * 2 + 30) * 1e6)}")
+    log.info("DRAM tier: pre-faulted %s in %.1f s", format_size(total), time.monotonic() - t0)
 
 
 def _advise_huge_pages(region: mmap.mmap) -> bool:
