@@ -251,7 +251,7 @@ class StoreClient:
         return Sequence.from_reply(self.call(Op.OPEN, {"ns": ns, "seq": seq}))
 
     def list(self, ns: str | None = None) -> list[dict]:
-        """This user's sequences (of namespace ``ns``), in creation order, every page of the reply."""
+        """This user's sequences (of namespace ``ns``), in uid order (uids are random: sort by ``created`` for creation order), every page of the reply."""
         out: list[dict] = []
         after = 0
         while True:
