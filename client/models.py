@@ -9,8 +9,12 @@
 transformers de-quantises a GGUF file on every load (about a minute for Gemma 3
 270M on a 2-core host), so the first load keeps one de-quantised copy per machine
 under the user's cache directory (``$KVDRIVE_CACHE``, else ``$XDG_CACHE_HOME/kvdrive``,
-else ``~/.cache/kvdrive``), named by the GGUF file's size and modification time;
-later loads read that copy in seconds. Nothing is downloaded. The conversion logs its
+else ``~/.cache/kvdrive``), named by the GGUF file's content (its SHA-256, worked out
+once per file and remembered by path, size, inode and modification time), so every
+environment that installs the same file shares one copy; later loads read it in seconds.
+``python -m kvdrive_client.models`` lists the copies with their sizes, and ``clean``
+removes those no installed model package's file names (SmolLM2's copy is about 540 MiB,
+Gemma 3 270M's about 1.1 GiB). Nothing is downloaded. The conversion logs its
 stages and how many tensors are de-quantised (INFO, at most one line every few
 seconds); :func:`load_model`'s ``progress`` receives the same lines.
 """
@@ -18,8 +22,10 @@ seconds); :func:`load_model`'s ``progress`` receives the same lines.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -76,17 +82,20 @@ def smollm2_path() -> Path:
 def gemma3_path() -> Path:
     """The assembled GGUF file (assembled once, into the cache directory, checked by its SHA-256)."""
     _package_dir(MODELS["gemma3-270m"])
-    pkg = importlib.import_module(GEMMA3_PACKAGE)
-    target = cache_dir() / "gguf" / pkg.MODEL_NAME
+    target = _assembled_gemma3()
     if not target.exists():
         log.info("assembling %s from the %s chunks", target, GEMMA3_PACKAGE)
         target.parent.mkdir(parents=True, exist_ok=True)
         with _locked(target.parent / ".assemble.lock"):
             if not target.exists():
                 tmp = target.with_name(f".{target.name}.{os.getpid()}")
-                pkg.assemble(output_path=tmp, overwrite=True)
+                importlib.import_module(GEMMA3_PACKAGE).assemble(output_path=tmp, overwrite=True)
                 os.replace(tmp, target)
     return target
+
+
+def _assembled_gemma3() -> Path:
+    return cache_dir() / "gguf" / importlib.import_module(GEMMA3_PACKAGE).MODEL_NAME
 
 
 def gguf_path(name: str) -> Path:
@@ -112,8 +121,51 @@ class _locked:
 
 
 def _converted_dir(name: str, gguf: Path) -> Path:
+    return cache_dir() / "models" / f"{name}-{_content_key(gguf)}"
+
+
+def _content_key(gguf: Path) -> str:
+    """The first 16 hex digits of the file's SHA-256, read once per (path, size, inode,
+    modification time) and remembered in ``models/digests.json``."""
     st = gguf.stat()
-    return cache_dir() / "models" / f"{name}-{st.st_size}-{int(st.st_mtime)}"
+    stamp = f"{gguf.resolve()}:{st.st_size}:{st.st_ino}:{st.st_mtime_ns}"
+    memo_path = cache_dir() / "models" / "digests.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if stamp not in memo:
+        digest = hashlib.sha256()
+        with open(gguf, "rb") as f:
+            while chunk := f.read(16 << 20):
+                digest.update(chunk)
+        memo[stamp] = digest.hexdigest()[:16]
+        try:
+            memo_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo_path.with_name(f".digests.{os.getpid()}")
+            tmp.write_text(json.dumps(memo, indent=0))
+            os.replace(tmp, memo_path)
+        except OSError as exc:
+            log.info("cannot remember the digest of %s in %s (%s): it is read again next load", gguf, memo_path, exc)
+    return memo[stamp]
+
+
+def cached_copies() -> list[tuple[Path, int, bool]]:
+    """Every de-quantised copy in the cache: (folder, bytes, whether an installed model
+    package's GGUF file names it)."""
+    root = cache_dir() / "models"
+    current = set()
+    for name in MODELS:
+        try:
+            # Gemma 3's file is assembled from its package's chunks on first load: not for a listing.
+            _package_dir(MODELS[name])
+            gguf = smollm2_path() if name == "smollm2" else _assembled_gemma3()
+        except FileNotFoundError:
+            continue  # that model's package is not installed: none of its copies is current
+        if gguf.exists():
+            current.add(_converted_dir(name, gguf).name)
+    return [(d, sum(f.stat().st_size for f in d.rglob("*") if f.is_file()), d.name in current)
+            for d in sorted(root.iterdir()) if d.is_dir() and not d.name.startswith(".")] if root.is_dir() else []
 
 
 Progress = Callable[[str], None]
@@ -257,3 +309,30 @@ def license_text(max_chars: int | None = None) -> str:
     if not text:
         raise FileNotFoundError(f"no license texts under {LICENSE_DIR}")
     return text[:max_chars] if max_chars else text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvdrive_client.models [list|clean]``: the de-quantised copies, and removing
+    the ones no installed model package uses."""
+    import argparse  # noqa: PLC0415
+
+    p = argparse.ArgumentParser(prog="python -m kvdrive_client.models",
+                                description=f"De-quantised model copies under {cache_dir() / 'models'}.")
+    p.add_argument("action", nargs="?", choices=("list", "clean"), default="list",
+                   help="list the copies (default), or clean: remove those no installed package's file names")
+    args = p.parse_args(argv)
+    copies = cached_copies()
+    for folder, nbytes, current in copies:
+        gone = args.action == "clean" and not current
+        if gone:
+            shutil.rmtree(folder)
+        state = "removed" if gone else ("in use" if current else "stale")
+        print(f"{folder}  {nbytes / 2**20:.0f} MiB  {state}")
+    stale = sum(n for _, n, current in copies if not current)
+    verb = "removed" if args.action == "clean" else "stale (python -m kvdrive_client.models clean removes them)"
+    print(f"{len(copies)} copies, {sum(n for _, n, _ in copies) / 2**20:.0f} MiB; {stale / 2**20:.0f} MiB {verb}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
