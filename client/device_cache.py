@@ -45,15 +45,13 @@ class Placement:
         return int(self.miss.sum())
 
     def to_host(self, extra: torch.Tensor | None = None) -> tuple["HostPlacement", np.ndarray | None]:
-        """The placement on the host in one device-to-host copy, with ``extra`` (1-D bytes,
-        returned as numpy uint8) in the same copy: on a GPU, the one point where a layer's
+        """The placement on the host in one device-to-host copy, with ``extra`` (1-D int64,
+        returned as numpy int64) in the same copy: on a GPU, the one point where a layer's
         decode step waits for the device."""
-        packed = torch.stack([self.pages, self.slots, self.miss.long()]).reshape(-1).view(torch.uint8)
-        if extra is not None:
-            packed = torch.cat([packed, extra])
-        flat = packed.cpu().numpy()
-        n = 3 * self.pages.numel() * 8
-        placed = flat[:n].view(np.int64).reshape(3, *self.pages.shape)
+        packed = torch.stack([self.pages, self.slots, self.miss]).view(-1)  # int64: the miss flags promoted
+        flat = (packed if extra is None else torch.cat([packed, extra])).cpu().numpy()
+        n = 3 * self.pages.numel()
+        placed = flat[:n].reshape(3, *self.pages.shape)
         return HostPlacement(placed[0], placed[1], placed[2].astype(bool)), (None if extra is None else flat[n:])
 
 
@@ -192,14 +190,17 @@ class DeviceCache:
              host: HostPlacement | None = None) -> None:
         """Write fetched pages (``[num_misses, S, D]`` in ``nonzero(miss)`` order) into their slots;
         with ``host`` (the placement on the host) without asking the device where they go."""
+        self.fill_kv(placement, torch.stack([k_pages, v_pages], dim=1), host)
+
+    def fill_kv(self, placement: Placement, kv: torch.Tensor, host: HostPlacement | None = None) -> None:
+        """:meth:`fill` with each page's K and V together, ``kv`` ``[num_misses, 2, S, D]`` (as fetched)."""
         if host is not None:
             flat = (host.rows * self.k.shape[1] + host.heads) * self.capacity + host.missed_slots
             rows = torch.from_numpy(flat).to(self.k.device, non_blocking=True)
         else:
             bi, hi, ki = torch.nonzero(placement.miss, as_tuple=True)
             rows = self._flat_slots(bi, hi, placement.slots[bi, hi, ki])
-        self.k.view(-1, *self.k.shape[3:]).index_copy_(0, rows, k_pages.to(self.k.dtype))
-        self.v.view(-1, *self.v.shape[3:]).index_copy_(0, rows, v_pages.to(self.v.dtype))
+        self.kernels.land(self.k, self.v, rows, kv)
 
     def seed(self, pages: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
         """Fill an empty cache with ``pages`` ``[B, H, n]`` (n <= capacity) and their data ``[B, H, n, S, D]``.

@@ -79,14 +79,18 @@ class SparseKV:
         """Append one token's K/V and attend: ``query`` ``[B, Hq, D]``, ``key``/``value``
         ``[B, H, D]`` -> ``[B, Hq, D]``, exact softmax attention over the sink, the pages
         selected for this step and the local window (the new token included)."""
-        with self.session.decode_threads():
-            self.session.update(key[:, :, None], value[:, :, None], layer)
-            valid = self.session.valid
-            t = self.session.seq_length(layer)
-            if valid.shape[1] < t:
-                valid = torch.cat([valid, valid.new_ones(valid.shape[0], t - valid.shape[1])], dim=1)
-            out = self.session.decode_attention(layer, query[:, :, None], valid[:, None, None, :])
-        return out[:, :, 0]
+        session, sh = self.session, self.session.shape
+        with session.decode_threads():
+            session.update(key[:, :, None], value[:, :, None], layer)
+
+            def valid() -> torch.Tensor:  # the prompt's real tokens, then every decoded one
+                have, t = session.valid, session.seq_length(layer)
+                return have if have.shape[1] >= t else torch.cat([have, have.new_ones(have.shape[0], t - have.shape[1])],
+                                                                 dim=1)
+
+            b = query.shape[0]
+            out = session.decode_query(layer, query.reshape(b, sh.num_kv_heads, sh.group, sh.head_dim), valid)
+        return out.reshape(b, sh.num_q_heads, sh.head_dim)
 
     def close(self) -> None:
         """Write the pages completed while decoding, free the buffers, delete the sequences

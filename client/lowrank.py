@@ -128,6 +128,11 @@ class LowRankIndex(Selector):
         return self.kernels(query).lowrank_select(query, self.qproj, self.scale, self.scaling, self.codes, self.valid,
                                                   selectable[:, : self.num_pages], k, self.page_size, cached, self.layout)
 
+    def choose(self, query, selectable, k, sink, cached):
+        if selectable.shape[1] != self.num_pages:
+            selectable = selectable[:, : self.num_pages]
+        return self.kernels(query).lowrank_choose(query, self, selectable, k, sink, cached)
+
     def select(self, query, selectable, k):
         pages, top, _ = self.select_and_score(query, selectable, k, None)
         return pages, top

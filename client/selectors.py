@@ -26,6 +26,7 @@ import torch
 
 from kvdrive.kernels import Kernels, for_device
 from kvdrive.kernels import reference as ref
+from kvdrive.kernels.backends import with_sink
 from kvdrive_client.index_kind import IndexKind
 
 
@@ -74,6 +75,14 @@ class Selector(ABC):
         """:meth:`select`, plus :meth:`page_scores` of ``cached`` when given (one pass where it can)."""
         pages, scores = self.select(query, selectable, k)
         return pages, scores, None if cached is None else self.page_scores(query, cached)
+
+    def choose(self, query: torch.Tensor, selectable: torch.Tensor, k: int, sink: torch.Tensor,
+               cached: torch.Tensor | None) -> tuple[torch.Tensor, object]:
+        """A step's pages: each row's ``sink`` pages ``[B, s]`` then the ``k`` best selectable ones
+        (-1 where a row has fewer), ``[B, H, s + k]``; and :meth:`select_and_score`'s scores of
+        ``cached``, in the form the kernels' placement takes as its priority."""
+        picked, scores, slot_scores = self.select_and_score(query, selectable, k, cached)
+        return with_sink(sink, picked.masked_fill(scores == ref.NEG_INF, -1)), slot_scores
 
     def page_scores(self, query: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         """Scores of given pages ``[B, H, n]`` (-1 = none), for lookahead eviction."""

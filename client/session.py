@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from typing import Callable
 
 import torch
 
@@ -198,30 +199,37 @@ class Session:
         Inference only: no gradient flows through KVDrive's decode (its stages run on
         two threads, and the cache is updated in place).
         """
+        sh = self.shape
+        q = query[:, :, 0].reshape(query.shape[0], sh.num_kv_heads, sh.group, sh.head_dim)
+        out = self.decode_query(layer, q, lambda: planning.valid_from_mask(self.ctx, mask, self.ctx.layers[0].num_tokens))
+        return out.reshape(query.shape[0], sh.num_q_heads, 1, sh.head_dim)
+
+    def decode_query(self, layer: int, query: torch.Tensor, valid: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """:meth:`decode_attention` for queries grouped by KV head, ``[B, H, G, D]`` in and out;
+        ``valid()`` gives the step's real tokens ``[B, t]`` (called at the first layer only)."""
         with torch.no_grad(), self.decode_threads():
             t_start = time.perf_counter()
             if layer == 0:
-                self._begin_step(t_start, mask)
+                self._begin_step(t_start, valid())
             self._advance(layer)
             if self.plan.attends_pages:
                 self._size_cache(layer)
-            sh = self.shape
-            q = query[:, :, 0].reshape(query.shape[0], sh.num_kv_heads, sh.group, sh.head_dim)
-            outs = self.pipeline.run(self.plan, layer, q)
+            outs = self.pipeline.run(self.plan, layer, query)
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
             self.stats["layer_ms"] += (time.perf_counter() - t_start) * 1e3
-            if layer == sh.num_layers - 1:
+            if layer == self.shape.num_layers - 1:
                 self._end_step()
             return out
 
-    def _begin_step(self, now: float, mask: torch.Tensor | None) -> None:
+    def _begin_step(self, now: float, valid: torch.Tensor) -> None:
         """The step's plan: every layer of a step takes the same tokens, so the mask is read
         once per step and what follows from it is shared by all layers."""
         self._step_start = now
         ls = self.ctx.layers[0]
-        self.valid = planning.valid_from_mask(self.ctx, mask, ls.num_tokens)
+        self.valid = valid
         num_pages = ls.num_tokens // self.cfg.page_size
-        self.plan = planning.build_plan(self.ctx, self.valid, ls.num_tokens, num_pages, self.tuning.micro_batch)
+        self.plan = planning.build_plan(self.ctx, self.valid, ls.num_tokens, num_pages, self.tuning.micro_batch,
+                                        self.plan)
         self.ctx.counts.add("context_tokens", self.valid.sum() * (self.shape.num_kv_heads * self.shape.num_layers))
 
     def _advance(self, layer: int) -> None:

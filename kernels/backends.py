@@ -50,6 +50,16 @@ class Kernels:
     def lowrank_select(self, query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, layout):
         return ref.lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, layout)
 
+    def lowrank_choose(self, query, index, selectable, k, sink, cached):
+        """A step's chosen pages from a low-rank ``index`` (a :class:`kvdrive_client.lowrank.LowRankIndex`):
+        the ``sink`` pages ``[B, s]``, then :meth:`lowrank_select`'s ``k`` best (-1 where fewer have a
+        score), ``[B, H, s + k]``; and the scores of the ``cached`` pages (None: not asked), as
+        :meth:`place` takes its priority."""
+        pages, scores, cached_scores = self.lowrank_select(query, index.qproj, index.scale, index.scaling, index.codes,
+                                                           index.valid, selectable, k, index.page_size, cached,
+                                                           index.layout)
+        return with_sink(sink, pages.masked_fill(scores == ref.NEG_INF, -1)), cached_scores
+
     def lowrank_scores(self, query, qproj, scale, scaling, codes, valid, num_pages, page_size, layout):
         t = num_pages * page_size
         unpacked = ref.unpack_lowrank_codes(codes[..., :t], layout)
@@ -63,6 +73,17 @@ class Kernels:
 
     def attended_valid(self, valid, chosen, page_size, local_start, t, heads):
         return ref.attended_valid(valid, chosen, page_size, local_start, t, heads)
+
+    def land(self, cache_k, cache_v, rows, kv) -> None:
+        """Fetched pages ``kv`` ``[n, 2, S, D]`` (K, V) into rows ``rows`` ``[n]`` of the device cache
+        ``cache_k``/``cache_v`` ``[B, H, C, S, D]`` viewed as ``[B*H*C, S, D]``."""
+        for i, cache in enumerate((cache_k, cache_v)):
+            cache.view(-1, *cache.shape[3:]).index_copy_(0, rows, kv[:, i].to(cache.dtype))
+
+    def count_attended(self, valid, counts: torch.Tensor, index: int) -> None:
+        """Add the real attended tokens (``valid``, from :meth:`attended_valid`) to ``counts[index]``
+        on the device. Called before attention over ``valid``, which may do the adding."""
+        counts[index] += valid.sum()
 
     def partial(self):
         """State carried from the first part of a two-part attention into the second."""
@@ -79,6 +100,11 @@ class Kernels:
     def dense_attention(self, query, keys, values, valid, scaling):
         """Attention over gathered tokens (no pages selected: the local window only)."""
         return ref.decode_attention(query, keys, values, valid, scaling, self.attention_dtype(values.dtype))
+
+
+def with_sink(sink: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    """Each row's sink pages ``[B, s]`` before its picked pages ``[B, H, k]``: ``[B, H, s + k]``."""
+    return torch.cat([sink[:, None, :].expand(-1, picked.shape[1], -1), picked], dim=2)
 
 
 class ReferenceKernels(Kernels):

@@ -1,7 +1,8 @@
 """Triton kernels for CUDA devices: paged sparse decode attention and fused low-rank page scores.
 
-None of these kernels has run on a GPU yet. They are written for sm_90 (H100/H200) and
-checked two ways without one: under Triton's interpreter on CPU tensors against the torch
+They are written for sm_90 (H100/H200) and have run on one H200 (README, "On a GPU";
+``tests/kernels/test_triton_gpu.py``); :func:`_lowrank_weights_kernel` in its present form
+(the head dim in slices) has not. They are checked two ways without a GPU: under Triton's interpreter on CPU tensors against the torch
 references (``kvdrive.kernels.reference``), and compiled ahead of time for sm_90, where
 :func:`compile_report` reads each kernel's registers and spills from the cubin.
 
@@ -27,14 +28,22 @@ and log-sum-exp per query head; a second small kernel merges the chunks through 
 log-sum-exps. With one chunk the partial output is the result and no merge runs.
 
 **Low-rank scores** (:func:`lowrank_scores`) are ``reference.score_lowrank`` over codes
-packed as ``reference.pack_lowrank_codes`` lays them out, unpacked in the kernel: the
-query is projected once by torch (``q @ qproj`` times the channel scales, a few KiB); the
-grid is ``(B * H, splits)`` over pages; each program takes the estimated logits of a tile
+packed as ``reference.pack_lowrank_codes`` lays them out, unpacked in the kernel: a small
+kernel projects the query (``q @ qproj`` times the channel scales) into each code row's
+channel weights; the grid is ``(B * H, splits)`` over pages; each program takes the
+estimated logits of a tile
 of pages, ``LOWRANK_ROW_CHUNK`` code rows at a time, and writes each page's
 log-sum-exp per query head. A second kernel normalises those per
 query head over all pages and sums each page's mass over the query heads. The page size
 must be a power of two (the tile is reshaped to pages); :class:`TritonKernels` falls back
 to the reference otherwise.
+
+**Validity** (:class:`TokenValidity`): in a decode step attention reads which tokens are
+real from the sequence's token mask, at the chosen pages' positions and the local
+window's, and counts the attended ones, instead of a ``[B, H, tokens]`` mask built by
+torch ops. Placement and landing fetched pages are in :mod:`.triton_placement`, the
+step's page choice in :mod:`.triton_topk`. Counts and strides that change from step to
+step are passed unspecialised (``do_not_specialize``), so a decode does not recompile.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ import subprocess
 import tempfile
 import threading
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -71,6 +81,8 @@ MIN_CHUNK_TOKENS = 256
 # stages spill.
 LOWRANK_ROW_CHUNK = 16
 LOWRANK_NUM_STAGES = 1
+# Head-dim slice of the low-rank query projection's products (the whole of D 128 at once spills).
+WEIGHTS_BLOCK_D = 32
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -162,10 +174,15 @@ if INTERPRETED:
 _launch_lock = threading.Lock() if INTERPRETED else nullcontext()
 
 
-@triton.jit
+# Arguments that change from step to step (counts, lengths, strides of per-step tensors) are
+# not specialised on (Triton otherwise compiles anew whenever one of them becomes 1 or
+# a multiple of 16); the head-dim strides, 1, stay specialised.
+@triton.jit(do_not_specialize=["K", "L", "chunk", "splits", "local_start", "ssl_b", "ssl_h", "slk_b", "slk_h",
+                               "slk_l", "slv_b", "slv_h", "slv_l", "sva_b", "sva_h", "spg_b", "spg_h"],
+            do_not_specialize_on_alignment=["valid_ptr", "slots_ptr", "pages_ptr"])
 def _sparse_attention_kernel(
-    q_ptr, kc_ptr, vc_ptr, slots_ptr, lk_ptr, lv_ptr, valid_ptr, part_ptr, lse_ptr,
-    scaling, H, G, D, K, L, chunk, splits,
+    q_ptr, kc_ptr, vc_ptr, slots_ptr, lk_ptr, lv_ptr, valid_ptr, part_ptr, lse_ptr, pages_ptr, count_ptr,
+    scaling, H, G, D, K, L, chunk, splits, local_start, count_at,
     sq_b, sq_h, sq_g, sq_d,
     skc_b, skc_h, skc_c, skc_s, skc_d,
     svc_b, svc_h, svc_c, svc_s, svc_d,
@@ -173,13 +190,20 @@ def _sparse_attention_kernel(
     slk_b, slk_h, slk_l, slk_d,
     slv_b, slv_h, slv_l, slv_d,
     sva_b, sva_h, sva_n,
+    spg_b, spg_h, spg_k,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr, TOKENS: tl.constexpr = False, COUNT: tl.constexpr = False,
 ):
     """Program (row x head, split): attention over attended tokens ``[split * chunk, (split + 1) * chunk)``.
 
     Writes the normalised partial output ``[B, H, splits, G, D]`` and the log-sum-exp
     ``[B, H, splits, G]`` (float32, contiguous; -inf and zeros where nothing was valid).
+
+    Which tokens count: ``valid`` ``[B, H, >= K*PAGE + L]``, or with ``TOKENS`` the
+    sequence's real tokens ``valid`` ``[B, >= t]`` (``sva_h`` unused) at the positions of
+    the ``pages`` ``[B, H, K]`` (-1: none) and of the local window from ``local_start``
+    (``reference.attended_valid`` in the kernel). With ``COUNT`` the tokens that count are
+    added to ``count_ptr[count_at]`` (int64).
     """
     pair = tl.program_id(0)
     split = tl.program_id(1)
@@ -197,14 +221,21 @@ def _sparse_attention_kernel(
     paged = K * PAGE
     start = split * chunk
     end = tl.minimum(start + chunk, paged + L)
+    counted = tl.zeros([BLOCK_N], tl.int32)
     # The chunk's tokens in the selected pages, straight from their cache slots (-1: none).
     page_end = tl.minimum(end, paged)
     for n0 in range(start, page_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         inside = n < page_end
-        ok = tl.load(valid_ptr + b * sva_b + h * sva_h + n * sva_n, mask=inside, other=0) != 0
+        if TOKENS:
+            page = tl.load(pages_ptr + b * spg_b + h * spg_h + (n // PAGE) * spg_k, mask=inside, other=-1)
+            ok = tl.load(valid_ptr + b * sva_b + (tl.maximum(page, 0) * PAGE + n % PAGE) * sva_n,
+                         mask=inside & (page >= 0), other=0) != 0
+        else:
+            ok = tl.load(valid_ptr + b * sva_b + h * sva_h + n * sva_n, mask=inside, other=0) != 0
         slot = tl.load(slots_ptr + b * ssl_b + h * ssl_h + (n // PAGE) * ssl_k, mask=inside, other=-1)
         ok = ok & inside & (slot >= 0)
+        counted += ok.to(tl.int32)
         slot = tl.maximum(slot, 0).to(tl.int64)
         t = n % PAGE
         kt = tl.load(kc_ptr + (b * skc_b + h * skc_h + slot * skc_c + t * skc_s)[None, :] + d[:, None] * skc_d,
@@ -216,13 +247,19 @@ def _sparse_attention_kernel(
     for n0 in range(tl.maximum(start, paged), end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         inside = n < end
-        ok = (tl.load(valid_ptr + b * sva_b + h * sva_h + n * sva_n, mask=inside, other=0) != 0) & inside
         i = n - paged
+        if TOKENS:
+            ok = (tl.load(valid_ptr + b * sva_b + (local_start + i) * sva_n, mask=inside, other=0) != 0) & inside
+        else:
+            ok = (tl.load(valid_ptr + b * sva_b + h * sva_h + n * sva_n, mask=inside, other=0) != 0) & inside
+        counted += ok.to(tl.int32)
         kt = tl.load(lk_ptr + (b * slk_b + h * slk_h + i * slk_l)[None, :] + d[:, None] * slk_d,
                      mask=ok[None, :] & dm[:, None], other=0.0)
         v = tl.load(lv_ptr + (b * slv_b + h * slv_h + i * slv_l)[:, None] + d[None, :] * slv_d,
                     mask=ok[:, None] & dm[None, :], other=0.0)
         m_i, l_i, acc = _softmax_step(q, kt, v, ok, m_i, l_i, acc, scaling, F32_DOT)
+    if COUNT:
+        tl.atomic_add(count_ptr + count_at, tl.sum(counted, axis=0).to(tl.int64))
     some = l_i > 0
     out = acc / tl.where(some, l_i, 1.0)[:, None]
     lse = tl.where(some, m_i + tl.log(tl.where(some, l_i, 1.0)), float("-inf"))
@@ -231,7 +268,7 @@ def _sparse_attention_kernel(
     tl.store(lse_ptr + row + g, lse, mask=gm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _merge_kernel(part_ptr, lse_ptr, out_ptr, G, D, splits, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (row x head): the chunks' partial outputs weighted by their log-sum-exps -> ``[B, H, G, D]``."""
     pair = tl.program_id(0).to(tl.int64)
@@ -270,6 +307,20 @@ def _check_kv(cache_k, cache_v, local_k, local_v) -> None:
             raise TypeError(f"cache_k is {cache_k.dtype} but {name} is {t.dtype}")
 
 
+_workspaces = threading.local()
+
+
+def _workspace(tag: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A :func:`_scratch` buffer for results a kernel here writes in full and the next reads
+    (or that its caller reads before its next call), kept per thread and ``tag`` and reused
+    while the shape stays: no allocation per launch."""
+    buffers = _workspaces.__dict__.setdefault("buffers", {})
+    buf = buffers.get(tag)
+    if buf is None or buf.shape != shape or buf.device != device:
+        buf = buffers[tag] = _scratch(shape, device)
+    return buf
+
+
 def _as_bytes(valid: torch.Tensor) -> torch.Tensor:
     return valid.view(torch.uint8) if valid.dtype == torch.bool else valid
 
@@ -291,15 +342,30 @@ def attention_block_n(dtype: torch.dtype) -> int:
     return 16 if dtype == torch.float32 else 32
 
 
+@dataclass
+class TokenValidity:
+    """Which attended tokens are real, for :func:`sparse_attention` to work out in its kernel
+    (what :func:`kvdrive.kernels.reference.attended_valid` builds as a tensor): the sequence's
+    real tokens ``tokens`` ``[B, >= t]`` bool, the attended ``pages`` ``[B, H, k]`` (-1: none;
+    None: no pages) and the local window's first position. With ``count`` (an int64 tensor
+    and an index) attention adds the real attended tokens to that element."""
+
+    tokens: torch.Tensor
+    pages: torch.Tensor | None
+    local_start: int
+    count: tuple[torch.Tensor, int] | None = None
+
+
 def sparse_attention(query: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
-                     local_k: torch.Tensor, local_v: torch.Tensor, valid: torch.Tensor, scaling: float, *,
-                     block_n: int | None = None, num_splits: int | None = None) -> torch.Tensor:
-    """Decode attention over cache slots, then the local window, in two Triton kernels (not yet run on a GPU).
+                     local_k: torch.Tensor, local_v: torch.Tensor, valid: torch.Tensor | TokenValidity,
+                     scaling: float, *, block_n: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Decode attention over cache slots, then the local window, in two Triton kernels.
 
     Arguments as :func:`kvdrive.kernels.reference.sparse_attention`: query ``[B, H, G, D]``,
     ``cache_k``/``cache_v`` ``[B, H, C, S, D]``, ``slots`` ``[B, H, k]`` (-1: no page),
     ``local_k``/``local_v`` ``[B, H, L, D]``, ``valid`` ``[B, H, >= k*S + L]`` bool for
-    the tokens in that order. K/V float32, float16 or bfloat16, any strides; the query
+    the tokens in that order, or a :class:`TokenValidity` (``slots`` -1 where its pages
+    are). K/V float32, float16 or bfloat16, any strides; the query
     is cast to their dtype. Returns float32 ``[B, H, G, D]``, zeros for a (row, head)
     with nothing valid. ``block_n``: tokens per tile (None: :func:`attention_block_n`);
     ``num_splits`` forces the chunks per (row, head) (None: enough for
@@ -309,36 +375,50 @@ def sparse_attention(query: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     b, h, g, d = query.shape
     k, s, l = slots.shape[2], cache_k.shape[3], local_k.shape[2]
     n = k * s + l
-    if valid.shape[2] < n:
+    by_tokens = isinstance(valid, TokenValidity)
+    if not by_tokens and valid.shape[2] < n:
         raise ValueError(f"valid covers {valid.shape[2]} tokens, the pages and local window {n}")
     if b * h * g == 0 or n == 0:
         return torch.zeros(b, h, g, d, dtype=torch.float32, device=query.device)
     query = query.to(cache_k.dtype)
-    valid = _as_bytes(valid)
+    if by_tokens:
+        pages = valid.pages if valid.pages is not None else slots
+        counts, count_at = valid.count if valid.count is not None else (slots, 0)
+        local_start, count = valid.local_start, valid.count is not None
+        valid_strides = (valid.tokens.stride(0), 0, valid.tokens.stride(1))
+        valid = valid.tokens
+    else:
+        pages, counts, count_at, local_start, count = slots, slots, 0, 0, False
+        valid = _as_bytes(valid)
+        valid_strides = valid.stride()
     block_n = block_n or attention_block_n(cache_k.dtype)
     splits, chunk = _splits(b * h, n, block_n, MIN_CHUNK_TOKENS, num_splits)
-    part = _scratch((b, h, splits, g, d), query.device)
-    lse = _scratch((b, h, splits, g), query.device)
+    if splits == 1:  # the one chunk's output is the result
+        part = _scratch((b, h, splits, g, d), query.device)
+        out = part.view(b, h, g, d)
+    else:
+        part, out = _workspace("attention part", (b, h, splits, g, d), query.device), _scratch((b, h, g, d), query.device)
+    lse = _workspace("attention lse", (b, h, splits, g), query.device)
     block_g, block_d = _pow2(g), _pow2(d)
-    out = part.view(b, h, g, d) if splits == 1 else _scratch((b, h, g, d), query.device)
     with _launch_lock:
         _sparse_attention_kernel[(b * h, splits)](
-            query, cache_k, cache_v, slots, local_k, local_v, valid, part, lse,
-            float(scaling), h, g, d, k, l, chunk, splits,
+            query, cache_k, cache_v, slots, local_k, local_v, valid, part, lse, pages, counts,
+            float(scaling), h, g, d, k, l, chunk, splits, local_start, count_at,
             *query.stride(), *cache_k.stride(), *cache_v.stride(), *slots.stride(),
-            *local_k.stride(), *local_v.stride(), *valid.stride(),
+            *local_k.stride(), *local_v.stride(), *valid_strides, *pages.stride(),
             PAGE=s if k else 1, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d,
-            F32_DOT=_f32_dot(cache_k.dtype), num_warps=4,
+            F32_DOT=_f32_dot(cache_k.dtype), TOKENS=by_tokens, COUNT=count, num_warps=4,
         )
         if splits > 1:
             _merge_kernel[(b * h,)](part, lse, out, g, d, splits, BLOCK_G=block_g, BLOCK_D=block_d, num_warps=4)
     return out
 
 
-def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                    scaling: float, **kwargs) -> torch.Tensor:
+def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    valid: torch.Tensor | TokenValidity, scaling: float, **kwargs) -> torch.Tensor:
     """:func:`kvdrive.kernels.reference.decode_attention` over ``[B, H, N, D]`` keys/values
-    (``valid`` ``[B, H, N]``) by :func:`sparse_attention` with no pages; float32."""
+    (``valid`` ``[B, H, N]``, or a :class:`TokenValidity` without pages) by
+    :func:`sparse_attention` with no pages; float32."""
     no_pages = torch.empty(*keys.shape[:2], 0, dtype=torch.int64, device=keys.device)
     return sparse_attention(query, keys[:, :, None], values[:, :, None], no_pages, keys, values, valid, scaling,
                             **kwargs)
@@ -376,7 +456,8 @@ def _code_rows_logits(logits, w_row, codes_row, sw_ab, sw_r, scd_r, t, tm, gm, r
     return logits
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "pages_per_split", "scd_b", "scd_h", "sva_b"],
+            do_not_specialize_on_alignment=["valid_ptr"])
 def _lowrank_page_lse_kernel(
     w_ptr, codes_ptr, valid_ptr, plse_ptr,
     H, G, ROWS8, ROWS4, ROWS, P, pages_per_split,
@@ -426,26 +507,60 @@ def _lowrank_page_lse_kernel(
                  mask=gm[:, None] & (p < last)[None, :])
 
 
-def _code_row_weights(weights: torch.Tensor, layout: ref.SketchLayout) -> torch.Tensor:
-    """``[B, H, G, R]`` channel weights -> ``[4, B, H, G, rows]``: per code row of
-    ``reference.pack_lowrank_codes``, the weight of each channel it holds, in its order
-    (0 past a row's channels, and for the missing channels of a short last row)."""
-    w8, n4, n2 = layout.int8, layout.int4, layout.int2
-    mid = weights[..., w8: w8 + n4]
-    if n4 % 2:
-        mid = torch.nn.functional.pad(mid, (0, 1))
-    tail = weights[..., w8 + n4:]
-    if n2 % 4:
-        tail = torch.nn.functional.pad(tail, (0, 4 - n2 % 4))
-    zero8, zero4 = torch.zeros_like(weights[..., :w8]), torch.zeros_like(mid[..., 0::2])
-    slots = [torch.cat([weights[..., :w8], mid[..., 0::2], tail[..., 0::4]], dim=-1),
-             torch.cat([zero8, mid[..., 1::2], tail[..., 1::4]], dim=-1),
-             torch.cat([zero8, zero4, tail[..., 2::4]], dim=-1),
-             torch.cat([zero8, zero4, tail[..., 3::4]], dim=-1)]
-    return torch.stack(slots)
-
-
 @triton.jit
+def _lowrank_weights_kernel(
+    q_ptr, qp_ptr, scale_ptr, w_ptr, scaling,
+    H, G, D, R, N8, N4, ROWS8, ROWS4, ROWS, sw_ab,
+    sq_b, sq_h, sq_g, sq_d, sqp_b, sqp_h, sqp_d, sqp_r, ssc_b, ssc_h, ssc_r,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+):
+    """Program (row x head): ``w`` ``[4, B, H, G, ROWS]`` (contiguous), per code row of
+    ``reference.pack_lowrank_codes`` the weight of each channel it holds, in its order (0
+    past a row's channels): the channels of ``reference.project_lowrank_query``, the query
+    times ``qproj`` times each channel's scale and ``scaling``."""
+    pair = tl.program_id(0)
+    b = (pair // H).to(tl.int64)
+    h = (pair % H).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    row = tl.arange(0, BLOCK_ROWS)
+    gm = g < G
+    q_row = q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g
+    for j in tl.static_range(4):
+        # Channel j of each row: int8 rows hold one, int4 rows two, int2 rows four.
+        chan4 = N8 + 2 * (row - ROWS8) + j
+        chan2 = N8 + N4 + 4 * (row - ROWS4) + j
+        chan = tl.where(row < ROWS8, row, tl.where(row < ROWS4, chan4, chan2))
+        ok = tl.where(row < ROWS8, j == 0, tl.where(row < ROWS4, (j < 2) & (chan4 < N8 + N4), chan2 < R))
+        ok = ok & (row < ROWS)
+        proj = tl.zeros([BLOCK_G, BLOCK_ROWS], tl.float32)
+        for d0 in range(0, D, BLOCK_D):  # a slice of the head dim at a time: no spills at D 128
+            d = d0 + tl.arange(0, BLOCK_D)
+            dm = d < D
+            q = tl.load(q_row + d[None, :] * sq_d, mask=gm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+            qp = tl.load(qp_ptr + b * sqp_b + h * sqp_h + d[:, None] * sqp_d + chan[None, :] * sqp_r,
+                         mask=dm[:, None] & ok[None, :], other=0.0).to(tl.float32)
+            proj = tl.dot(q, qp, proj, input_precision="ieee")
+        sc = tl.load(scale_ptr + b * ssc_b + h * ssc_h + chan * ssc_r, mask=ok, other=0.0).to(tl.float32)
+        w = proj * (sc * scaling)[None, :]
+        tl.store(w_ptr + j * sw_ab + ((pair.to(tl.int64) * G + g[:, None]) * ROWS + row[None, :]), w,
+                 mask=gm[:, None] & (row < ROWS)[None, :])
+
+
+def _code_row_weights(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor, scaling: float,
+                      layout: ref.SketchLayout) -> torch.Tensor:
+    """``[4, B, H, G, rows]`` float32 (:func:`_lowrank_weights_kernel`) in one launch."""
+    b, h, g, d = query.shape
+    w = _workspace("lowrank weights", (4, b, h, g, layout.rows), query.device)
+    _lowrank_weights_kernel[(b * h,)](
+        query, qproj, scale, w, float(scaling),
+        h, g, d, layout.rank, layout.int8, layout.int4, layout.int8, layout.int8 + layout.int4_rows, layout.rows,
+        w.stride(0), *query.stride(), *qproj.stride(), *scale.stride(),
+        BLOCK_G=_pow2(g), BLOCK_D=WEIGHTS_BLOCK_D, BLOCK_ROWS=_pow2(layout.rows), num_warps=4,
+    )
+    return w
+
+
+@triton.jit(do_not_specialize=["P"])
 def _lowrank_mass_kernel(plse_ptr, out_ptr, G, P, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
     """Program (row x head): page scores ``[B, H, P]``, the log of each page's mass summed
     over the query heads, each head's logits normalised over all pages (-inf: no mass)."""
@@ -489,9 +604,9 @@ def lowrank_block_p(page_size: int) -> int:
 def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor, scaling: float,
                    codes: torch.Tensor, valid: torch.Tensor, num_pages: int, page_size: int,
                    layout: ref.SketchLayout, *, block_p: int | None = None,
-                   num_splits: int | None = None) -> torch.Tensor:
-    """Fused :func:`kvdrive.kernels.reference.score_lowrank` from packed codes, in two Triton
-    kernels (not yet run on a GPU).
+                   num_splits: int | None = None, reuse_out: bool = False) -> torch.Tensor:
+    """Fused :func:`kvdrive.kernels.reference.score_lowrank` from packed codes, in three Triton
+    kernels (the query's projection, the pages' log-sum-exps, their masses).
 
     Arguments as :func:`kvdrive.kernels.cpu.lowrank_scores`: query ``[B, H, G, D]``, qproj
     ``[B, H, D, R]``, scale ``[B, H, R]``, ``codes`` ``[B, H, rows, >= P*S]`` int8 as
@@ -499,23 +614,24 @@ def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
     spare capacity past ``num_pages`` is not read. The page size must be a power of two.
     Returns float32 ``[B, H, P]`` (-inf: a page with no mass). ``block_p``: pages per tile
     (None: :func:`lowrank_block_p`); ``num_splits`` as :func:`sparse_attention`'s, in pages.
+    ``reuse_out``: the result is a buffer this thread's next call overwrites (read it before then).
     """
     if not lowrank_supported(page_size):
         raise ValueError(f"lowrank_scores takes a power-of-two page size, got {page_size}")
     if layout.rank != qproj.shape[3]:
         raise ValueError(f"a sketch layout of rank {layout.rank} for a projection of rank {qproj.shape[3]}")
     b, h, g, d = query.shape
-    out = _scratch((b, h, num_pages), query.device)
+    out = (_workspace("lowrank scores", (b, h, num_pages), query.device) if reuse_out
+           else _scratch((b, h, num_pages), query.device))
     if b * h == 0 or num_pages == 0:
         return out
     block_p = block_p or lowrank_block_p(page_size)
     splits, per_split = _splits(b * h, num_pages, block_p, triton.cdiv(MIN_CHUNK_TOKENS, page_size), num_splits)
-    plse = _scratch((b, h, g, num_pages), query.device)
-    valid = _as_bytes(valid)
+    plse = _workspace("lowrank page lse", (b, h, g, num_pages), query.device)
     block_g = _pow2(g)
-    weights = _code_row_weights(ref.project_lowrank_query(query, qproj, scale, scaling), layout)
     rows8, rows4 = layout.int8, layout.int8 + layout.int4_rows
     with _launch_lock:
+        weights = _code_row_weights(query, qproj, scale, scaling, layout)
         _lowrank_page_lse_kernel[(b * h, splits)](
             weights, codes, valid, plse,
             h, g, rows8, rows4, layout.rows, num_pages, per_split,
@@ -540,8 +656,9 @@ def lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, pa
 
 
 class TritonKernels(Kernels):
-    """Attention and low-rank scoring in Triton; selection's other parts, placement and
-    validity stay the torch references. Not yet run on a GPU: on CUDA tensors, or on
+    """Attention (which tokens are real worked out in it), low-rank scoring, the page choice
+    (:mod:`.triton_topk`), placement and landing fetched pages (:mod:`.triton_placement`) in
+    Triton; the other selectors' scoring stays the torch references. On CUDA tensors, or on
     CPU tensors under the interpreter (``TRITON_INTERPRET=1``). Attention returns float32
     and attends in one pass, after the fetched pages land."""
 
@@ -565,6 +682,40 @@ class TritonKernels(Kernels):
             return super().lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size,
                                           cached, layout)
         return lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, layout)
+
+    def lowrank_choose(self, query, index, selectable, k, sink, cached):
+        """Scores as :meth:`lowrank_scores`, then the choice in one kernel
+        (:func:`kvdrive.kernels.triton_topk.choose_pages`); the cached pages' scores are left for
+        the placement kernel to read (:class:`kvdrive.kernels.triton_placement.PagePriority`)."""
+        if not lowrank_supported(index.page_size):
+            return super().lowrank_choose(query, index, selectable, k, sink, cached)
+        from kvdrive.kernels.triton_placement import PagePriority  # noqa: PLC0415 - they import this module
+        from kvdrive.kernels.triton_topk import choose_pages  # noqa: PLC0415
+
+        # Read by the choice and this micro-batch's placement, both before this thread scores again.
+        scores = lowrank_scores(query, index.qproj, index.scale, index.scaling, index.codes, index.valid,
+                                selectable.shape[1], index.page_size, index.layout, reuse_out=True)
+        return choose_pages(scores, selectable, k, sink), None if cached is None else PagePriority(scores)
+
+    def attended_valid(self, valid, chosen, page_size, local_start, t, heads):
+        """A :class:`TokenValidity`: attention works out which attended tokens are real itself."""
+        return TokenValidity(valid, chosen, local_start)
+
+    def count_attended(self, valid, counts, index):
+        if not isinstance(valid, TokenValidity):
+            return super().count_attended(valid, counts, index)
+        valid.count = (counts, index)  # attention adds them as it attends
+        return None
+
+    def land(self, cache_k, cache_v, rows, kv):
+        from kvdrive.kernels.triton_placement import land  # noqa: PLC0415 - it imports this module
+
+        land(cache_k, cache_v, rows, kv)
+
+    def place(self, pages, page_slot, slot_page, last_used, prio, head_capacity, step):
+        from kvdrive.kernels.triton_placement import place  # noqa: PLC0415 - it imports this module
+
+        return place(pages, page_slot, slot_page, last_used, prio, head_capacity, step)
 
     def attention(self, query, cache_k, cache_v, slots, local_k, local_v, valid, scaling, partial=None):
         if partial is not None:
@@ -656,15 +807,17 @@ def _attention_signature(dtype: torch.dtype, page: int, g: int, d: int, block_n:
     launches it on contiguous K/V (head dim stride 1, the rest multiples of 16)."""
     kv = "*" + _TL[dtype]
     sig = {name: "i32" for name in _sparse_attention_kernel.arg_names}
-    sig.update(q_ptr=kv, kc_ptr=kv, vc_ptr=kv, lk_ptr=kv, lv_ptr=kv, slots_ptr="*i64", valid_ptr="*u8",
-               part_ptr="*fp32", lse_ptr="*fp32", scaling="fp32")
+    sig.update(q_ptr=kv, kc_ptr=kv, vc_ptr=kv, lk_ptr=kv, lv_ptr=kv, slots_ptr="*i64", valid_ptr="*i1",
+               part_ptr="*fp32", lse_ptr="*fp32", pages_ptr="*i64", count_ptr="*i64", scaling="fp32")
+    # As a decode step launches it: validity from the tokens (TokenValidity), counted.
     const = dict(PAGE=page, BLOCK_N=block_n or attention_block_n(dtype), BLOCK_G=_pow2(g), BLOCK_D=_pow2(d),
-                 F32_DOT=dtype == torch.float32, sq_d=1, skc_d=1, svc_d=1, ssl_k=1, slk_d=1, slv_d=1, sva_n=1)
+                 F32_DOT=dtype == torch.float32, TOKENS=True, COUNT=True, sq_d=1, skc_d=1, svc_d=1, ssl_k=1,
+                 slk_d=1, slv_d=1, sva_n=1, spg_k=1)
     for name in const:
         sig[name] = "constexpr"
-    divisible = ("q_ptr", "kc_ptr", "vc_ptr", "lk_ptr", "lv_ptr", "slots_ptr", "valid_ptr", "part_ptr", "lse_ptr",
-                 "skc_b", "skc_h", "skc_c", "skc_s", "svc_b", "svc_h", "svc_c", "svc_s", "slk_b", "slk_h", "slk_l",
-                 "slv_b", "slv_h", "slv_l")
+    # Not the per-step strides and pointers the kernel is not specialised on.
+    divisible = ("q_ptr", "kc_ptr", "vc_ptr", "lk_ptr", "lv_ptr", "part_ptr", "lse_ptr",
+                 "skc_b", "skc_h", "skc_c", "skc_s", "svc_b", "svc_h", "svc_c", "svc_s")
     return sig, const, divisible
 
 
@@ -676,12 +829,21 @@ def _merge_signature(g: int, d: int):
 
 def _lowrank_signature(page: int, g: int):
     sig = {name: "i32" for name in _lowrank_page_lse_kernel.arg_names}
-    sig.update(w_ptr="*fp32", codes_ptr="*i8", valid_ptr="*u8", plse_ptr="*fp32")
+    sig.update(w_ptr="*fp32", codes_ptr="*i8", valid_ptr="*i1", plse_ptr="*fp32")
     const = dict(PAGE=page, BLOCK_P=lowrank_block_p(page), BLOCK_G=_pow2(g), ROW_CHUNK=LOWRANK_ROW_CHUNK,
                  PRECISION="ieee", sw_r=1, scd_t=1, sva_t=1)
     for name in const:
         sig[name] = "constexpr"
-    return sig, const, ("w_ptr", "codes_ptr", "valid_ptr", "plse_ptr")
+    return sig, const, ("w_ptr", "codes_ptr", "plse_ptr")
+
+
+def _weights_signature(g: int, d: int, rows: int):
+    sig = {name: "i32" for name in _lowrank_weights_kernel.arg_names}
+    sig.update(q_ptr="*fp16", qp_ptr="*fp16", scale_ptr="*fp32", w_ptr="*fp32", scaling="fp32")
+    const = dict(BLOCK_G=_pow2(g), BLOCK_D=WEIGHTS_BLOCK_D, BLOCK_ROWS=_pow2(rows), sq_d=1, sqp_r=1, ssc_r=1)
+    for name in const:
+        sig[name] = "constexpr"
+    return sig, const, ("q_ptr", "qp_ptr", "scale_ptr", "w_ptr")
 
 
 def _mass_signature(g: int):
@@ -692,7 +854,7 @@ def _mass_signature(g: int):
 def sm90_configs() -> dict[str, tuple]:
     """Every kernel in the shapes KVDrive runs (Llama-3-8B: G 4, D 128; SmolLM2-135M: G 3, D 64;
     pages of 16), launched as KVDrive launches it: name -> (kernel, signature, constants,
-    divisible, pipeline stages). The low-rank kernel's code rows are a runtime count, so one
+    divisible, pipeline stages[, warps when not 4]). The low-rank kernel's code rows are a runtime count, so one
     build serves every rank and head dim (G 3 and 4 both pad to 16 query rows)."""
     configs = {}
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
@@ -700,15 +862,25 @@ def sm90_configs() -> dict[str, tuple]:
             configs[f"attention {_TL[dtype]} G{g} D{d}"] = (_sparse_attention_kernel,
                                                             *_attention_signature(dtype, 16, g, d), 3)
     configs["merge G4 D128"] = (_merge_kernel, *_merge_signature(4, 128), 3)
+    from kvdrive.kernels.triton_placement import place_signature, place_warps  # noqa: PLC0415 - it imports this module
+
+    # Placement: 128 pages selected of 2048 slots (a 32K context at a 16th, a 16x cache), both policies.
+    for prio in ("fp32", "i64"):
+        configs[f"place {prio} K128 C2048"] = (*place_signature(prio, 128, 2048), 3, place_warps(2048))
     configs["lowrank G4"] = (_lowrank_page_lse_kernel, *_lowrank_signature(16, 4), LOWRANK_NUM_STAGES)
     configs["lowrank mass G4"] = (_lowrank_mass_kernel, *_mass_signature(4), 3)
+    configs["lowrank weights G4 D128"] = (_lowrank_weights_kernel, *_weights_signature(4, 128, 22), 3)
+    from kvdrive.kernels.triton_topk import choose_signature  # noqa: PLC0415 - it imports this module
+
+    configs["choose P2048"] = (*choose_signature(2048), 3, 8)
     return configs
 
 
 def sm90_reports() -> dict[str, dict]:
     """:func:`compile_report` of every :func:`sm90_configs` entry."""
-    return {name: compile_report(kernel, sig, const, divisible=div, num_stages=stages)
-            for name, (kernel, sig, const, div, stages) in sm90_configs().items()}
+    return {name: compile_report(kernel, sig, const, divisible=div, num_stages=stages, num_warps=warps)
+            for name, (kernel, sig, const, div, stages, *more) in sm90_configs().items()
+            for warps in [more[0] if more else 4]}
 
 
 if __name__ == "__main__":  # python -m kvdrive.kernels.triton_kernels: the sm_90 resource report as JSON

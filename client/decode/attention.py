@@ -17,10 +17,11 @@ from kvdrive_client.decode.fetch import StoreIO
 from kvdrive_client.decode.state import Context, MicroBatch, StepPlan
 
 
-def attended_valid(ctx: Context, plan: StepPlan, layer: int, mb: MicroBatch) -> torch.Tensor:
-    """Which of the micro-batch's attended tokens (selected pages, then local window) are real."""
+def attended_valid(ctx: Context, plan: StepPlan, layer: int, mb: MicroBatch):
+    """Which of the micro-batch's attended tokens (selected pages, then local window) are real,
+    in the form the kernels' attention reads (a bool tensor, or the Triton kernels' record)."""
     ls = ctx.layers[layer]
-    return ctx.kernels.attended_valid(plan.valid[mb.lo : mb.hi], mb.chosen, ctx.cfg.page_size, ls.local_start,
+    return ctx.kernels.attended_valid(mb.of(plan.valid), mb.chosen, ctx.cfg.page_size, ls.local_start,
                                       plan.t, ctx.shape.num_kv_heads)
 
 
@@ -28,9 +29,9 @@ def land(ctx: Context, io: StoreIO, layer: int, mb: MicroBatch) -> None:
     """Stage 3 on the main thread: wait for the fetched pages and write them into the cache."""
     if mb.fetch is None:
         return
-    kf, vf = io.wait(mb.fetch, mb.index)
+    kv = io.wait(mb.fetch, mb.index)
     t0 = time.perf_counter()
-    mb.cache.fill(mb.placement, kf, vf, mb.host)
+    mb.cache.fill_kv(mb.placement, kv, mb.host)
     t1 = time.perf_counter()
     ctx.timeline.add("fill", "main", t0, t1, layer=layer, mb=mb.index)
     ctx.stats["fetch_ms"] += (t1 - t0) * 1e3
@@ -40,7 +41,7 @@ def _attend(ctx: Context, layer: int, mb: MicroBatch, slots: torch.Tensor | None
     """Stage 4 over ``slots`` (None: no pages) and, with ``local``, the local window."""
     t0 = time.perf_counter()
     ls, sh = ctx.layers[layer], ctx.shape
-    lk, lv = ls.local_k[mb.lo : mb.hi], ls.local_v[mb.lo : mb.hi]
+    lk, lv = mb.of(ls.local_k), mb.of(ls.local_v)
     if slots is None:
         out = ctx.kernels.dense_attention(mb.query, lk, lv, mb.valid, sh.scaling)
     else:
@@ -55,13 +56,13 @@ def _attend(ctx: Context, layer: int, mb: MicroBatch, slots: torch.Tensor | None
 
 def finish(ctx: Context, io: StoreIO, plan: StepPlan, layer: int, mb: MicroBatch,
            landed: Callable[[], None] | None = None) -> torch.Tensor:
-    """Stages 3 and 4 for one micro-batch: ``[rows, Hq, 1, D]`` attention output.
+    """Stages 3 and 4 for one micro-batch: ``[rows, H, G, D]`` attention output in the query's dtype.
 
     ``landed`` runs once the fetched pages are in the cache (the pipeline submits the
     next fetch there: it reuses this fetch's staging buffer).
     """
-    sh = ctx.shape
     mb.valid = attended_valid(ctx, plan, layer, mb)
+    ctx.counts.add_attended(ctx.kernels, mb.valid)
     if mb.chosen is None:
         out = _attend(ctx, layer, mb, None, None)
     elif mb.fetch is not None and ctx.cfg.overlap_fetch and ctx.kernels.attends_in_parts:
@@ -76,5 +77,4 @@ def finish(ctx: Context, io: StoreIO, plan: StepPlan, layer: int, mb: MicroBatch
         if landed is not None:
             landed()
         out = _attend(ctx, layer, mb, mb.placement.slots, None)
-    ctx.counts.add("attended_tokens", mb.valid.sum())
-    return out.to(mb.query.dtype).reshape(mb.rows, sh.num_q_heads, 1, sh.head_dim)
+    return out.to(mb.query.dtype)

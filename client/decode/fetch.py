@@ -86,7 +86,8 @@ class StoreIO:
         sh, p = self.ctx.shape, self.base_pages
         pages = np.broadcast_to(np.arange(p), (self.ctx.batch, sh.num_kv_heads, p))
         every = HostPlacement(pages, np.zeros_like(pages), np.ones(pages.shape, dtype=bool))
-        kf, vf = self.wait(self.submit(layer, 0, every, slot=0))
+        kv = self.wait(self.submit(layer, 0, every, slot=0))
+        kf, vf = kv[:, 0], kv[:, 1]
         shape = (self.ctx.batch, sh.num_kv_heads, p * self.ctx.cfg.page_size, sh.head_dim)
         # copy=True: kf/vf may be views of the staging buffer, which the next fetch reuses.
         device = self.ctx.device
@@ -243,8 +244,8 @@ class StoreIO:
         started = time.perf_counter()
         return Fetch(layer, self.store.get_async(first, blocks, staging, seqs=uids), n, staging, started, slot)
 
-    def wait(self, fetch: Fetch, mb: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Wait for a fetch; its pages as ``[n, S, D]`` K and V on the compute device.
+    def wait(self, fetch: Fetch, mb: int = 0) -> torch.Tensor:
+        """Wait for a fetch; its pages as ``[n, 2, S, D]`` (K, V) on the compute device.
 
         On the CPU they are views of the staging buffer, valid until that buffer's
         next fetch: copy them (the cache's ``fill`` does) before then.
@@ -263,7 +264,7 @@ class StoreIO:
         ctx.stats["bytes_fetched"] += fetch.n * bb
         ctx.stats["fetch_wait_ms"] += (t1 - t0) * 1e3
         ctx.stats["fetch_ms"] += worked * 1e3
-        return raw[:, 0], raw[:, 1]
+        return raw
 
     # ------------------------------------------------------------ end
 

@@ -21,7 +21,8 @@ from kvdrive_client.decode.state import Context, MicroBatch, StepPlan
 
 
 def micro_batches(ctx: Context, plan: StepPlan, query: torch.Tensor, lane: str) -> list[MicroBatch]:
-    return [MicroBatch(i, lo, hi, query[lo:hi], lane) for i, (lo, hi) in enumerate(plan.groups)]
+    return [MicroBatch(i, lo, hi, query if (lo, hi) == (0, len(query)) else query[lo:hi], lane)
+            for i, (lo, hi) in enumerate(plan.groups)]
 
 
 def _front(ctx: Context, plan: StepPlan, layer: int, mb: MicroBatch) -> MicroBatch:

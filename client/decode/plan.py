@@ -55,13 +55,21 @@ def _selectable(ctx: Context, valid: torch.Tensor, num_pages: int, sink: int, fi
     return sel.contiguous()
 
 
-def build_plan(ctx: Context, valid: torch.Tensor, t: int, num_pages: int, micro_batch: int) -> StepPlan:
-    """The plan of decode step ``ctx.step`` over ``t`` tokens of which ``num_pages`` pages are complete."""
+def build_plan(ctx: Context, valid: torch.Tensor, t: int, num_pages: int, micro_batch: int,
+               previous: StepPlan | None = None) -> StepPlan:
+    """The plan of decode step ``ctx.step`` over ``t`` tokens of which ``num_pages`` pages are complete.
+
+    The selectable and sink pages are the ``previous`` step's while the pages and the local
+    window's start are (most steps: they move once a page): they follow from which
+    tokens of the complete pages are real, which no later step changes."""
     first_local = first_local_page(ctx, t, num_pages)
     sink = min(ctx.cfg.sink_pages, first_local)
     k = ctx.cfg.pages_to_select(first_local - sink)
     size = ctx.batch if ctx.observers else min(micro_batch, ctx.batch)  # observers see whole batches
     groups = [(lo, min(lo + size, ctx.batch)) for lo in range(0, ctx.batch, size)]
-    selectable = _selectable(ctx, valid, num_pages, sink, first_local) if k else None
-    return StepPlan(ctx.step, valid, t, num_pages, first_local, sink, k, selectable, groups,
-                    sink_pages(ctx, sink, first_local))
+    if previous is not None and (previous.num_pages, previous.first_local, previous.k) == (num_pages, first_local, k):
+        selectable, sinks = previous.selectable, previous.sink_pages
+    else:
+        selectable = _selectable(ctx, valid, num_pages, sink, first_local) if k else None
+        sinks = sink_pages(ctx, sink, first_local)
+    return StepPlan(ctx.step, valid, t, num_pages, first_local, sink, k, selectable, groups, sinks)

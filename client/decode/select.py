@@ -7,7 +7,6 @@ import time
 import numpy as np
 import torch
 
-from kvdrive.kernels import reference as ref
 from kvdrive_client.decode.fetch import StoreIO
 from kvdrive_client.decode.state import Context, MicroBatch, StepPlan
 from kvdrive_client.device_cache import EvictionPolicy
@@ -20,21 +19,20 @@ def choose(ctx: Context, plan: StepPlan, layer: int, mb: MicroBatch) -> None:
     ls = ctx.layers[layer]
     whole = mb.rows == ctx.batch
     selector = ls.selector if whole else ls.selector.rows(mb.lo, mb.hi)
-    cached = ls.cache.slot_page[mb.lo : mb.hi]
+    cached = mb.of(ls.cache.slot_page)
     lookahead = ctx.cfg.eviction is EvictionPolicy.LOOKAHEAD and ls.cache.reuse
-    chosen = plan.sink_pages[mb.lo : mb.hi, None, :].expand(mb.rows, ctx.shape.num_kv_heads, plan.sink)
-    slot_scores = None
-    if plan.k:
-        picked, scores, slot_scores = selector.select_and_score(mb.query, plan.selectable[mb.lo : mb.hi], plan.k,
-                                                                cached if lookahead else None)
+    sink, slot_scores = mb.of(plan.sink_pages), None
+    if not plan.k:
+        chosen = sink[:, None, :].expand(mb.rows, ctx.shape.num_kv_heads, plan.sink)
+    else:
         # A row with fewer selectable pages than k (padding) gets -1: nothing there.
-        picked = picked.masked_fill(scores == ref.NEG_INF, -1)
+        chosen, slot_scores = selector.choose(mb.query, mb.of(plan.selectable), plan.k, sink,
+                                              cached if lookahead else None)
         if ctx.observers:
             t_ob = time.perf_counter()
             for ob in ctx.observers:
-                ob.on_select(layer, plan.step, mb.query, picked, plan.selectable, ls.selector)
+                ob.on_select(layer, plan.step, mb.query, chosen[:, :, plan.sink :], plan.selectable, ls.selector)
             t0 += time.perf_counter() - t_ob  # measurement is not selection time
-        chosen = torch.cat([chosen, picked], dim=2)
     if lookahead and slot_scores is None:
         slot_scores = selector.page_scores(mb.query, cached)
     mb.chosen, mb.slot_scores = chosen, slot_scores
@@ -59,15 +57,20 @@ def to_host(ctx: Context, io: StoreIO, mb: MicroBatch) -> None:
     with the figures counted on the device and the decode pages ready for the store; put
     those pages; add the micro-batch's hits, misses and stage times to the session's figures."""
     counts, pages = ctx.counts.take(), io.take_pages()
-    extra = ([] if counts is None else [counts.view(torch.uint8)]) + ([] if pages is None else [pages[1]])
-    mb.host, tail = mb.placement.to_host(torch.cat(extra) if extra else None)
+    words = ([] if counts is None else [counts]) + ([] if pages is None else [_words(pages[1])])
+    mb.host, tail = mb.placement.to_host(None if not words else words[0] if len(words) == 1 else torch.cat(words))
     if counts is not None:
-        n = counts.numel() * counts.element_size()
-        ctx.counts.add_to(ctx.stats, tail[:n].view(np.int64))
-        tail = tail[n:]
+        ctx.counts.add_to(ctx.stats, tail[: counts.numel()])
+        tail = tail[counts.numel() :]
     if pages:
-        io.put_pages(pages[0], tail)
+        io.put_pages(pages[0], tail.view(np.uint8)[: pages[1].numel()])
     ctx.stats["hits"] += mb.host.num_hits
     ctx.stats["misses"] += mb.host.num_misses
     ctx.stats["select_ms"] += mb.select_ms
     ctx.stats["hitmiss_ms"] += mb.place_ms
+
+
+def _words(data: torch.Tensor) -> torch.Tensor:
+    """1-D bytes as int64 words (zero bytes added up to a whole word), to travel with the placement."""
+    pad = -data.numel() % 8
+    return (torch.cat([data, data.new_zeros(pad)]) if pad else data).view(torch.int64)

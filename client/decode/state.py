@@ -86,31 +86,41 @@ class LayerState:
 class DeviceCounts:
     """Figures counted on the compute device, so that counting never waits for it; they reach
     the session's stats with the next copy to the host that a step makes anyway (the
-    placement's), or when the stats are read (:meth:`fold`). Main thread only."""
+    placement's), or when the stats are read (:meth:`fold`). Main thread only.
+
+    The device keeps running totals (taking them copies them, nothing resets them); the host
+    adds what grew since the totals it last saw."""
 
     NAMES = ("attended_tokens", "context_tokens")
 
     def __init__(self, device: torch.device) -> None:
         self.values = torch.zeros(len(self.NAMES), dtype=torch.long, device=device)
         self.pending = False
+        self._seen = [0] * len(self.NAMES)
 
     def add(self, name: str, value: torch.Tensor) -> None:
         self.values[self.NAMES.index(name)] += value
         self.pending = True
 
+    def add_attended(self, kernels: Kernels, valid) -> None:
+        """Count the real attended tokens of ``valid`` (the kernels' :meth:`~Kernels.attended_valid`),
+        before attention over it: the kernels may count while they attend."""
+        kernels.count_attended(valid, self.values, self.NAMES.index("attended_tokens"))
+        self.pending = True
+
     def take(self) -> torch.Tensor | None:
-        """The counts so far (to copy to the host with something else), reset on the device."""
+        """The running totals (to copy to the host with something else, at once: the tensor
+        counts on), None when nothing was counted since the last take."""
         if not self.pending:
             return None
-        taken = self.values.clone()
-        self.values.zero_()
         self.pending = False
-        return taken
+        return self.values
 
-    @classmethod
-    def add_to(cls, stats: Counter, host_values) -> None:
-        for name, v in zip(cls.NAMES, host_values):
-            stats[name] += int(v)
+    def add_to(self, stats: Counter, host_values) -> None:
+        """Add to ``stats`` what the totals ``host_values`` (a copy of :meth:`take`'s) grew by."""
+        for i, (name, v) in enumerate(zip(self.NAMES, host_values)):
+            stats[name] += int(v) - self._seen[i]
+            self._seen[i] = int(v)
 
     def fold(self, stats: Counter) -> None:
         """Add what is counted to ``stats`` now (one copy to the host)."""
@@ -176,10 +186,14 @@ class MicroBatch:
     placement: Placement | None = None
     host: HostPlacement | None = None  # the placement, copied to the host
     fetch: object | None = None  # the store get of the misses, in flight
-    valid: torch.Tensor | None = None  # [b, H, attended tokens]
+    valid: object = None  # [b, H, attended tokens] bool, or what the kernels take for it (Kernels.attended_valid)
     select_ms: float = 0.0
     place_ms: float = 0.0
 
     @property
     def rows(self) -> int:
         return self.hi - self.lo
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s rows ``[lo, hi)`` (batch-first); ``t`` itself when they are all its rows (no op)."""
+        return t if self.lo == 0 and self.hi == t.shape[0] else t[self.lo : self.hi]

@@ -18,6 +18,7 @@ from test_smollm2 import batch_from, max_logit_diff
 pytest.importorskip("triton")
 try:
     from kvdrive.kernels import triton_kernels as tk
+    from kvdrive.kernels import triton_placement, triton_topk
     NOT_INTERPRETED = None if tk.INTERPRETED else (
         "the Triton kernels need Triton's interpreter here: run with TRITON_INTERPRET=1 in the environment "
         "(torch._dynamo imports triton, before this module)")
@@ -41,16 +42,18 @@ def triton_calls(monkeypatch):
     """Calls of each Triton kernel wrapper, counted."""
     calls = {}
 
-    def counted(name):
-        fn = getattr(tk, name)
+    def counted(module, name):
+        fn = getattr(module, name)
 
         def wrapper(*args, **kwargs):
             calls[name] = calls.get(name, 0) + 1
             return fn(*args, **kwargs)
-        monkeypatch.setattr(tk, name, wrapper)
+        monkeypatch.setattr(module, name, wrapper)
 
     for name in ("sparse_attention", "dense_attention", "lowrank_scores", "lowrank_select"):
-        counted(name)
+        counted(tk, name)
+    counted(triton_topk, "choose_pages")
+    counted(triton_placement, "place")
     return calls
 
 
@@ -63,7 +66,8 @@ def decode_with(kernels, model, store, ids, mask, **options):
 
 
 def assert_alike(out, stats, tol, calls):
-    assert calls.get("sparse_attention", 0) > 0 and calls.get("lowrank_select", 0) > 0, calls
+    assert all(calls.get(name, 0) > 0 for name in ("sparse_attention", "lowrank_scores", "choose_pages", "place")), \
+        calls
     assert torch.equal(out["cpu"].sequences, out["triton"].sequences)
     assert max_logit_diff(out["cpu"], out["triton"]) < tol
     assert stats["triton"]["steps"] == NEW - 1

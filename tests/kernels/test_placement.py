@@ -9,12 +9,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import os
+import sys
+
 import pytest
 import torch
 
-from kvdrive.kernels import reference as ref
+if "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the interpreter is chosen at triton's first import
 
-from kernel_cases import random_slots
+from kvdrive.kernels import for_device  # noqa: E402
+from kvdrive.kernels import reference as ref  # noqa: E402
+
+from kernel_cases import BACKENDS, random_slots  # noqa: E402
+
+
+def _triton_missing() -> str | None:
+    try:
+        from kvdrive.kernels import triton_kernels as tk  # noqa: PLC0415
+    except ImportError as e:
+        return f"the Triton kernels do not load: {e}"
+    return None if tk.INTERPRETED else "the Triton kernels need Triton's interpreter here (TRITON_INTERPRET=1)"
+
+
+@pytest.fixture(params=[*BACKENDS, "triton"])
+def kernels(request):
+    """Each backend that places on CPU tensors: the CPU's, the references, Triton's under its interpreter."""
+    if request.param == "triton" and (why := _triton_missing()):
+        pytest.skip(why)
+    return for_device("cpu", request.param)
 
 B, H, CAPACITY = 2, 3, 12
 
@@ -101,6 +124,27 @@ def test_placement_matches_reference_step_after_step(kernels, policy, reuse, per
         assert_placed(mine, before, pages, slots, miss, step, head_capacity)
         saw_misses.update(miss.sum(dim=-1).flatten().tolist())
     assert min(saw_misses) <= 2 and (max(saw_misses) > 8 if k > 8 else max(saw_misses) >= 4)
+
+
+def test_triton_placement_reads_priorities_by_page():
+    """The lookahead priority as the cached pages' scores read in the kernel (PagePriority) places
+    as the reference does with reference.gather_scores of them."""
+    if why := _triton_missing():
+        pytest.skip(why)
+    from kvdrive.kernels.triton_placement import PagePriority, place as triton_place
+
+    g = torch.Generator().manual_seed(2)
+    num_pages = 40
+    mine, theirs = Maps.empty(num_pages), Maps.empty(num_pages)
+    for step in range(12):
+        pages = _selection(g, 6, num_pages)
+        scores = torch.randn(B, H, num_pages, generator=g).round(decimals=1)
+        slots, miss = triton_place(pages, mine.page_slot, mine.slot_page, mine.last_used, PagePriority(scores),
+                                   None, step)
+        prio = ref.gather_scores(scores, theirs.slot_page)
+        expect = ref.place(pages, theirs.page_slot, theirs.slot_page, theirs.last_used, prio, None, step)
+        assert torch.equal(slots, expect[0]) and torch.equal(miss, expect[1]), step
+        assert not mine.differ(theirs), step
 
 
 def test_placement_of_nothing_changes_nothing(kernels):

@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -67,6 +68,7 @@ class Guarded:
 def guarded(monkeypatch):
     g = Guarded()
     monkeypatch.setattr(tk, "_scratch", g)
+    monkeypatch.setattr(tk, "_workspaces", threading.local())  # no buffer kept from an earlier test
     yield g
     g.check()
 
@@ -122,6 +124,32 @@ def test_attention_matches_reference(guarded, dtype, k, local, page, d, g, split
     assert out.shape == query.shape
     _close(out, expect, "triton_attention", dtype)  # zeros where nothing is valid, in both
     assert torch.equal(out[0, 1], torch.zeros_like(out[0, 1]))
+
+
+@interpreted
+@pytest.mark.parametrize("k, local, splits", [(4, 7, None), (4, 7, 3), (0, 9, 2), (5, 0, 2)])
+def test_attention_by_token_validity_matches_reference(guarded, k, local, splits):
+    """Validity worked out in the kernel from the sequence's real tokens, the pages (-1: none)
+    and the window's start, as reference.attended_valid builds it; the real attended tokens
+    added to a count, across splits."""
+    page, num_pages = 8, 12
+    query, kc, vc, slots, lk, lv, _ = _attention_case(k + local, torch.float32, k, local, page)
+    slots = slots.clamp_min(0)  # as placed: a slot for every entry, the ones with no page masked
+    gen = torch.Generator().manual_seed(k)
+    pages = torch.stack([torch.randperm(num_pages, generator=gen)[:k] for _ in range(6)]).reshape(3, 2, k)
+    if k > 2:
+        pages[2, 0, 1] = pages[0, 1, 0] = -1
+    local_start = num_pages * page
+    tokens = torch.rand(3, local_start + local + 5, generator=gen) > 0.2  # spare tokens past t
+    tokens[1, : 3 * page] = False
+    attended = ref.attended_valid(tokens, pages, page, local_start, local_start + local)
+    counts = torch.tensor([5, 7, 11])
+    validity = tk.TokenValidity(tokens, pages, local_start, count=(counts, 1))
+    out = for_device("cpu", "triton").attention(query, kc, vc, slots, lk, lv, validity, 0.17) if splits is None \
+        else tk.sparse_attention(query, kc, vc, slots, lk, lv, validity, 0.17, block_n=16, num_splits=splits)
+    expect = ref.sparse_attention(query, kc, vc, slots, lk, lv, attended, 0.17)
+    _close(out, expect, "triton_attention", torch.float32)
+    assert counts.tolist() == [5, 7 + int(attended.sum()), 11]
 
 
 @interpreted
@@ -209,6 +237,45 @@ def test_lowrank_select_matches_reference(k):
     torch.testing.assert_close(top[finite], scores.gather(2, pages)[finite], **tol)
 
 
+@interpreted
+@pytest.mark.parametrize("k, num_sink", [(7, 2), (0, 1), (40, 0)])
+def test_choose_pages_matches_the_torch_choice(k, num_sink):
+    """The sink pages, then the k best selectable pages, -1 where a row has fewer with a score
+    (a row with three selectable pages, one with none, a page of -inf), as backends.with_sink
+    of reference.topk_pages."""
+    from kvdrive.kernels.backends import with_sink
+    from kvdrive.kernels.triton_topk import choose_pages
+
+    gen = torch.Generator().manual_seed(k)
+    b, h, p = 4, 3, 37
+    scores = torch.randn(b, h, p, generator=gen)
+    scores[0, 1, 5] = float("-inf")
+    selectable = torch.rand(b, p, generator=gen) > 0.3
+    selectable[1] = False
+    selectable[2] = False
+    selectable[2, [3, 9, 30]] = True
+    sink = torch.randint(0, 4, (b, num_sink), generator=gen)
+    if num_sink:
+        sink[3, 0] = -1
+    pages, top = ref.topk_pages(scores.masked_fill(~selectable[:, None, :], ref.NEG_INF), k)
+    expect = with_sink(sink, pages.masked_fill(top == ref.NEG_INF, -1))
+    assert torch.equal(choose_pages(scores, selectable, k, sink), expect)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_land_matches_reference(dtype):
+    """Fetched pages into their cache rows, in a view of some batch rows (a micro-batch's)."""
+    gen = torch.Generator().manual_seed(5)
+    ref_k, ref_v = (torch.randn(3, 2, 6, 4, 8, generator=gen).to(dtype) for _ in range(2))
+    k, v = ref_k.clone(), ref_v.clone()
+    kv = torch.randn(5, 2, 4, 8, generator=gen)  # fetched in the model's dtype: converted on landing
+    rows = torch.tensor([3, 0, 11, 7, 5])
+    for_device("cpu", "reference").land(ref_k[1:], ref_v[1:], rows, kv)
+    for_device("cpu", "triton").land(k[1:], v[1:], rows, kv)
+    assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
+
+
 # ---------------------------------------------------------------- the kernel set
 
 
@@ -255,7 +322,7 @@ def test_kernels_compile_for_sm90_without_spills():
     for name, r in reports.items():
         print(f"{name}: {r['registers']} registers, {r['shared']} B shared, spills {r['spill_stores']}/"
               f"{r['spill_loads']} B")
-        assert r["arch"] == "sm_90a" and r["num_warps"] == 4
+        assert r["arch"] == "sm_90a" and r["num_warps"] == (8 if name.startswith(("place", "choose")) else 4)
         assert r["registers"] == r["ptxas_registers"] <= 255
         assert r["spill_stores"] == r["spill_loads"] == r["local"] == r["stack"] == 0, (name, r)
-    assert {name.split()[0] for name in reports} == {"attention", "merge", "lowrank"}
+    assert {name.split()[0] for name in reports} == {"attention", "merge", "lowrank", "place", "choose"}
