@@ -3,9 +3,9 @@
 Every kernel has a plain torch reference (``kvdrive.kernels.reference``), which runs
 on any device; the CPU has faster compiled versions (numba, ``kvdrive.kernels.cpu``),
 tested against it. :func:`for_device` picks the set a session uses; it is the one
-place that decides by device. No kernel here has run on a GPU yet: on a CUDA device
-the client uses the torch references unless ``triton`` is chosen (Triton kernels,
-``kvdrive.kernels.triton_kernels``, tested under Triton's interpreter only).
+place that decides by device. On a CUDA device the client uses the torch references
+unless ``triton`` is chosen (Triton kernels, ``kvdrive.kernels.triton_kernels``, tested
+under Triton's interpreter and run on one H200: README, "On a GPU").
 
 The compiled CPU kernels are compiled once per machine and cached under KVDrive's
 cache directory (:mod:`kvdrive.kernels.jit`); :func:`warm_up` compiles or loads them
