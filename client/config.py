@@ -19,6 +19,9 @@ _UNSET = "unset"  # a deprecated option not given
 _RENAMED = {"window": "cache_multiplier", "windows": "head_multipliers"}
 
 
+DEFAULT_BUDGET = 0.0625  # the selectable pages attended per step, as a fraction
+
+
 @dataclass(frozen=True)
 class AttachConfig:
     """How KVDrive decodes.
@@ -64,7 +67,7 @@ class AttachConfig:
         references, on any device: slower, for checking the others).
     """
 
-    budget: float = 0.0625
+    budget: float = DEFAULT_BUDGET
     budget_tokens: int | None = None
     page_size: int = 16
     sink_tokens: int = 16
@@ -113,6 +116,9 @@ class AttachConfig:
         if not 1 <= self.page_size <= 4096:
             raise ValueError(f"page_size must be in 1..4096, got {self.page_size}")
         if self.budget_tokens is not None:
+            if self.budget != DEFAULT_BUDGET:
+                raise ValueError(f"budget={self.budget:g} and budget_tokens={self.budget_tokens} both given: "
+                                 "budget_tokens replaces budget; give one of them")
             if isinstance(self.budget_tokens, bool) or not isinstance(self.budget_tokens, int):
                 raise TypeError(f"budget_tokens must be a whole number of tokens, got "
                                 f"{type(self.budget_tokens).__name__} {self.budget_tokens!r}")

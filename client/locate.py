@@ -48,6 +48,9 @@ def resolve(address: str | Default) -> tuple[str, bool]:
     if not isinstance(address, str) or not address:
         raise TypeError(f"address must be 'ipc://PATH' or 'tcp://HOST:PORT' (or None for a private daemon), "
                         f"got {address!r}")
+    if not address.startswith(("ipc://", "tcp://")):
+        raise ValueError(f"kvstored listens on ipc://PATH or tcp://HOST:PORT, not {address!r:.80}; "
+                         f"connect() with no address finds the default daemon")
     return address, False
 
 

@@ -172,6 +172,7 @@ def test_a_full_attention_qwen2_with_a_window_size_set_is_still_accepted(daemon)
     ({"budget": 2}, "budget_tokens=2"),
     ({"budget_tokens": 16.5}, "budget_tokens must be a whole number of tokens, got float 16.5"),
     ({"budget_tokens": 0}, "budget_tokens must be >= 1"),
+    ({"budget": 0.1, "budget_tokens": 64}, "both given: budget_tokens replaces budget; give one of them"),
     ({"index": "kmeans"}, "hierarchical"),
     ({"eviction": "fifo"}, "lookahead"),
     ({"cache_multiplier": 0.5}, "cache_multiplier"),

@@ -108,3 +108,9 @@ def test_inspect_address_with_no_value_and_no_daemon_fails_in_one_line(runtime_d
 def test_a_bad_address_is_a_type_error():
     with pytest.raises(TypeError, match="None for a private daemon"):
         connect(42)
+
+
+@pytest.mark.parametrize("address", ["http://localhost:8000", "localhost:5555", "/run/kvdrive/kvstored.sock"])
+def test_an_address_of_another_scheme_says_which_are_accepted(address):
+    with pytest.raises(ValueError, match="kvstored listens on ipc://PATH or tcp://HOST:PORT, not"):
+        connect(address)

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Callable, Iterator
@@ -73,3 +74,15 @@ def verify_clean(ssd: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "kvdrive.tools.inspect", str(ssd), "--verify"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def settled(figures: Callable[[], object], d, step: float = 1.0, timeout: float = 60.0):
+    """``figures()`` once they have stayed the same for ``step`` seconds."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while (now := figures()) != last:
+        assert d.alive(), f"kvstored died (exit {d.proc.returncode}):\n{d.log()[-2000:]}"
+        assert time.monotonic() < deadline, f"still changing after {timeout} s: {now}"
+        last = now
+        time.sleep(step)
+    return now

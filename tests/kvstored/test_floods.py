@@ -25,7 +25,7 @@ import zmq
 
 from kvdrive_client import Geometry, StoreClient
 from kvstored.protocol import PROTOCOL_VERSION
-from tenants import as_other_user, needs_root, shared_dir
+from tenants import as_other_user, needs_root, settled, shared_dir
 
 GEOM = Geometry(num_layers=1, num_kv_heads=1, head_dim=16, dtype="float16", page_size=4)
 FLOOD = 1100  # more connections than a shell's default descriptor limit (1024)
@@ -212,18 +212,6 @@ def test_idle_connections_of_one_user_leave_room_for_another(shared_root, daemon
     d.stop()
 
 
-def settled_count(count: Callable[[], int], d, step: float = 1.0, timeout: float = 20.0) -> int:
-    """``count()`` once it has stopped growing for ``step`` seconds."""
-    deadline = time.monotonic() + timeout
-    last = -1
-    while (now := count()) != last:
-        assert d.alive(), f"kvstored died (exit {d.proc.returncode}):\n{d.log()[-2000:]}"
-        assert time.monotonic() < deadline, f"still growing after {timeout} s ({now})"
-        last = now
-        time.sleep(step)
-    return now
-
-
 @needs_root
 def test_one_users_zeromq_flood_leaves_room_for_another(shared_root, daemon_at, fds_for_a_flood):
     """With 1,024 descriptors the ZeroMQ cap is 240 connections, 120 per uid: 500 from one
@@ -241,7 +229,7 @@ def test_one_users_zeromq_flood_leaves_room_for_another(shared_root, daemon_at, 
             s.connect(d.address)
             s.send(msgpack.packb({"v": PROTOCOL_VERSION, "op": "hello", "id": 1}))
             socks.append(s)
-        served = settled_count(lambda: sum(1 for s in socks if s.poll(0)), d)
+        served = settled(lambda: sum(1 for s in socks if s.poll(0)), d, timeout=20.0)
         out = as_other_user(lambda: {"uid": use_the_store(d.address, "other-user", timeout=5)})
         assert out["uid"] > 0
         assert served == 120, f"one uid was served on {served} ZeroMQ connections (--max-connections-per-uid 120)"

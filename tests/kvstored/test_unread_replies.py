@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable
 
 import msgpack
 import pytest
@@ -17,7 +16,7 @@ import zmq
 
 from kvdrive_client import Geometry, StoreClient
 from kvstored.protocol import PROTOCOL_VERSION
-from tenants import as_other_user, needs_root, shared_dir
+from tenants import as_other_user, needs_root, settled, shared_dir
 
 GEOM = Geometry(num_layers=1, num_kv_heads=1, head_dim=16, dtype="float16", page_size=4)
 NUM_SEQS = 200  # with names of 250 characters: a list reply of all of them was about 80 KiB
@@ -67,18 +66,6 @@ def served_promptly(address: str) -> dict:
     finally:
         c.close()
     return {"seconds": time.monotonic() - t0, "listed": len(listed)}
-
-
-def settled(figures: Callable[[], tuple], d, step: float = 1.0, timeout: float = 60.0) -> tuple:
-    """``figures()`` once they have stayed the same for ``step`` seconds."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while (now := figures()) != last:
-        assert d.alive(), f"kvstored died (exit {d.proc.returncode}):\n{d.log()[-2000:]}"
-        assert time.monotonic() < deadline, f"still changing after {timeout} s: {now}"
-        last = now
-        time.sleep(step)
-    return now
 
 
 @pytest.fixture
