@@ -106,24 +106,9 @@ class AttachConfig:
                 except ValueError:
                     choices = ", ".join(e.value for e in enum_type)
                     raise ValueError(f"{name}={value!r}: choose one of {choices}") from None
-        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
-            raise TypeError(f"budget must be a number, a fraction in (0, 1]; got {type(self.budget).__name__} "
-                            f"{self.budget!r}")
-        if not 0 < self.budget <= 1:
-            hint = (f"; for a count of {self.budget:g} tokens per step, give budget_tokens={self.budget:g}"
-                    if self.budget > 1 else "")
-            raise ValueError(f"budget must be a fraction in (0, 1], got {self.budget:g}{hint}")
+        self._check_budget()
         if not 1 <= self.page_size <= 4096:
             raise ValueError(f"page_size must be in 1..4096, got {self.page_size}")
-        if self.budget_tokens is not None:
-            if self.budget != DEFAULT_BUDGET:
-                raise ValueError(f"budget={self.budget:g} and budget_tokens={self.budget_tokens} both given: "
-                                 "budget_tokens replaces budget; give one of them")
-            if isinstance(self.budget_tokens, bool) or not isinstance(self.budget_tokens, int):
-                raise TypeError(f"budget_tokens must be a whole number of tokens, got "
-                                f"{type(self.budget_tokens).__name__} {self.budget_tokens!r}")
-            if self.budget_tokens < 1:
-                raise ValueError(f"budget_tokens must be >= 1, got {self.budget_tokens}")
         if self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
         if self.local_tokens < self.page_size:
@@ -159,6 +144,25 @@ class AttachConfig:
             raise ValueError(f"kernels={self.kernels!r}: choose one of {', '.join(KERNEL_CHOICES)}")
         if self.obs_window < 1:
             raise ValueError(f"obs_window must be >= 1, got {self.obs_window}")
+
+    def _check_budget(self) -> None:
+        """``budget`` a fraction in (0, 1], or ``budget_tokens`` a whole count instead of it."""
+        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
+            raise TypeError(f"budget must be a number, a fraction in (0, 1]; got {type(self.budget).__name__} "
+                            f"{self.budget!r}")
+        if not 0 < self.budget <= 1:
+            hint = (f"; for a count of {self.budget:g} tokens per step, give budget_tokens={self.budget:g}"
+                    if self.budget > 1 else "")
+            raise ValueError(f"budget must be a fraction in (0, 1], got {self.budget:g}{hint}")
+        if self.budget_tokens is not None:
+            if self.budget != DEFAULT_BUDGET:
+                raise ValueError(f"budget={self.budget:g} and budget_tokens={self.budget_tokens} both given: "
+                                 "budget_tokens replaces budget; give one of them")
+            if isinstance(self.budget_tokens, bool) or not isinstance(self.budget_tokens, int):
+                raise TypeError(f"budget_tokens must be a whole number of tokens, got "
+                                f"{type(self.budget_tokens).__name__} {self.budget_tokens!r}")
+            if self.budget_tokens < 1:
+                raise ValueError(f"budget_tokens must be >= 1, got {self.budget_tokens}")
 
     def _take_renamed(self) -> None:
         """Move a deprecated option's value to its new name (warning once per construction)."""

@@ -15,6 +15,7 @@ from kvdrive.kernels import compiles_on_cpu, warm_up
 from kvdrive_client.architecture import SLIDING, attention_modules, model_shape
 from kvdrive_client.config import AttachConfig
 from kvdrive_client.errors import StoreError
+from kvdrive_client.first_use import KernelNotice
 from kvdrive_client.hooks import ATTN_NAME, KVDriveCache
 from kvdrive_client.session import Session
 from kvdrive_client.store import StoreClient, connect
@@ -198,9 +199,14 @@ def _refuse_batch_expansion(model, kwargs: dict) -> None:
 def _warm_up(handle: Handle) -> None:
     """Compile the CPU kernels now, or load them from the per-machine cache: left to the
     first generate(), the compile (about a minute on a 2-core host) would stall its first
-    steps unannounced. Logged at INFO (:func:`kvdrive.kernels.warm_up`)."""
+    steps unannounced. Logged at INFO, and told on stderr where logging is not configured
+    (first_use.py)."""
     if handle.shape.num_layers and compiles_on_cpu(handle.device, handle.cfg.kernels):
-        warm_up(dtypes=(handle.shape.dtype,), indexes=(handle.cfg.index.value,))
+        notice = KernelNotice()  # on stderr where the program set up no logging
+        try:
+            warm_up(dtypes=(handle.shape.dtype,), indexes=(handle.cfg.index.value,), progress=notice)
+        finally:
+            notice.close()
 
 
 def _batch_size(args, kwargs) -> int:
