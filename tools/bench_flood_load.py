@@ -125,22 +125,22 @@ class RequestLoop(abc.ABC):
 
     @abc.abstractmethod
     def step(self, client: StoreClient, tally: Tally) -> None:
-        """Send one request and wait for its reply, counting it in ``tally``."""
+        """Send one request (a list: one page after another) and wait for the reply, counting it in ``tally``."""
 
     def close(self, client: StoreClient) -> None:
         pass
 
 
 class ListLoop(RequestLoop):
-    """Lists of every sequence of the uid, which holds :data:`LIST_SEQUENCES` of the flood's besides."""
+    """Lists of every sequence of the uid, which holds :data:`LIST_SEQUENCES` of the flood's
+    besides: one step pages through them all (kvstored replies with a page of 16 at most)."""
 
     def setup(self, client: StoreClient) -> None:
         for k in range(self.index, LIST_SEQUENCES, self.spec.connections):
             client.create(NAMESPACE, f"list-{k}", GEOMETRY, exist_ok=True)
 
     def step(self, client: StoreClient, tally: Tally) -> None:
-        reply = client.call(Op.LIST, {"after": 0})
-        tally.counts["sequences_listed"] += len(reply["sequences"])
+        tally.counts["sequences_listed"] += len(client.list())
 
 
 class PutLoop(RequestLoop):
