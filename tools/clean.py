@@ -106,12 +106,17 @@ def clean_live(args: argparse.Namespace) -> int:
         raise CleanError("--uid is for a stopped store: a running daemon deletes only the caller's own sequences")
     try:
         client = connect(args.address)
+    except (StoreError, ValueError) as exc:
+        raise CleanError(str(exc)) from None
+    try:
         found = _matches(client.list(), args)
         if args.delete:
             for s in found:
                 client.delete(s["ns"], s["seq"])
     except StoreError as exc:
         raise CleanError(str(exc)) from None
+    finally:
+        client.close()
     _report(found, args.delete)
     return 0
 
@@ -143,13 +148,11 @@ def clean_stopped(args: argparse.Namespace) -> int:
     except StoreOpenError as exc:
         raise CleanError(f"{exc} (a running daemon's sequences are deleted through it: use --address)") from None
     try:
-        entries = [e for e in store.index.all() if owners is None or e.owner in owners]
-        described = {e.uid: {"ns": e.ns, "seq": e.name, "created": e.created, "bytes": e.bytes, "owner": e.owner}
-                     for e in entries}
-        found = _matches(list(described.values()), args)
-        chosen = {(d["owner"], d["ns"], d["seq"]) for d in found}
+        entries = {e.uid: e for e in store.index.all() if owners is None or e.owner in owners}
+        found = _matches([{"uid": e.uid, "ns": e.ns, "seq": e.name, "created": e.created, "bytes": e.bytes,
+                           "owner": e.owner} for e in entries.values()], args)
         if args.delete and found:
-            store.sequences.delete_entries([e for e in entries if (e.owner, e.ns, e.name) in chosen], "clean")
+            store.sequences.delete_entries([entries[s["uid"]] for s in found], "clean")
     finally:
         store.close()
     _report(found, args.delete)

@@ -53,5 +53,7 @@ def test_another_users_sequences_are_for_root_only(tmp_path, monkeypatch, capsys
     assert clean.main([str(tmp_path), "--uid", "0"]) == 2
     assert "--uid is for root" in capsys.readouterr().err
     assert clean.main([str(tmp_path), "--address", "ipc:///nowhere"]) == 2
+    assert clean.main(["--address", "http://localhost:8000"]) == 2
+    assert "kvstored listens on ipc://PATH or tcp://HOST:PORT" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         clean.main(["--older-than", "soon"])
