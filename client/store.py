@@ -30,7 +30,7 @@ from kvdrive_client.channel import SessionChannel, trusted_daemon_uids
 from kvdrive_client.errors import RequestError, SessionLostError, StoreUnavailableError, error_from_reply
 from kvdrive_client.locate import DEFAULT, Default, check_socket, resolve
 from kvdrive_client.shm import CudaIpcBuffer, SharedBuffer
-from kvdrive.protocol import MAX_LOOKUP, BadReplyError, Op, decode_reply, request_frames
+from kvdrive.protocol import MAX_BLOCK_KEYS, MAX_LOOKUP, BadReplyError, Op, decode_reply, request_frames
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class PendingPut(PendingGet):
 
 ZERO_COPY_MIN_BYTES = 256 << 10
 # Ops that change nothing: retried once, on a new session, when the daemon no longer knew the old one.
-_SAFE_TO_RETRY = frozenset({Op.HELLO, Op.OPEN, Op.LIST, Op.LOOKUP, Op.STATS})
+_SAFE_TO_RETRY = frozenset({Op.HELLO, Op.OPEN, Op.LIST, Op.LOOKUP, Op.STATS, Op.BLOCK_LOOKUP})
 
 
 class StoreClient:
@@ -407,6 +407,39 @@ class StoreClient:
         staging = self._staging_buffer(len(blocks) * bb)
         self.get_into(seq, blocks, staging)
         return staging.array[: len(blocks) * bb].reshape(len(blocks), bb).copy()
+
+    # ------------------------------------------------------------ engine blocks (docs/protocol.md, block_*)
+
+    def block_lookup(self, ns: str, keys, timeout: float | None = None) -> list[bool]:
+        """Whether this user's block namespace ``ns`` holds each of ``keys`` (bytes), in one
+        request per :data:`~kvdrive.protocol.MAX_BLOCK_KEYS` keys."""
+        keys = [bytes(k) for k in keys]
+        found: list[bool] = []
+        for i in range(0, len(keys), MAX_BLOCK_KEYS):
+            found += self.call(Op.BLOCK_LOOKUP, {"ns": ns, "keys": keys[i: i + MAX_BLOCK_KEYS]}, timeout=timeout)["found"]
+        return found
+
+    def block_put_async(self, ns: str, block_bytes: int, keys, buffer: SharedBuffer, offset: int = 0) -> PendingPut:
+        """Start storing block i of ``keys`` from ``buffer`` at ``offset + i * block_bytes`` (at
+        most MAX_BLOCK_KEYS keys); write-once: keys stored already are skipped. ``wait()``
+        gives ``stored`` (blocks written) and ``present`` (skipped), once they are durable."""
+        fields = {"ns": ns, "block_bytes": block_bytes, "keys": [bytes(k) for k in keys], "buf": buffer.buf_id,
+                  "offset": offset}
+        return PendingPut(self, self._submit(Op.BLOCK_PUT, fields))
+
+    def block_get_async(self, ns: str, keys, buffer: SharedBuffer, offset: int = 0) -> PendingGet:
+        """Start copying the block of each of ``keys`` that ``ns`` holds to ``offset + i *
+        block_bytes`` of ``buffer``; ``wait()`` gives ``found`` per key and ``damaged``, the
+        positions whose stored copy failed its checksum (not found, their bytes not to be used)."""
+        fields = {"ns": ns, "keys": [bytes(k) for k in keys], "buf": buffer.buf_id, "offset": offset}
+        return PendingGet(self, self._submit(Op.BLOCK_GET, fields))
+
+    def block_delete(self, ns: str, keys=None) -> dict:
+        """Delete ``keys`` from block namespace ``ns`` (every block of it without ``keys``):
+        ``{"deleted": n, "freed_bytes": ...}``; NotFoundError if the namespace has none."""
+        if keys is None:
+            return self.call(Op.BLOCK_DELETE, {"ns": ns, "all": True})
+        return self.call(Op.BLOCK_DELETE, {"ns": ns, "keys": [bytes(k) for k in keys]})
 
     # ------------------------------------------------------------ life cycle
 

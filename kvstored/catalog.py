@@ -18,6 +18,10 @@ little-endian) of the record's key and the rest of its value:
 - ``extents``: ``>QIIQ (uid, layer, head, extent_id)`` -> {off, pages, crc, cluster, importance}
   where ``pages`` lists the extent's pages in slot order (int32 bytes) and ``crc``
   each slot's checksum (uint32 bytes, address-tagged).
+- ``blocks`` (engine blocks, block_catalog.py): ``<namespace uid u64 BE><key>`` ->
+  {slot, ext}; the namespace is a sequence record of the reserved name
+  :data:`BLOCKS_NAME`, whose pages are the slots. ``counts`` holds ``blocks`` too (a
+  counts record without it, from a kvstored before engine blocks, is not checked there).
 
 :meth:`Catalog.read` checks every record, the counts and the cross references in one
 read transaction; :meth:`Catalog.load` raises :class:`CatalogDamagedError` on any
@@ -33,7 +37,7 @@ import os
 import secrets
 import struct
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -56,6 +60,8 @@ CRC = struct.Struct("<I")
 UID_LIMIT = 1 << 62
 MIGRATES_FROM = 2  # the format this kvstored rewrites in place; older ones are refused
 MAX_SHOWN = 5  # problems named in a CatalogDamagedError's message
+# The sequence name of a block namespace: a space, which no client's sequence name holds.
+BLOCKS_NAME = " blocks"
 # Disk space kept allocated in data.mdb past LMDB's last page, so that a delete commits on
 # a full filesystem: a delete copies each page it changes, at most the pages in use.
 RESERVE_MIN_BYTES = 4 << 20
@@ -152,6 +158,7 @@ class Contents:
     sequences: list[SeqRecord]
     extents: list[ExtentRecord]
     problems: list[str]
+    blocks: list = field(default_factory=list)  # block_catalog.BlockRecord, by namespace uid and key
 
 
 def name_key(owner: int, ns: str, name: str) -> bytes:
@@ -244,7 +251,8 @@ class Catalog:
         self.path = path
         self._lock_fd: int | None = None
         self.env: lmdb.Environment | None = None
-        self.num_seqs = self.num_extents = 0
+        self.num_seqs = self.num_extents = self.num_blocks = 0
+        self.blocks = None  # the engine blocks' database; None in a read-only catalog written before them
         self._reserved = 0
         self.next_uid = self.next_extent = 1
         self._handed_out: set[int] = set()  # uids given to sequences not yet added
@@ -292,6 +300,10 @@ class Catalog:
                 self.meta, self.seqs, self.extents = (self.env.open_db(n, create=False) for n in (b"meta", b"seqs", b"extents"))
             except lmdb.NotFoundError:
                 self._refuse_missing(self.path / "data.mdb", data_bytes, "has no format record")
+            try:
+                self.blocks = self.env.open_db(b"blocks", create=False)
+            except lmdb.NotFoundError:
+                self.blocks = None
         with self.env.begin(write=not readonly) as txn:
             try:
                 if not readonly:
@@ -314,6 +326,8 @@ class Catalog:
                     self.extents = self.env.open_db(b"extents", txn=txn, create=False)
                 except lmdb.NotFoundError:
                     raise CatalogDamagedError(self.path, ["the seqs or extents database is missing"]) from None
+                # Made at the first writable open of a store from before engine blocks.
+                self.blocks = self.env.open_db(b"blocks", txn=txn)
             if version == MIGRATES_FROM and not readonly:
                 _migrate(self, txn, os.geteuid() if migrate_owner is None else migrate_owner)
             elif version == MIGRATES_FROM:
@@ -332,6 +346,7 @@ class Catalog:
         self.meta = self.env.open_db(b"meta", txn=txn)
         self.seqs = self.env.open_db(b"seqs", txn=txn)
         self.extents = self.env.open_db(b"extents", txn=txn)
+        self.blocks = self.env.open_db(b"blocks", txn=txn)
         txn.put(b"format", str(FORMAT_VERSION).encode(), db=self.meta)
         self._put_counts(txn)
 
@@ -341,6 +356,7 @@ class Catalog:
             raise CatalogDamagedError(self.path, [v])
         self.num_seqs, self.num_extents = v["seqs"], v["extents"]
         self.next_uid, self.next_extent = v["next_uid"], v["next_extent"]
+        self.num_blocks = 0 if self.blocks is None else txn.stat(self.blocks)["entries"]
 
     def counts(self, txn: lmdb.Transaction) -> dict | str:
         """The counts record as of ``txn``, or what is wrong with it."""
@@ -359,7 +375,7 @@ class Catalog:
         return v
 
     def _put_counts(self, txn: lmdb.Transaction) -> None:
-        payload = msgpack.packb({"seqs": self.num_seqs, "extents": self.num_extents,
+        payload = msgpack.packb({"seqs": self.num_seqs, "extents": self.num_extents, "blocks": self.num_blocks,
                                  "next_uid": self.next_uid, "next_extent": self.next_extent})
         txn.put(b"counts", seal(b"counts", payload), db=self.meta)
 
@@ -433,13 +449,13 @@ class Catalog:
     @contextmanager
     def begin(self) -> Iterator[lmdb.Transaction]:
         """A write transaction that also rewrites the counts record; the counts roll back if it fails."""
-        saved = (self.num_seqs, self.num_extents)
+        saved = (self.num_seqs, self.num_extents, self.num_blocks)
         try:
             with self.env.begin(write=True) as txn:
                 yield txn
                 self._put_counts(txn)
         except BaseException:
-            self.num_seqs, self.num_extents = saved
+            self.num_seqs, self.num_extents, self.num_blocks = saved
             raise
 
     def new_uid(self) -> int:
@@ -473,6 +489,13 @@ class Catalog:
                 if not cursor.delete():
                     break
                 self.num_extents -= 1
+        if self.blocks is not None:  # a block namespace's keys go with it
+            cursor = txn.cursor(db=self.blocks)
+            if cursor.set_range(prefix):
+                while cursor.key().startswith(prefix):
+                    if not cursor.delete():
+                        break
+                    self.num_blocks -= 1
 
     def add_extents(self, txn: lmdb.Transaction, records: list[ExtentRecord]) -> None:
         encoded = [r.encode() for r in records]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import lmdb
 
+from kvstored.block_catalog import check_blocks
 from kvstored.catalog import UID_KEY, Catalog, Contents, ExtentRecord, SeqRecord, decode_seq, show_key, unseal_many
 
 
@@ -20,8 +21,12 @@ def check(cat: Catalog, txn: lmdb.Transaction, data_bytes: int | None) -> Conten
     by_key, by_uid = _check_sequences(cat, txn, problems)
     extents, num_ext_records = _check_extents(cat, txn, by_uid, data_bytes, problems)
     problems.extend(_overlaps(extents, by_uid))
+    blocks, num_block_records = check_blocks(cat, txn, by_uid, extents, problems)
     _check_counts(cat, txn, len(by_key), num_ext_records, by_uid, extents, problems)
-    return Contents(sorted(by_key.values(), key=lambda s: (s.ns, s.name, s.owner)), extents, problems)
+    counts = cat.counts(txn)
+    if isinstance(counts, dict) and counts.get("blocks", num_block_records) != num_block_records:
+        problems.append(f"the counts record says {counts['blocks']} blocks, the catalog holds {num_block_records}")
+    return Contents(sorted(by_key.values(), key=lambda s: (s.ns, s.name, s.owner)), extents, problems, blocks)
 
 
 def _check_sequences(cat: Catalog, txn: lmdb.Transaction, problems: list[str]):

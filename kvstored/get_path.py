@@ -79,10 +79,10 @@ class GetPath:
             )
         return list(zip(ranked[starts].tolist(), np.split(order, starts[1:])))
 
-    def _parts(self, req: Get, owner: int) -> list[tuple[SeqEntry, np.ndarray | slice]]:
+    def _parts(self, req: Get, owner: int, blocks: bool) -> list[tuple[SeqEntry, np.ndarray | slice]]:
         """:meth:`seq_groups` with each sequence's entry. Every sequence must exist, be the
         caller's, and all must share a block size; every block must be in range."""
-        parts = [(owned_entry(self.index, uid, owner), at) for uid, at in self.seq_groups(req)]
+        parts = [(owned_entry(self.index, uid, owner, blocks), at) for uid, at in self.seq_groups(req)]
         sizes = {e.geometry.block_bytes for e, _ in parts}
         if len(sizes) > 1:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"the sequences of one get must share a block size, got {sorted(sizes)}")
@@ -96,9 +96,10 @@ class GetPath:
                     raise ProtocolError(ErrorCode.OUT_OF_RANGE, f"block {i}: {name} {int(blocks[i, col])} >= {limit}")
         return parts
 
-    def get(self, req: Get, session: Session) -> dict:
+    def get(self, req: Get, session: Session, blocks: bool = False) -> dict:
+        """Serve ``req``; with ``blocks``, a get of a block namespace's slots (blocks.py)."""
         t0 = time.perf_counter()
-        parts = self._parts(req, session.uid)
+        parts = self._parts(req, session.uid, blocks)
         bb = parts[0][0].geometry.block_bytes
         blocks = req.blocks.astype(np.int64)
         mb = session.buffers.lookup(req.buf)

@@ -282,6 +282,19 @@ class BlockIndex:
             entry.lo_page, entry.hi_page = growth.lo, growth.hi
             self._count(entry.owner, entry.nbytes - before)
 
+    def clear_blocks(self, entry: SeqEntry, layers: np.ndarray, heads: np.ndarray, columns: np.ndarray) -> None:
+        """Forget blocks deleted one by one (engine blocks: a page each, every block of its
+        pages), their pages no longer stored (index lock held; their DRAM copies are
+        residency's to forget first)."""
+        entry.ssd_off[layers, heads, columns] = ABSENT
+        entry.crc[layers, heads, columns] = 0
+        entry.importance[layers, heads, columns] = 0
+        gone = np.unique(columns)
+        gone = gone[entry.has_page[gone] & (entry.ssd_off[:, :, gone] < 0).all(axis=(0, 1))]
+        entry.has_page[gone] = False
+        entry.num_pages -= len(gone)
+        entry.num_blocks -= len(columns)
+
     def mark_pages(self, entry: SeqEntry, columns: np.ndarray) -> None:
         """Count ``columns`` (distinct, of a published put) as stored pages (index lock held)."""
         entry.num_pages += len(columns) - int(np.count_nonzero(entry.has_page[columns]))

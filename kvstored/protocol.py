@@ -18,8 +18,9 @@ import msgpack
 import numpy as np
 
 from kvdrive.layout.geometry import MAX_PAGES, Geometry
+from kvdrive.protocol.blocks import MAX_BLOCK_BYTES
 from kvdrive.protocol import (
-    BUFFER_KIND_CUDA_IPC, BUFFER_KIND_MEMFD, CUDA_IPC_HANDLE_BYTES, MAX_BUFFER_BYTES, MAX_CUDA_DEVICE, GET_ARRAYS,
+    BUFFER_KIND_CUDA_IPC, BUFFER_KIND_MEMFD, CUDA_IPC_HANDLE_BYTES, MAX_BLOCK_KEY_BYTES, MAX_BLOCK_KEYS, MAX_BUFFER_BYTES, MAX_CUDA_DEVICE, GET_ARRAYS,
     MAX_HEADER_BYTES, MAX_LAYERS_PER_PUT, MAX_LIST, MAX_LOOKUP, MAX_NAME_BYTES, MAX_SEQS_PER_GET, PROTOCOL_VERSION,
     PUT_ARRAYS, SESSION_TOKEN_BYTES, ErrorCode, Op, encode, error_reply, ok_reply, request_frames,
 )
@@ -30,7 +31,7 @@ __all__ = [
     "PROTOCOL_VERSION", "PUT_ARRAYS", "SESSION_TOKEN_BYTES", "ErrorCode", "Op", "encode", "error_reply", "ok_reply",
     "request_frames", "ProtocolError", "ErrorTally", "Hello", "Create", "OpenSeq", "ListSeqs", "Delete", "Put", "Get", "Stats", "Lookup",
     "Request", "Envelope", "parse_request", "RegisterMemfd", "RegisterCudaIpc", "parse_register",
-    "MAX_IMPORTANCE", "clamp_importance",
+    "MAX_IMPORTANCE", "clamp_importance", "BlockLookup", "BlockPut", "BlockGet", "BlockDelete", "BlockRequest",
 ]
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,47 @@ class Stats:
     pass
 
 
-Request = Hello | Create | OpenSeq | ListSeqs | Delete | Put | Get | Stats | Lookup
+@dataclass(frozen=True)
+class BlockLookup:
+    """Which of ``keys`` the caller's block namespace ``ns`` holds."""
+
+    ns: str
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class BlockPut:
+    """Store block i of ``keys`` from ``offset + i * block_bytes`` in buffer ``buf`` into the
+    caller's block namespace ``ns`` (made on the first put, with this block size)."""
+
+    ns: str
+    block_bytes: int
+    keys: tuple[bytes, ...]
+    buf: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class BlockGet:
+    """Copy the block of each of ``keys`` that ``ns`` holds to ``offset + i * block size`` in ``buf``."""
+
+    ns: str
+    keys: tuple[bytes, ...]
+    buf: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class BlockDelete:
+    """Delete ``keys`` from ``ns``, or (``keys`` empty, ``all``) the whole namespace."""
+
+    ns: str
+    keys: tuple[bytes, ...]
+    all: bool
+
+
+BlockRequest = BlockLookup | BlockPut | BlockGet | BlockDelete
+Request = Hello | Create | OpenSeq | ListSeqs | Delete | Put | Get | Stats | Lookup | BlockRequest
 
 
 @dataclass(frozen=True)
@@ -272,6 +313,18 @@ class _Fields:
                 ErrorCode.BAD_FIELD,
                 f"field {name!r} must hold names of 1..{MAX_NAME_BYTES} printable ASCII characters without spaces",
             )
+        return tuple(v)
+
+    def keys(self, name: str, required: bool = True) -> tuple[bytes, ...]:
+        v = self._get(name, required)
+        if v is None:
+            return ()
+        if not isinstance(v, list) or not 1 <= len(v) <= MAX_BLOCK_KEYS:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be a list of 1..{MAX_BLOCK_KEYS} keys "
+                                                     f"(split a longer one)")
+        if not all(isinstance(k, bytes) and 1 <= len(k) <= MAX_BLOCK_KEY_BYTES for k in v):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must hold keys of 1..{MAX_BLOCK_KEY_BYTES} "
+                                                     f"bytes (msgpack bin)")
         return tuple(v)
 
     def int_array(self, name: str, lo: int, hi: int, max_len: int) -> np.ndarray:
@@ -418,6 +471,22 @@ def _parse_op(header: dict, frames: list, max_bytes: int, max_blocks: int) -> Re
         )
     if op is Op.GET:
         return _parse_get(f, header, frames, max_bytes, max_blocks)
+    return _parse_block_op(op, f)
+
+
+def _parse_block_op(op: Op, f: _Fields) -> BlockRequest:
+    if op is Op.BLOCK_LOOKUP:
+        return BlockLookup(f.name("ns"), f.keys("keys"))
+    if op is Op.BLOCK_PUT:
+        return BlockPut(f.name("ns"), f.int("block_bytes", 4, MAX_BLOCK_BYTES), f.keys("keys"),
+                        f.int("buf", 0, 1 << 31), f.int("offset", 0, 1 << 44))
+    if op is Op.BLOCK_GET:
+        return BlockGet(f.name("ns"), f.keys("keys"), f.int("buf", 0, 1 << 31), f.int("offset", 0, 1 << 44))
+    if op is Op.BLOCK_DELETE:
+        keys, every = f.keys("keys", required=False), f.bool("all", False)
+        if bool(keys) == every:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "a block_delete names 'keys' or says 'all': true, not both")
+        return BlockDelete(f.name("ns"), keys, every)
     raise AssertionError(f"op {op} has no parser")
 
 

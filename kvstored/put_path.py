@@ -19,6 +19,7 @@ import logging
 import mmap
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
@@ -59,6 +60,12 @@ class PreparedPut:
     ssd_off: np.ndarray  # where each block lies in the data file
     page_ids: np.ndarray  # the put's distinct pages
     pool: StagingPool | None = None  # where the staging mapping goes back to
+    # Engine blocks (blocks.py): records written in the commit's transaction, what to do
+    # once the put is published or aborted, and the reply's fields.
+    on_commit: Callable[[Any], None] | None = None
+    on_publish: Callable[[], None] | None = None
+    on_abort: Callable[[], None] | None = None
+    reply: dict | None = None
 
     def release(self) -> None:
         self.staging = np.zeros(0, dtype=np.uint8)
@@ -95,12 +102,12 @@ class PutPath:
 
     def prepare(self, req: Put, session: Session, entry: SeqEntry) -> PreparedPut:
         mb = self._check(req, session, entry)
-        growth = self._plan_growth(entry, req.pages)
+        growth = self.plan_growth(entry, req.pages)
         self.space.check_room("put")
         st = self._stage(req, mb, session, entry)
         num_l, num_h, num_p = st.slot_pages.shape
         # Space is taken only once nothing but the write can fail, so no path leaks it.
-        offsets = self._place(st.staging, num_l * num_h, st.ext_bytes)
+        offsets = self.place(st.staging, num_l * num_h, st.ext_bytes)
         try:
             # The index grows now, so that publishing after the commit cannot fail.
             self.index.grow(entry, growth)
@@ -183,7 +190,7 @@ class PutPath:
         return _Staged(staging_map, staging, stage_offs, slot_pages, crc, np.take_along_axis(importance, perm_idx, axis=2),
                        np.take_along_axis(cluster, perm_idx, axis=2), ext_bytes)
 
-    def _plan_growth(self, entry: SeqEntry, pages: np.ndarray) -> Growth:
+    def plan_growth(self, entry: SeqEntry, pages: np.ndarray) -> Growth:
         try:
             return self.index.plan_growth(entry, pages)
         except PageSpanError as exc:
@@ -193,7 +200,7 @@ class PutPath:
             self.counters["puts_refused_index"] += 1
             raise ProtocolError(ErrorCode.FULL, str(exc)) from None
 
-    def _place(self, staging: np.ndarray, count: int, ext_bytes: int) -> list[int]:
+    def place(self, staging: np.ndarray, count: int, ext_bytes: int) -> list[int]:
         """Write a put's extents to the data file (see SsdTier.place); refusals as replies."""
         try:
             return self.ssd.place(staging, count, ext_bytes)
@@ -233,6 +240,8 @@ class PutPath:
         for p in prepared:
             for off, nbytes in p.extents:
                 self.ssd.allocator.free(off, nbytes)
+            if p.on_abort is not None:
+                p.on_abort()
             p.release()
         self._inflight.clear()
 
@@ -251,6 +260,9 @@ class PutPath:
                 self.ssd.sync()
             with self.space.catalog_write("put") as txn:
                 self.catalog.add_extents(txn, [rec for p in prepared for rec in p.records])
+                for p in prepared:
+                    if p.on_commit is not None:
+                        p.on_commit(txn)
         except BaseException as exc:
             self.abort(prepared)
             if isinstance(exc, (OSError, ProtocolError)):
@@ -274,6 +286,8 @@ class PutPath:
                     f"the put is durable but not visible until kvstored restarts: {exc.__class__.__name__}: {exc}",
                 )
             else:
+                if p.on_publish is not None:
+                    p.on_publish()
                 try:
                     self.residency.admit(p.entry, p.layers, p.heads, p.pages, p.importance, p.staging, p.stage_offs,
                                          replace=True)

@@ -180,19 +180,41 @@ class Residency:
                 if self._displace(entry.owner, bb, importance[sel[len(slots):]]):
                     slots = np.concatenate([slots, self.dram.allocate(bb, len(sel) - len(slots))])
             sel = sel[: len(slots)]
-            if isinstance(src, MappedBuffer):
-                src.read_blocks(src_offs[sel], self.dram.arena, slots, bb)
-            else:
-                gather_scatter(src, src_offs[sel], self.dram.arena, slots, bb)
+        if not len(sel):
+            return
+        # The copy runs outside the index lock (a put's may be 64 MiB, and gets wait for
+        # that lock): the slots are this call's alone until they are published below.
+        if isinstance(src, MappedBuffer):
+            src.read_blocks(src_offs[sel], self.dram.arena, slots, bb)
+        else:
+            gather_scatter(src, src_offs[sel], self.dram.arena, slots, bb)
+        good = np.ones(len(sel), dtype=bool)
+        if expect_crc is not None:
+            # A client's buffer may hold one block twice (overlapping destinations) or
+            # change under the copy; checking the DRAM copy keeps it from poisoning the tier.
+            tags = address_tags(entry.uid, layers[sel], heads[sel], pages[sel])
+            good = (block_crcs(self.dram.arena, slots, bb) ^ tags) == expect_crc[sel]
+            self._counters["dram_admit_refused"] += int((~good).sum())
+        self._publish(entry, layers, heads, pages, sel, slots, good, expect_crc)
+
+    def _publish(self, entry, layers, heads, pages, sel, slots, good, expect_crc) -> None:
+        """Map the admitted copies that are still wanted; free the others' slots (no reader saw them)."""
+        bb = entry.geometry.block_bytes
+        with self.index.lock:
+            if self.index.get(entry.uid) is not entry:  # deleted during the copy
+                self.dram.release(bb, slots)
+                return
+            cols = entry.columns(pages)
+            lay, hed, col = layers[sel], heads[sel], cols[sel]
+            # Meanwhile another admission may have taken a block, or (engine blocks reuse
+            # slots) it may have been deleted and its page given to another block, whose
+            # checksum differs: such a copy is of bytes the index no longer names.
+            good &= entry.dram_off[lay, hed, col] < 0
             if expect_crc is not None:
-                # A client's buffer may hold one block twice (overlapping destinations) or
-                # change under the copy; checking the DRAM copy keeps it from poisoning the tier.
-                tags = address_tags(entry.uid, layers[sel], heads[sel], pages[sel])
-                good = (block_crcs(self.dram.arena, slots, bb) ^ tags) == expect_crc[sel]
-                if not good.all():
-                    self.dram.release(bb, slots[~good])
-                    self._counters["dram_admit_refused"] += int((~good).sum())
-                    sel, slots = sel[good], slots[good]
+                good &= (entry.ssd_off[lay, hed, col] >= 0) & (entry.crc[lay, hed, col] == expect_crc[sel])
+            if not good.all():
+                self.dram.release(bb, slots[~good])
+                sel, slots = sel[good], slots[good]
             entry.dram_off[layers[sel], heads[sel], cols[sel]] = slots
             self.shares.add(entry.owner, len(sel) * bb)
             self._heap(entry).resident += len(sel)
@@ -252,6 +274,17 @@ class Residency:
         reads them. Its heap records go stale and leave at the next pop or compaction."""
         slots = entry.dram_off[entry.dram_off >= 0].copy()
         entry.dram_off[:] = -1
+        if len(slots):
+            self.shares.drop(entry.owner, len(slots) * entry.geometry.block_bytes)
+            self._heap(entry).resident -= len(slots)
+        return slots
+
+    def forget_blocks(self, entry: SeqEntry, lay: np.ndarray, hed: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """:meth:`forget` for some blocks of ``entry`` (distinct; index lock held)."""
+        where = (lay, hed, cols)
+        slots = entry.dram_off[where]
+        slots = slots[slots >= 0].copy()
+        entry.dram_off[where] = -1
         if len(slots):
             self.shares.drop(entry.owner, len(slots) * entry.geometry.block_bytes)
             self._heap(entry).resident -= len(slots)

@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from typing import Callable
 
-from kvstored.catalog import Catalog, SeqRecord
+from kvstored.catalog import BLOCKS_NAME, Catalog, SeqRecord
 from kvstored.config import DaemonConfig, format_size
 from kvstored.index import BlockIndex, IndexFullError, SeqEntry
 from kvstored.protocol import Create, Delete, ErrorCode, ListSeqs, Lookup, OpenSeq, ProtocolError
@@ -25,10 +25,11 @@ from kvstored.space import Space
 log = logging.getLogger(__name__)
 
 
-def owned_entry(index: BlockIndex, uid: int, owner: int) -> SeqEntry:
-    """The sequence ``uid`` if ``owner`` owns it; otherwise the reply a uid never used gets."""
+def owned_entry(index: BlockIndex, uid: int, owner: int, blocks: bool = False) -> SeqEntry:
+    """The sequence ``uid`` if ``owner`` owns it; otherwise the reply a uid never used gets.
+    A block namespace (blocks.py) is not a sequence to its clients: only ``blocks`` finds one."""
     entry = index.get(uid)
-    if entry is None or entry.owner != owner:
+    if entry is None or entry.owner != owner or (entry.name == BLOCKS_NAME) != blocks:
         raise ProtocolError(ErrorCode.NOT_FOUND, f"no sequence with uid {uid} (create or open it first)")
     return entry
 
@@ -125,7 +126,8 @@ class Sequences:
         """The caller's sequences (of namespace ``req.ns`` if given) with uid > ``req.after``,
         in uid order, at most ``req.limit``; ``more`` says whether others follow."""
         mine = sorted(
-            (e for e in self.index.all() if e.owner == owner and e.uid > req.after and (req.ns is None or e.ns == req.ns)),
+            (e for e in self.index.all() if e.owner == owner and e.uid > req.after and (req.ns is None or e.ns == req.ns)
+             and e.name != BLOCKS_NAME),
             key=lambda e: e.uid,
         )
         return {"sequences": [describe(self.index, e) for e in mine[: req.limit]], "more": len(mine) > req.limit}
@@ -191,7 +193,9 @@ class Sequences:
             limit = self.quota_of(ns)
             if limit is None or self.ns_bytes[(owner, ns)] <= limit:
                 continue
-            candidates = [e for e in self.index.all() if e.owner == owner and e.ns == ns and e.uid not in keep]
+            # A block namespace loses single blocks instead (blocks.py).
+            candidates = [e for e in self.index.all()
+                          if e.owner == owner and e.ns == ns and e.uid not in keep and e.name != BLOCKS_NAME]
             with self.index.lock:
                 victims = pick_victims(candidates, self.ns_bytes[(owner, ns)] - limit)
             if not victims:

@@ -43,13 +43,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import zmq
 
 from kvstored import cuda_ipc
 from kvstored.admission import RouterAdmission, peer_uid, raise_fd_limit
 from kvstored.config import DaemonConfig, SyncPolicy, check_private_dir
 from kvstored.protocol import (
-    Create, Delete, Envelope, ErrorCode, Get, Hello, ListSeqs, Lookup, OpenSeq, ProtocolError, Put, Stats,
+    BlockDelete, BlockGet, BlockLookup, BlockPut, Create, Delete, Envelope, ErrorCode, Get, Hello, ListSeqs, Lookup, OpenSeq, ProtocolError, Put, Stats,
     ErrorTally, error_reply, ok_reply, parse_request,
 )
 from kvstored.preflight import daemon_answers
@@ -316,7 +317,10 @@ class Server:
                 else:
                     self._in_flight[ident] += 1
                     self._pool.submit(self._run, ident, env, lambda: self.store.get(req, session), self._observe_get, t0)
-            elif isinstance(req, (Put, Create, Delete)):
+            elif isinstance(req, BlockGet):
+                self._in_flight[ident] += 1
+                self._pool.submit(self._run, ident, env, lambda: self.store.blocks.get(req, session), self._observe_get, t0)
+            elif isinstance(req, (Put, Create, Delete, BlockPut, BlockDelete)):
                 self._in_flight[ident] += 1
                 self._writes.put(session.uid, session.token, (ident, env, session, t0))
             else:
@@ -347,6 +351,8 @@ class Server:
             return self.store.list(replace(req, limit=min(req.limit, LIST_PAGE)), session.uid)
         if isinstance(req, Lookup):
             return self.store.lookup(req, session.uid)
+        if isinstance(req, BlockLookup):
+            return self.store.blocks.lookup(req, session.uid)
         raise AssertionError(f"no inline handler for {type(req).__name__}")
 
     def _session_figures(self, session: Session) -> dict:
@@ -407,7 +413,7 @@ class Server:
         ``MAX_GROUP`` requests or ``GROUP_BYTES`` of puts or the queue is empty, then commit
         it. Requests are taken one at a time, so one that arrives meanwhile takes its turn
         in this group or the next. False if the queue said stop."""
-        prepared: list[tuple[bytes, int, PreparedPut, float]] = []
+        prepared: list[tuple[bytes, int, PreparedPut | None, float]] = []
         creates: list[tuple[bytes, Envelope, Session]] = []
         taken, group_bytes = 0, 0
         while item is not None and item is not _STOP:
@@ -417,11 +423,15 @@ class Server:
             if isinstance(req, Create):
                 # Creates commit together (an engine creates a sequence per block, many at once).
                 creates.append((ident, env, session))
-            elif isinstance(req, Put):
+            elif isinstance(req, (Put, BlockPut)):
                 try:
                     _check_deadline(env)
-                    prepared.append((ident, req_id, self.store.prepare_put(req, session), t0))
-                    group_bytes += prepared[-1][2].staging.nbytes
+                    if isinstance(req, Put):
+                        p = self.store.prepare_put(req, session)
+                    else:  # None: every block is stored, or being stored by this group; answered with it
+                        p = self.store.blocks.prepare_put(req, session) or _NothingToWrite(len(req.keys))
+                    prepared.append((ident, req_id, p, t0))
+                    group_bytes += p.staging.nbytes
                 except ProtocolError as exc:
                     self._send([ident, *self._error(req_id, exc.code, str(exc))])
                 except Exception as exc:
@@ -432,7 +442,8 @@ class Server:
                 self._create_group(creates)
                 self._commit(prepared)
                 creates, prepared = [], []
-                self._run(ident, env, lambda req=req, session=session: self.store.delete(req, session.uid))
+                delete = self.store.delete if isinstance(req, Delete) else self.store.blocks.delete
+                self._run(ident, env, lambda req=req, session=session, delete=delete: delete(req, session.uid))
             if taken >= MAX_GROUP or group_bytes >= GROUP_BYTES:
                 break
             try:
@@ -475,8 +486,9 @@ class Server:
         """
         if not prepared:
             return
+        writes = [p for _, _, p, _ in prepared if isinstance(p, PreparedPut)]
         try:
-            refused = self.store.commit_puts([p for _, _, p, _ in prepared])
+            refused = {id(writes[i]): err for i, err in self.store.commit_puts(writes).items()}
         except ProtocolError as exc:
             log.error("commit of %d puts failed: %s", len(prepared), exc)
             for ident, req_id, _, _ in prepared:
@@ -488,15 +500,24 @@ class Server:
                 self._send([ident, *self._error(req_id, ErrorCode.INTERNAL, f"commit failed: {exc.__class__.__name__}: {exc}")])
             return
         try:
-            self.store.enforce_quotas([p for i, (_, _, p, _) in enumerate(prepared) if i not in refused])
+            self.store.enforce_quotas([p for p in writes if id(p) not in refused])
         except Exception:  # the puts are durable and visible: an eviction that failed is retried at the next commit
             log.exception("enforcing --quota after a commit failed")
-        for i, (ident, req_id, p, t0) in enumerate(prepared):
-            if i in refused:
-                self._send([ident, *self._error(req_id, refused[i].code, str(refused[i]))])
+        for ident, req_id, p, t0 in prepared:
+            if id(p) in refused:
+                self._send([ident, *self._error(req_id, refused[id(p)].code, str(refused[id(p)]))])
             else:
                 self._observe_put(time.perf_counter() - t0)
-                self._send([ident, *ok_reply(req_id, blocks=len(p.pages))])
+                self._send([ident, *ok_reply(req_id, **(p.reply or {"blocks": len(p.pages)}))])
+
+
+class _NothingToWrite:
+    """A block put whose keys are all stored or being stored: answered after its group's
+    commit, which makes durable any of them that another put of the group writes."""
+
+    def __init__(self, num_keys: int) -> None:
+        self.reply = {"stored": 0, "present": num_keys}
+        self.staging = np.zeros(0, np.uint8)
 
 
 def _check_deadline(env: Envelope) -> None:

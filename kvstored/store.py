@@ -7,13 +7,17 @@
 - residency (residency.py): which blocks the DRAM tier keeps, by a heap, never a scan;
 - space (space.py): the catalog's disk reserve and catalog writes;
 - sequences (sequences.py): create, open, list, lookup, delete and quotas;
+- engine blocks (blocks.py): named, write-once blocks of one size per namespace, each
+  namespace a sequence whose pages are slots, stored through the put and get paths;
 - the put path (put_path.py) and the get path (get_path.py), which take the parts they
   need and never the store.
 
 Threading contract (the server keeps it):
-- :meth:`create`, :meth:`create_many`, :meth:`delete`, :meth:`prepare_put` and
-  :meth:`commit_puts` run on the single writer thread, which owns LMDB writes and the SSD allocator.
-- :meth:`get`, :meth:`open`, :meth:`list`, :meth:`stats` run on any thread.
+- :meth:`create`, :meth:`create_many`, :meth:`delete`, :meth:`prepare_put`,
+  :meth:`commit_puts` and the writes of ``blocks`` (``prepare_put``, ``delete``) run on
+  the single writer thread, which owns LMDB writes and the SSD allocator.
+- :meth:`get`, :meth:`open`, :meth:`list`, :meth:`stats`, ``blocks.lookup`` and
+  ``blocks.get`` run on any thread.
 
 Every sequence belongs to the uid that created it: lookups by name take the caller's
 uid, and a request naming another owner's sequence by uid is told it does not exist
@@ -35,6 +39,7 @@ import lmdb
 import numpy as np
 
 from kvdrive.layout.format import DATA_FILE, FORMAT_VERSION, META_DIR
+from kvstored.blocks import Blocks
 from kvstored.catalog import Catalog, CatalogDamagedError, ExtentRecord
 from kvstored.config import DaemonConfig, SyncPolicy, format_size
 from kvstored.dram import DramTier
@@ -102,6 +107,8 @@ class Store:
         self.puts = PutPath(cfg, self.index, self.catalog, self.ssd, self.space, self.residency, self.gate,
                             self.counters, self.sequences.ns_bytes, clock)
         self.gets = GetPath(cfg, self.index, self.ssd, self.engine, self.residency, self.gate, self.counters, clock)
+        self.blocks = Blocks(cfg, self.index, self.catalog, self.sequences, self.puts, self.gets, self.residency,
+                             self.space, self.gate, self.counters)
         self._load()
         self.space.keep_reserve()
         log.info(
@@ -124,6 +131,7 @@ class Store:
             used.extend(_load_extents(self.index, entry, exts))
             self.sequences.ns_bytes[(entry.owner, entry.ns)] += entry.bytes
         self.ssd.load(used)
+        self.blocks.load(contents)
         if self.index.num_bytes > self.index.max_bytes:
             log.warning("the block index holds %s, past --index-max %s: puts that grow it are refused until sequences "
                         "are deleted", format_size(self.index.num_bytes), format_size(self.index.max_bytes))
@@ -141,6 +149,7 @@ class Store:
             "pid": os.getpid(),
             "ssd_dir": self._ssd_dir,
             "get_seqs": True,  # a get may name each block's sequence (the 'seqs' array)
+            "block_ops": True,  # the block_* ops: engine blocks by key (blocks.py)
         }
 
     def create(self, req: Create, owner: int) -> dict:
@@ -167,6 +176,7 @@ class Store:
 
     def enforce_quotas(self, prepared: list[PreparedPut]) -> None:
         self.sequences.enforce_quotas([p.entry for p in prepared])
+        self.blocks.enforce_quotas(prepared)
 
     def prepare_put(self, req: Put, session: Session) -> PreparedPut:
         return self.puts.prepare(req, session, owned_entry(self.index, req.uid, session.uid))
@@ -211,6 +221,8 @@ class Store:
             "ssd_file_bytes": self.ssd.allocator.end,
             "index_bytes": self.index.num_bytes,
             "index_max_bytes": self.index.max_bytes,
+            "block_namespaces": len(self.blocks.tables),
+            "blocks": self.blocks.num_blocks(),
             "counters": dict(self.counters),
         }
 

@@ -31,6 +31,8 @@ __all__ = [
     "CUDA_IPC_HANDLE_BYTES",
     "ErrorCode",
     "GET_ARRAYS",
+    "MAX_BLOCK_KEY_BYTES",
+    "MAX_BLOCK_KEYS",
     "MAX_BUFFER_BYTES",
     "MAX_CUDA_DEVICE",
     "MAX_HEADER_BYTES",
@@ -62,6 +64,11 @@ SESSION_TOKEN_BYTES = 16
 MAX_LIST = 1000
 # Names in one lookup at most (an engine's prefix of block keys, asked in one request).
 MAX_LOOKUP = 1024
+# Engine blocks (the block_* ops): keys in one request at most, and bytes per key (so
+# that a request's keys, about 50 KiB at most, fit in its header; a longer engine key is
+# sent as its hash, see kvdrive_client.integrations.blocks.key_bytes).
+MAX_BLOCK_KEYS = 1024
+MAX_BLOCK_KEY_BYTES = 48
 # Registered buffers (session socket 'register'): sizes and offsets are bounded by this.
 MAX_BUFFER_BYTES = 1 << 44
 # Buffer kinds of a 'register': a sealed memfd (the default; "shm" is another name for
@@ -85,6 +92,10 @@ class Op(enum.Enum):
     GET = "get"
     STATS = "stats"
     LOOKUP = "lookup"
+    BLOCK_LOOKUP = "block_lookup"
+    BLOCK_PUT = "block_put"
+    BLOCK_GET = "block_get"
+    BLOCK_DELETE = "block_delete"
 
 
 class ErrorCode(enum.Enum):

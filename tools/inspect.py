@@ -88,6 +88,7 @@ class Layout:
     partitions: dict[tuple[int, int, int], Partition]
     problems: list[str]  # the catalog's damage, in words (its damaged records are left out)
     file_bytes: int
+    num_blocks: int = 0  # engine blocks (kvstored/blocks.py), in the sequences of BLOCKS_NAME
 
     @property
     def data_path(self) -> Path:
@@ -132,7 +133,8 @@ def open_layout(ssd_dir: Path) -> Layout:
         partitions.setdefault(key, Partition(by_uid[ext.uid], ext.layer, ext.head)).extents.append(ext)
     for part in partitions.values():
         part.extents.sort(key=lambda e: e.offset)
-    return Layout(ssd_dir, catalog, contents.sequences, partitions, contents.problems, file_bytes)
+    return Layout(ssd_dir, catalog, contents.sequences, partitions, contents.problems, file_bytes,
+                  len(contents.blocks))
 
 
 @dataclass
@@ -479,6 +481,15 @@ def _geometry(g: dict) -> str:
     return f"{g['num_layers']}x{g['num_kv_heads']}x{g['head_dim']} {g['dtype']} p{g['page_size']}"
 
 
+def _block_counts(layout: Layout | None, live: Live | None) -> dict:
+    """Engine blocks and their namespaces (each namespace is a sequence of the reserved name)."""
+    if layout is not None:
+        from kvstored.catalog import BLOCKS_NAME  # noqa: PLC0415
+
+        return {"namespaces": sum(s.name == BLOCKS_NAME for s in layout.sequences), "blocks": layout.num_blocks}
+    return {"namespaces": live.stats.get("block_namespaces"), "blocks": live.stats.get("blocks")}  # type: ignore[union-attr]
+
+
 def print_text(report: dict, show_partitions: bool) -> None:
     st, ssd, dram = report["store"], report["ssd"], report["dram"]
     where = [st["dir"] or "(store directory not read: give DIR)"]
@@ -497,6 +508,8 @@ def print_text(report: dict, show_partitions: bool) -> None:
         print(f"SSD    used {fs(ssd['used_bytes'])}, extents end at {fs(ssd['extent_end'])}; {cap}")
     if dram is not None:
         print(f"DRAM   used {fs(dram['used_bytes'])} of {fs(dram['cap_bytes'])} ({dram['blocks']} blocks)")
+    eb = report["engine_blocks"]
+    print(f"BLOCKS {eb['blocks']} engine blocks in {eb['namespaces']} block namespaces (the sequences named ' blocks')")
     print()
     live = st["address"] is not None
     headers = ["NS/ID", "UID", "OWNER", "GEOMETRY", "COMPLETE PAGES", "BLOCKS", "BYTES", "EXTENTS", "RUNS", "MEAN RUN"] + (["DRAM"] if live else [])
@@ -630,6 +643,7 @@ def _report(args: argparse.Namespace, layout: Layout | None, live: Live | None, 
         "dram": {"cap_bytes": live.stats["dram_bytes"], "used_bytes": live.stats["dram_used_bytes"],
                  "blocks": live.stats["dram_blocks"]} if live else None,
         "sequences": sequences,
+        "engine_blocks": _block_counts(layout, live),
     }
     if layout is not None and args.partitions:
         report["partitions"] = [p.describe() for p in parts]

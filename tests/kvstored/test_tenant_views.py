@@ -15,7 +15,7 @@ from tenants import as_other_user, needs_root, shared_dir
 
 GEOM = Geometry(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", page_size=4)
 # Figures that count every user's activity: told to root and the daemon's uid only.
-DAEMON_WIDE = ("counters", "ssd_file_bytes", "dram_blocks", "cuda_ipc_handles")
+DAEMON_WIDE = ("counters", "ssd_file_bytes", "dram_blocks", "cuda_ipc_handles", "blocks", "block_namespaces")
 
 
 def blocks_of(pages: int) -> np.ndarray:

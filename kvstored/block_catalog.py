@@ -1,0 +1,109 @@
+"""Engine blocks' catalog records: key -> (slot, extents), and their part of the catalog check.
+
+A block namespace is a sequence record of the reserved name :data:`~kvstored.catalog.BLOCKS_NAME`
+(its geometry: the block's parts as layers, one head, one page per block). Each block
+is one record of the ``blocks`` database, keyed by the namespace's uid and the engine's
+key, holding the block's slot (its page in the namespace) and the ids of its extents,
+one per part, each of one page. The record is written in the transaction that writes
+those extents and deleted in the one that deletes them, so a block is in the catalog
+whole or not at all.
+"""
+
+from __future__ import annotations
+
+import lmdb
+import msgpack
+
+from kvstored.catalog import (
+    BLOCKS_NAME, CRC, EXTENT_KEY, UID_KEY, Catalog, ExtentRecord, SeqRecord, _unpack_map, crc_of, unseal_many,
+)
+
+
+class BlockRecord:
+    """Block ``key`` of the namespace with uid ``uid``: in slot ``slot``, part ``l`` in extent ``extent_ids[l]``."""
+
+    __slots__ = ("uid", "key", "slot", "extent_ids")
+
+    def __init__(self, uid: int, key: bytes, slot: int, extent_ids: tuple[int, ...]) -> None:
+        self.uid, self.key, self.slot, self.extent_ids = uid, key, slot, extent_ids
+
+    @property
+    def db_key(self) -> bytes:
+        return UID_KEY.pack(self.uid) + self.key
+
+    def encode(self) -> tuple[bytes, bytes]:
+        return self.db_key, msgpack.packb({"slot": self.slot, "ext": list(self.extent_ids)})
+
+    @classmethod
+    def decode(cls, key: bytes, payload: bytes) -> "BlockRecord":
+        if len(key) <= UID_KEY.size:
+            raise ValueError(f"key of {len(key)} bytes holds no engine key")
+        v = _unpack_map(payload, ("slot", "ext"))
+        ext = v["ext"]
+        if not isinstance(v["slot"], int) or v["slot"] < 0:
+            raise ValueError(f"slot {v['slot']!r}")
+        if not isinstance(ext, list) or not ext or not all(isinstance(e, int) and e > 0 for e in ext):
+            raise ValueError(f"extent ids {ext!r}")
+        return cls(UID_KEY.unpack(key[:UID_KEY.size])[0], key[UID_KEY.size:], v["slot"], tuple(ext))
+
+    def describe(self) -> str:
+        return f"block {self.key.hex()[:32]} (namespace uid {self.uid}, slot {self.slot})"
+
+
+def add_blocks(cat: Catalog, txn: lmdb.Transaction, records: list[BlockRecord]) -> None:
+    """Write block records (in the transaction that writes their extents)."""
+    encoded = [r.encode() for r in records]
+    for (key, payload), crc in zip(encoded, crc_of([k + p for k, p in encoded])):
+        txn.put(key, payload + CRC.pack(crc), db=cat.blocks)
+    cat.num_blocks += len(records)
+
+
+def delete_blocks(cat: Catalog, txn: lmdb.Transaction, records: list[BlockRecord]) -> None:
+    """Delete block records and their extents' records."""
+    for rec in records:
+        if txn.delete(rec.db_key, db=cat.blocks):
+            cat.num_blocks -= 1
+        for layer, ext_id in enumerate(rec.extent_ids):
+            if txn.delete(EXTENT_KEY.pack(rec.uid, layer, 0, ext_id), db=cat.extents):
+                cat.num_extents -= 1
+
+
+def check_blocks(cat: Catalog, txn: lmdb.Transaction, by_uid: dict[int, SeqRecord], extents: list[ExtentRecord],
+                 problems: list[str]) -> tuple[list[BlockRecord], int]:
+    """The block records that decode and agree with their namespace and extents, and how
+    many records there are; every extent of a namespace must belong to exactly one block."""
+    if cat.blocks is None:
+        return [], 0
+    rows = list(txn.cursor(db=cat.blocks))
+    ext_of = {(e.uid, e.layer, e.extent_id): e for e in extents if by_uid[e.uid].name == BLOCKS_NAME}
+    claimed: set[tuple[int, int, int]] = set()
+    slots: set[tuple[int, int]] = set()
+    out = []
+    for (key, _), payload in zip(rows, unseal_many(rows)):
+        if payload is None:
+            problems.append(f"block record {key[:40]!r}: checksum mismatch")
+            continue
+        try:
+            rec = BlockRecord.decode(key, payload)
+        except (ValueError, TypeError) as exc:
+            problems.append(f"block record {key[:40]!r}: {exc}")
+            continue
+        ns = by_uid.get(rec.uid)
+        if ns is None or ns.name != BLOCKS_NAME:
+            problems.append(f"{rec.describe()} belongs to no known block namespace")
+            continue
+        if len(rec.extent_ids) != ns.geometry.num_layers or (rec.uid, rec.slot) in slots:
+            problems.append(f"{rec.describe()}: {len(rec.extent_ids)} extents for {ns.geometry.num_layers} parts, "
+                            f"or its slot is another block's too")
+            continue
+        parts = [ext_of.get((rec.uid, layer, e)) for layer, e in enumerate(rec.extent_ids)]
+        if any(p is None or len(p.pages) != 1 or int(p.pages[0]) != rec.slot for p in parts):
+            problems.append(f"{rec.describe()}: its extents are missing or hold another slot")
+            continue
+        slots.add((rec.uid, rec.slot))
+        claimed.update((rec.uid, layer, e) for layer, e in enumerate(rec.extent_ids))
+        out.append(rec)
+    for key, ext in ext_of.items():
+        if key not in claimed:
+            problems.append(f"{ext.describe()} of block namespace {by_uid[ext.uid].ns} belongs to no block")
+    return out, len(rows)

@@ -1,0 +1,386 @@
+"""Engine blocks: named, write-once blocks of one size per namespace, by the engine's key.
+
+A serving engine hands its KV tier opaque blocks of one size, named by a prefix hash.
+Each (owner, namespace) of them is one sequence of the reserved name
+:data:`~kvstored.catalog.BLOCKS_NAME` (made by the namespace's first put), whose geometry
+is the block's parts as layers (``block_geometry``) and whose pages are *slots*: a
+block is one slot, each of its parts an extent of one page, so one block can be
+deleted alone. Beside the index, a :class:`BlockTable` per namespace keeps key -> slot
+(least recently used first, for quotas), slot -> catalog record, and the free slots.
+
+Life cycle, on the writer thread but for lookups and gets:
+
+- ``block_put`` (:meth:`Blocks.prepare_put`): the keys the namespace lacks (not stored,
+  not being written by the group, each once) get slots, are staged, checksummed
+  (address-tagged by namespace uid, part and slot) and written as one put of the put
+  path, so they share its group commit: one fdatasync, then one LMDB transaction holding
+  their extents and their block records (block_catalog.py). Keys already present are
+  skipped, so puts are write-once and idempotent and two racing writers both succeed.
+  A put that writes nothing is answered after its group's commit too.
+- ``block_get`` (:meth:`Blocks.get`, any thread): keys to slots under the index lock,
+  then the get path's DRAM hits and checked SSD reads; a block deleted (or its slot
+  given to another key) meanwhile is reported missing, never as other bytes, and a
+  damaged one is named in ``damaged``.
+- ``block_delete``: given keys (their records and extents in one transaction, their
+  bytes and DRAM copies freed once no get reads them), or the whole namespace.
+- ``--quota``: a namespace past its quota loses its least recently used blocks, never
+  one its own group just wrote.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections import Counter, OrderedDict
+import numpy as np
+
+from kvdrive.layout import align_up
+from kvdrive.protocol.blocks import block_geometry
+from kvstored.block_catalog import BlockRecord, add_blocks, delete_blocks
+from kvstored.catalog import BLOCKS_NAME, Catalog, Contents, ExtentRecord
+from kvstored.checksum import block_crcs
+from kvstored.config import DaemonConfig, format_size
+from kvstored.copy import address_tags
+from kvstored.footprint import check_put_bytes
+from kvstored.gate import ReclaimGate
+from kvstored.get_path import DamagedBlockError, GetPath
+from kvstored.index import BlockIndex, SeqEntry
+from kvstored.protocol import (
+    BlockDelete, BlockGet, BlockLookup, BlockPut, Create, ErrorCode, Get, ProtocolError,
+)
+from kvstored.put_path import PreparedPut, PutPath
+from kvstored.residency import Residency
+from kvstored.sequences import Sequences
+from kvstored.sessions import Session
+from kvstored.space import Space
+
+log = logging.getLogger(__name__)
+
+GET_TRIES = 3  # a get whose blocks are deleted under it looks them up again, this many times in all
+
+
+class ExtentSet:
+    """A block namespace's extents by offset, so that one block's can leave alone; it
+    iterates as the (offset, bytes) pairs a sequence's extent list holds."""
+
+    def __init__(self) -> None:
+        self._by_off: dict[int, int] = {}
+
+    def append(self, ext: tuple[int, int]) -> None:
+        self._by_off[ext[0]] = ext[1]
+
+    def extend(self, exts) -> None:
+        for ext in exts:
+            self.append(ext)
+
+    def pop(self, off: int) -> tuple[int, int]:
+        return off, self._by_off.pop(off)
+
+    def __iter__(self):
+        return iter(self._by_off.items())
+
+    def __len__(self) -> int:
+        return len(self._by_off)
+
+
+class BlockTable:
+    """One namespace's blocks: key -> slot, least recently used first; slot -> record; free slots."""
+
+    def __init__(self, entry: SeqEntry, block_bytes: int) -> None:
+        self.entry, self.block_bytes = entry, block_bytes
+        self.parts = entry.geometry.num_layers
+        self.slots: OrderedDict[bytes, int] = OrderedDict()
+        self.records: dict[int, BlockRecord] = {}
+        self.pending: dict[bytes, int] = {}  # keys of prepared puts not yet committed
+        self._free: list[int] = []
+        self._next = 0
+
+    def take(self, n: int) -> np.ndarray:
+        """``n`` free slots, lowest first, so the index window stays dense."""
+        out = [heapq.heappop(self._free) for _ in range(min(n, len(self._free)))]
+        out += range(self._next, self._next + n - len(out))
+        self._next = max(self._next, out[-1] + 1) if out else self._next
+        return np.asarray(out, dtype=np.int64)
+
+    def give(self, slots) -> None:
+        for s in slots:
+            heapq.heappush(self._free, int(s))
+
+    def loaded(self, records: list[BlockRecord]) -> None:
+        """Fill from the catalog at start-up (in key order: recency is not durable)."""
+        for rec in records:
+            self.slots[rec.key] = rec.slot
+            self.records[rec.slot] = rec
+        self._next = max(self.records, default=-1) + 1
+        self.give(s for s in range(self._next) if s not in self.records)
+
+
+class Blocks:
+    def __init__(self, cfg: DaemonConfig, index: BlockIndex, catalog: Catalog, sequences: Sequences, puts: PutPath,
+                 gets: GetPath, residency: Residency, space: Space, gate: ReclaimGate, counters: Counter) -> None:
+        self.cfg, self.index, self.catalog, self.sequences = cfg, index, catalog, sequences
+        self.puts, self.gets, self.residency, self.space, self.gate = puts, gets, residency, space, gate
+        self.counters = counters
+        self.tables: dict[tuple[int, str], BlockTable] = {}
+
+    def load(self, contents: Contents) -> None:
+        by_uid: dict[int, list[BlockRecord]] = {}
+        for rec in contents.blocks:
+            by_uid.setdefault(rec.uid, []).append(rec)
+        for seq in contents.sequences:
+            if seq.name == BLOCKS_NAME:
+                entry = self.index.get(seq.uid)
+                table = self._add_table(entry)
+                table.loaded(by_uid.get(seq.uid, []))
+
+    def _add_table(self, entry: SeqEntry) -> BlockTable:
+        g = entry.geometry
+        if not isinstance(entry.extents, ExtentSet):
+            exts, entry.extents = entry.extents, ExtentSet()
+            entry.extents.extend(exts)
+        table = self.tables[(entry.owner, entry.ns)] = BlockTable(entry, g.num_layers * g.block_bytes)
+        return table
+
+    def num_blocks(self) -> int:
+        return sum(len(t.slots) for t in self.tables.values())
+
+    # ------------------------------------------------------------ any thread
+
+    def lookup(self, req: BlockLookup, owner: int) -> dict:
+        with self.index.lock:
+            table = self.tables.get((owner, req.ns))
+            found = [False] * len(req.keys) if table is None else [k in table.slots for k in req.keys]
+        self.counters["block_lookups"] += 1
+        return {"found": found}
+
+    def get(self, req: BlockGet, session: Session) -> dict:
+        """Copy the blocks found to ``offset + i * block_bytes``; ``found`` per key, ``damaged``
+        the positions whose SSD copy failed its checksum (their bytes are not to be used)."""
+        table = self.tables.get((session.uid, req.ns))
+        if table is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no block namespace {req.ns}")
+        session.buffers.lookup(req.buf).check_span(req.offset, len(req.keys) * table.block_bytes, "destination")
+        for _ in range(GET_TRIES):
+            if self.tables.get((session.uid, req.ns)) is not table:
+                raise ProtocolError(ErrorCode.NOT_FOUND, f"no block namespace {req.ns} (deleted during this get)")
+            with self.index.lock:
+                picks = []
+                for i, key in enumerate(req.keys):
+                    slot = table.slots.get(key)
+                    if slot is not None:
+                        table.slots.move_to_end(key)
+                        picks.append((i, table.records[slot]))
+            try:
+                damaged = self._read(table, req, session, picks)
+            except ProtocolError as exc:
+                if exc.code != ErrorCode.NOT_FOUND:
+                    raise
+                continue  # a block was deleted between the two lookups: look them up again
+            with self.index.lock:  # deleted, or its slot given to another key, during the copy: a miss
+                found = [False] * len(req.keys)
+                for i, rec in picks:
+                    found[i] = table.records.get(rec.slot) is rec and i not in damaged
+            self.counters["block_gets"] += 1
+            return {"found": found, "damaged": sorted(damaged)}
+        raise ProtocolError(ErrorCode.BUSY, f"the blocks of {req.ns} were deleted under {GET_TRIES} tries of this get")
+
+    def _read(self, table: BlockTable, req: BlockGet, session: Session, picks: list) -> set[int]:
+        """Read ``picks`` into the client's buffer; the positions of those that are damaged."""
+        if not picks:
+            return set()
+        try:
+            self.gets.get(self._get_of(table, req, picks), session, blocks=True)
+            return set()
+        except DamagedBlockError:
+            pass
+        damaged = set()  # one at a time, so that only the damaged ones are misses
+        for i, rec in picks:
+            try:
+                self.gets.get(self._get_of(table, req, [(i, rec)]), session, blocks=True)
+            except DamagedBlockError:
+                damaged.add(i)
+        return damaged
+
+    @staticmethod
+    def _get_of(table: BlockTable, req: BlockGet, picks: list) -> Get:
+        n, parts, part_bytes = len(picks), table.parts, table.entry.geometry.block_bytes
+        rows = np.zeros((n * parts, 3), np.int32)
+        rows[:, 0] = np.tile(np.arange(parts, dtype=np.int32), n)
+        rows[:, 2] = np.repeat([rec.slot for _, rec in picks], parts)
+        dst = (np.repeat([i for i, _ in picks], parts) * table.block_bytes
+               + np.tile(np.arange(parts, dtype=np.int64), n) * part_bytes)
+        return Get(table.entry.uid, req.buf, req.offset, rows, dst.astype(np.int64))
+
+    # ------------------------------------------------------------ writer thread
+
+    def _table_for_put(self, req: BlockPut, owner: int) -> BlockTable:
+        table = self.tables.get((owner, req.ns))
+        if table is not None:
+            if table.block_bytes != req.block_bytes:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"block namespace {req.ns} holds blocks of {table.block_bytes} "
+                                                         f"bytes, not {req.block_bytes}")
+            return table
+        try:
+            geometry = block_geometry(req.block_bytes)
+        except ValueError as exc:
+            raise ProtocolError(ErrorCode.BAD_FIELD, str(exc)) from None
+        made = self.sequences.create_many([(Create(req.ns, BLOCKS_NAME, geometry, True), owner)])[0]
+        if isinstance(made, ProtocolError):
+            raise made
+        log.info("block namespace %s of uid %d: blocks of %d bytes", req.ns, owner, req.block_bytes)
+        return self._add_table(self.index.find(owner, req.ns, BLOCKS_NAME))
+
+    def prepare_put(self, req: BlockPut, session: Session) -> PreparedPut | None:
+        """Stage and write the keys the namespace lacks, as one put of the put path (see the
+        module); None when it lacks none."""
+        mb = session.buffers.lookup(req.buf)  # before a new namespace is made for a put that fails
+        mb.check_span(req.offset, len(req.keys) * req.block_bytes, "source")
+        table = self._table_for_put(req, session.uid)
+        entry, parts = table.entry, table.parts
+        with self.index.lock:
+            new: dict[bytes, int] = {}
+            for i, key in enumerate(req.keys):
+                if key not in new and key not in table.slots and key not in table.pending:
+                    new[key] = i
+        reply = {"stored": len(new), "present": len(req.keys) - len(new)}
+        if not new:
+            return None
+        count, part_bytes = len(new) * parts, entry.geometry.block_bytes
+        if count > self.cfg.max_blocks_per_request:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"put of {count} parts, limit {self.cfg.max_blocks_per_request}")
+        check_put_bytes(count, 1, part_bytes)
+        slots = table.take(len(new))
+        try:
+            return self._write(table, req, session, mb, list(new.items()), slots, reply)
+        except BaseException:
+            table.give(slots)
+            raise
+
+    def _write(self, table, req, session, mb, new, slots, reply) -> PreparedPut:
+        entry, parts, part_bytes = table.entry, table.parts, table.entry.geometry.block_bytes
+        growth = self.puts.plan_growth(entry, slots)
+        self.space.check_room("put")
+        n, ext_bytes = len(new), align_up(part_bytes)
+        lay = np.tile(np.arange(parts, dtype=np.int64), n)
+        hed = np.zeros(n * parts, np.int64)
+        pag = np.repeat(slots, parts)
+        src = (np.repeat([i for _, i in new], parts) * req.block_bytes + lay * part_bytes + req.offset).astype(np.int64)
+        stage_offs = np.arange(n * parts, dtype=np.int64) * ext_bytes
+        # On a failure the staging map is left to the garbage collector, as the put path does:
+        # views of it in the traceback's frames would make unmapping it raise.
+        staging_map, staging = self.puts.staging.take(n * parts * ext_bytes)
+        with self.gate.reading():  # an unregister of the source waits for this copy (put_path.py)
+            session.buffers.lookup(req.buf)
+            mb.read_blocks(src, staging, stage_offs, part_bytes)
+        crc = block_crcs(staging, stage_offs, part_bytes) ^ address_tags(entry.uid, lay, hed, pag)
+        offsets = self.puts.place(staging, n * parts, ext_bytes)
+        try:
+            self.index.grow(entry, growth)
+        except MemoryError:
+            for off in offsets:
+                self.space.ssd.allocator.free(off, ext_bytes)
+            raise ProtocolError(ErrorCode.FULL, f"no memory for the block index of {entry.ns}: lower --index-max to "
+                                                f"what this host can hold, or delete blocks") from None
+        records, blocks = [], []
+        for j, (key, _) in enumerate(new):
+            ids = []
+            for layer in range(parts):
+                k = j * parts + layer
+                self.catalog.next_extent += 1
+                ids.append(self.catalog.next_extent)
+                records.append(ExtentRecord(entry.uid, layer, 0, self.catalog.next_extent, offsets[k],
+                                            pag[k: k + 1].astype(np.int32), crc[k: k + 1], np.zeros(1, np.int32),
+                                            np.zeros(1, np.float32)))
+            blocks.append(BlockRecord(entry.uid, key, int(slots[j]), tuple(ids)))
+            table.pending[key] = int(slots[j])
+        self.counters["block_puts"] += 1
+        return PreparedPut(
+            entry, records, [(off, part_bytes) for off in offsets], staging, staging_map, stage_offs, lay, hed, pag,
+            np.zeros(n * parts, np.float32), crc, np.asarray(offsets, np.int64), slots, pool=self.puts.staging,
+            on_commit=lambda txn: add_blocks(self.catalog, txn, blocks),
+            on_publish=lambda: self._published(table, blocks), on_abort=lambda: self._aborted(table, blocks),
+            reply=reply,
+        )
+
+    def _published(self, table: BlockTable, blocks: list[BlockRecord]) -> None:
+        with self.index.lock:
+            for rec in blocks:
+                table.pending.pop(rec.key, None)
+                table.slots[rec.key] = rec.slot
+                table.records[rec.slot] = rec
+        self.counters["blocks_stored"] += len(blocks)
+
+    def _aborted(self, table: BlockTable, blocks: list[BlockRecord]) -> None:
+        for rec in blocks:
+            table.pending.pop(rec.key, None)
+        table.give(rec.slot for rec in blocks)
+
+    def delete(self, req: BlockDelete, owner: int) -> dict:
+        table = self.tables.get((owner, req.ns))
+        if table is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no block namespace {req.ns}")
+        if req.all:
+            count, freed = len(table.slots), table.entry.bytes
+            self.sequences.delete_entries([table.entry], "delete")
+            del self.tables[(owner, req.ns)]
+            log.info("deleted block namespace %s of uid %d: %d blocks, %s", req.ns, owner, count, format_size(freed))
+            return {"deleted": count, "freed_bytes": freed}
+        with self.index.lock:
+            recs = [table.records[table.slots[k]] for k in dict.fromkeys(req.keys) if k in table.slots]
+        self._drop(table, recs, "delete")
+        return {"deleted": len(recs), "freed_bytes": len(recs) * table.block_bytes}
+
+    def _drop(self, table: BlockTable, recs: list[BlockRecord], what: str) -> None:
+        """Delete blocks: their records in one transaction, then their index cells; their
+        DRAM copies and extents are freed once no get still reads them."""
+        if not recs:
+            return
+        with self.space.catalog_write(what) as txn:  # never refused for want of space: the reserve
+            delete_blocks(self.catalog, txn, recs)
+        entry, parts = table.entry, table.parts
+        slots = np.asarray([r.slot for r in recs], np.int64)
+        lay, hed, pag = np.tile(np.arange(parts), len(recs)), np.zeros(len(recs) * parts, np.int64), np.repeat(slots, parts)
+        cols = entry.columns(pag)
+        with self.index.lock:
+            offs = entry.ssd_off[lay, hed, cols].tolist()
+            dram_slots = self.residency.forget_blocks(entry, lay, hed, cols)
+            self.index.clear_blocks(entry, lay, hed, cols)
+            for rec in recs:
+                del table.slots[rec.key], table.records[rec.slot]
+        table.give(slots)
+        extents = [entry.extents.pop(off) for off in offs]
+        key = (entry.owner, entry.ns)
+        self.sequences.ns_bytes[key] -= len(recs) * table.block_bytes
+        dram, bb = self.residency.dram, entry.geometry.block_bytes
+        self.gate.retire(lambda: dram.release(bb, dram_slots))
+        self.gate.retire(lambda: self.space.release_extents(extents))
+        self.space.ssd.unpark()
+        self.space.keep_reserve()
+        self.counters["blocks_deleted" if what == "delete" else "blocks_quota_evicted"] += len(recs)
+
+    def enforce_quotas(self, prepared: list[PreparedPut]) -> None:
+        """After a commit: each namespace these puts took past its --quota loses its least
+        recently used blocks, never one the group wrote, until it is within it."""
+        if not self.cfg.quotas:
+            return
+        written: dict[int, set[int]] = {}
+        for p in prepared:
+            if p.entry.name == BLOCKS_NAME:
+                written.setdefault(p.entry.uid, set()).update(p.page_ids.tolist())
+        for table in [t for t in self.tables.values() if t.entry.uid in written]:
+            limit = self.sequences.quota_of(table.entry.ns)
+            key = (table.entry.owner, table.entry.ns)
+            if limit is None or self.sequences.ns_bytes[key] <= limit:
+                continue
+            over, keep, victims = self.sequences.ns_bytes[key] - limit, written[table.entry.uid], []
+            with self.index.lock:
+                for _, slot in table.slots.items():  # least recently used first
+                    if over <= 0:
+                        break
+                    if slot not in keep:
+                        victims.append(table.records[slot])
+                        over -= table.block_bytes
+            self._drop(table, victims, "quota")
+            log.info("block namespace %s is over its quota %s: deleted its %d least recently used blocks",
+                     table.entry.ns, format_size(limit), len(victims))
+
