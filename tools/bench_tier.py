@@ -43,7 +43,8 @@ import numpy as np
 from kvdrive.tools.text_table import text_table
 
 BLOCK_TOKENS, LAYERS, KV_HEADS, HEAD_DIM, ITEM = 16, 32, 8, 128, 2
-BLOCK_BYTES = BLOCK_TOKENS * LAYERS * KV_HEADS * HEAD_DIM * 2 * ITEM
+LAYER_BYTES = BLOCK_TOKENS * KV_HEADS * HEAD_DIM * 2 * ITEM  # one layer's K and V of a block: 64 KiB
+BLOCK_BYTES = LAYER_BYTES * LAYERS  # the default block: 2 MiB
 DEFAULT_BLOCKS, QUICK_BLOCKS = 1000, 64
 JOB_BLOCKS = 32
 MODES = ("rate", "contention", "fill")
@@ -169,8 +170,9 @@ class SglangDriver:
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: PLC0415
 
         self.n, self.torch, self.out = len(rows), torch, out
-        self.pool = PageFirstHostPool(self.n, BLOCK_TOKENS, LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16)
-        half = BLOCK_BYTES // 2
+        self.pool = PageFirstHostPool(self.n, BLOCK_TOKENS, rows.shape[1] // LAYER_BYTES, KV_HEADS, HEAD_DIM,
+                                      torch.bfloat16)
+        half = rows.shape[1] // 2
         for i, row in enumerate(rows):  # page i holds block i's bytes: its K region, then its V region
             page = self.pool.page(i)
             for kv in (0, 1):
@@ -303,6 +305,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fill-dram", type=_size, default=None,
                    help=f"fill: the daemon's DRAM tier (default {DEFAULT_FILL_DRAM >> 20}M, "
                         f"{QUICK_FILL_DRAM >> 20}M with --quick)")
+    p.add_argument("--layers", type=int, default=LAYERS,
+                   help=f"layers per block: blocks of layers x {LAYER_BYTES >> 10} KiB (default {LAYERS}: "
+                        f"{BLOCK_BYTES >> 20} MiB; 1 gives 64 KiB blocks)")
     p.add_argument("--dir", type=Path, default=None,
                    help="where the daemons' directories go (default: the temp dir; it must take O_DIRECT)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the rows as JSON")
@@ -318,18 +323,19 @@ def run(args: argparse.Namespace) -> int:
     fill_dram = args.fill_dram or (QUICK_FILL_DRAM if args.quick else DEFAULT_FILL_DRAM)
     unknown = ([a for a in args.adapters if a not in ADAPTERS] + [t for t in args.tiers if t not in TIERS]
                + [m for m in args.modes if m not in MODES])
-    if unknown or n < 1 or rounds < 1 or args.loads < 1:
-        print(f"kvdrive-bench tier: unknown adapter, tier or mode {unknown}, or --blocks, --rounds or --loads "
-              f"below 1", file=sys.stderr)
+    if unknown or n < 1 or rounds < 1 or args.loads < 1 or args.layers < 1:
+        print(f"kvdrive-bench tier: unknown adapter, tier or mode {unknown}, or --blocks, --rounds, --loads or "
+              f"--layers below 1", file=sys.stderr)
         return 2
     for adapter in args.adapters:
         put_on_path(adapter)
     root = args.dir or Path(tempfile.gettempdir())
-    _note(f"tier: {n} blocks of {BLOCK_BYTES >> 20} MiB (Llama-3-8B, 16 tokens) per adapter: "
-          f"{n * BLOCK_BYTES / 2**30:.2f} GiB")
+    block_bytes = LAYER_BYTES * args.layers
+    _note(f"tier: {n} blocks of {block_bytes >> 10} KiB (Llama-3-8B's 16 tokens, {args.layers} layers) per adapter: "
+          f"{n * block_bytes / 2**30:.2f} GiB")
     made = max(n, 2 * JOB_BLOCKS) if {"contention", "fill"} & set(args.modes) else n  # the stress modes take 64
-    rows = np.frombuffer(bytearray(np.random.default_rng(0).bytes(made * BLOCK_BYTES)),
-                         dtype=np.uint8).reshape(made, BLOCK_BYTES)
+    rows = np.frombuffer(bytearray(np.random.default_rng(0).bytes(made * block_bytes)),
+                         dtype=np.uint8).reshape(made, block_bytes)
     report: dict = {}
     if "rate" in args.modes:
         report.update(_rates(args, rows[:n], root))
@@ -338,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
         report["contention"] = [asdict(r) for r in found]
         header = ("adapter", "loads", "p50 alone ms", "p99 alone ms", "p50 during ms", "p99 during ms",
                   "p99 during / alone", "stores meanwhile GB/s")
-        print(f"A cache-hit load of {JOB_BLOCKS} blocks ({JOB_BLOCKS * BLOCK_BYTES >> 20} MiB, DRAM tier) alone and "
+        print(f"A cache-hit load of {JOB_BLOCKS} blocks ({JOB_BLOCKS * block_bytes >> 10} KiB, DRAM tier) alone and "
               f"while the adapter stores fresh blocks, {rounds} alternating rounds of {args.loads} loads each; "
               f"target: p99 during / alone <= 2")
         print("\n".join(text_table(header, [(r.adapter, str(r.loads), f"{r.p50_alone_ms:.1f}", f"{r.p99_alone_ms:.1f}",
@@ -369,7 +375,8 @@ def _rates(args: argparse.Namespace, rows: np.ndarray, root: Path) -> dict:
     header = ["adapter", "tier", "op", "blocks", "s", "GB/s", "vs memcpy", "vs disk seq read", "vs disk seq write"]
     body = [[r.adapter, r.tier, r.op, str(r.blocks), f"{r.seconds:.2f}", f"{r.gbps:.2f}", f"{r.vs_memcpy:.3f}",
              f"{r.vs_disk_seq:.3f}", "-" if r.vs_disk_write is None else f"{r.vs_disk_write:.3f}"] for r in out]
-    print(f"{n} blocks of {BLOCK_BYTES >> 20} MiB (Llama-3-8B's 16-token block) through each adapter; "
+    print(f"{n} blocks of {rows.shape[1] >> 10} KiB (Llama-3-8B's 16-token block, {rows.shape[1] // LAYER_BYTES} "
+          f"layers) through each adapter; "
           f"memcpy here {memcpy:.2f} GB/s; stores durable")
     print("\n".join(text_table(tuple(header), [tuple(r) for r in body])))
     print("vs disk seq read: against sequential O_DIRECT reads of that daemon's data file, measured after its loads; "

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvdrive.tools.bench_tier import BLOCK_BYTES, DRIVERS, JOB_BLOCKS, _note
+from kvdrive.tools.bench_tier import DRIVERS, JOB_BLOCKS, _note
 
 STORE_JOBS_IN_FLIGHT = 2  # vLLM: store jobs kept submitted during the "during stores" loads
 FILL_TIMES = 10  # the fill stores this many times the DRAM tier
@@ -186,7 +186,7 @@ def contention(adapter: str, rows: np.ndarray, root: Path, rounds: int, loads: i
     finally:
         daemon.stop()
     row = ContentionRow(adapter, len(alone), _p(alone, 0.5), _p(alone, 0.99), _p(during, 0.5), _p(during, 0.99),
-                        _p(during, 0.99) / _p(alone, 0.99), stored * BLOCK_BYTES / max(store_s, 1e-9) / 1e9)
+                        _p(during, 0.99) / _p(alone, 0.99), stored * rows.shape[1] / max(store_s, 1e-9) / 1e9)
     _note(f"  {adapter}: load of {JOB_BLOCKS} blocks p99 {row.p99_alone_ms:.1f} ms alone, {row.p99_during_ms:.1f} ms "
           f"during stores ({row.p99_ratio:.2f}x; stores meanwhile {row.store_gbps_during:.2f} GB/s)")
     return row
@@ -198,9 +198,10 @@ def contention(adapter: str, rows: np.ndarray, root: Path, rounds: int, loads: i
 def fill(adapter: str, rows: np.ndarray, root: Path, dram_bytes: int) -> FillRow:
     """Store fresh blocks until ``FILL_TIMES`` x the DRAM tier; first tenth vs last tenth."""
     rows = rows[:JOB_BLOCKS]
-    jobs = -(-FILL_TIMES * dram_bytes // (JOB_BLOCKS * BLOCK_BYTES))
+    block_bytes = rows.shape[1]
+    jobs = -(-FILL_TIMES * dram_bytes // (JOB_BLOCKS * block_bytes))
     jobs = -(-jobs // 10) * 10  # whole tenths
-    daemon = _daemon(root, dram=dram_bytes, ssd_max=jobs * JOB_BLOCKS * BLOCK_BYTES * 2 + (1 << 30))
+    daemon = _daemon(root, dram=dram_bytes, ssd_max=jobs * JOB_BLOCKS * block_bytes * 2 + (1 << 30))
     out = np.zeros_like(rows)
     fresh, times = _Fresh(adapter), []
     try:
@@ -220,7 +221,7 @@ def fill(adapter: str, rows: np.ndarray, root: Path, dram_bytes: int) -> FillRow
     finally:
         daemon.stop()
     tenth = jobs // 10
-    job_bytes = JOB_BLOCKS * BLOCK_BYTES
+    job_bytes = JOB_BLOCKS * block_bytes
     first_gbps = tenth * job_bytes / sum(times[:tenth]) / 1e9
     last_gbps = tenth * job_bytes / sum(times[-tenth:]) / 1e9
     row = FillRow(adapter, dram_bytes, jobs * job_bytes, first_gbps, last_gbps, last_gbps / first_gbps)

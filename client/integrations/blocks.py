@@ -3,16 +3,17 @@
 Serving engines hand their external KV tier whole blocks: opaque byte strings of one
 size (every layer's K and V of a run of tokens, in the engine's layout), named by a
 prefix hash that already says everything about the tokens before them. A
-:class:`BlockStore` keeps each one as a one-page sequence of kvstored, named by the
-key, in a namespace per engine, model, tenant and block size:
+:class:`BlockStore` keeps them in a block namespace of kvstored (docs/protocol.md,
+``block_*``), by the engine's key (:func:`key_bytes`), one namespace per engine, model,
+tenant and block size:
 
 - puts are write-once and idempotent: a key stored already (by this process, another
   one, or before a restart) is not written again, and two writers racing on one key
   both succeed;
 - the key -> block catalog is kvstored's own (LMDB), so it survives restarts, and
   blocks of a key shared by many requests are stored once;
-- a lookup of many keys is one ``lookup`` request; a load of many blocks one ``get``
-  (``seqs``: blocks of many sequences in one request).
+- a lookup of many keys is one ``block_lookup`` request, a store of many blocks one
+  ``block_put`` (one durable commit), a load one ``block_get``.
 
 Nothing here raises into the engine: a daemon that is down, a full store, a damaged
 block or a refused request turns into a miss (or a store not done), one log line and a
@@ -26,9 +27,9 @@ copied into one (stores) and out of one (loads), one memcpy each way, counted in
 regions, ``load_channels`` / ``store_channels`` calls of each kind run at once, and a
 load never waits for a store. Lookups have a connection of their own too.
 
-A block is one or more kvstored blocks of one page: up to 64 MiB it is one, past that
-it is split into ``parts`` equal layers of one sequence (a 1 GiB block is 16 of 64 MiB),
-stored by one put and loaded by one get, so a block is stored whole or not at all.
+kvstored keeps a block as ``parts`` pieces (one up to 64 MiB, equal ones past that: a
+1 GiB block is 16 of 64 MiB, see kvdrive.protocol.blocks), written by one put, so a block
+is stored whole or not at all.
 """
 
 from __future__ import annotations
@@ -46,50 +47,17 @@ Buffer = Any  # anything with the buffer protocol (memoryview, numpy, bytearray)
 
 import numpy as np
 
-from kvdrive.layout.geometry import MAX_HEAD_DIM, MAX_LAYERS, MAX_PAGE_SIZE, Geometry
-from kvdrive.protocol import MAX_SEQS_PER_GET, Op
-from kvdrive_client.errors import ChecksumError, ExistsError, KVDriveError, NotFoundError, StoreUnavailableError
+from kvdrive.protocol import MAX_BLOCK_KEY_BYTES, MAX_BLOCK_KEYS, Op
+from kvdrive.protocol.blocks import MAX_BLOCK_BYTES, MAX_PART_BYTES, block_geometry  # noqa: F401 (re-exported)
+from kvdrive_client.errors import ChecksumError, KVDriveError, NotFoundError, StoreUnavailableError
 from kvdrive_client.integrations.lanes import Channel, Lane
 from kvdrive_client.locate import DEFAULT, Default
-from kvdrive_client.store import Sequence, StoreClient, connect
+from kvdrive_client.store import StoreClient, connect
 
 log = logging.getLogger(__name__)
 
-_NAME_OK = re.compile(r"^[\x21-\x7e]{1,200}$")
 DEFAULT_STAGING_BYTES = 64 << 20
 DELETE_WINDOW = 32  # deletes in flight at once
-
-
-MAX_PART_BYTES = 4 * MAX_PAGE_SIZE * MAX_HEAD_DIM  # the largest kvstored block: 64 MiB
-MAX_BLOCK_BYTES = MAX_PART_BYTES * 32  # 2 GiB: one put, well within kvstored's 4 GiB per put
-
-
-def block_geometry(block_bytes: int) -> Geometry:
-    """The geometry of a one-page sequence holding a block of ``block_bytes``: float16 K and
-    V of ``page_size`` x ``head_dim``, one head, in as few layers (parts) as keep each part
-    within kvstored's largest block; ValueError for a size no such geometry has. A block of
-    at most 64 MiB is one layer, as it always was, so blocks stored before are found."""
-    if not isinstance(block_bytes, int) or block_bytes <= 0 or block_bytes % 4:
-        raise ValueError(f"an engine block must be a positive multiple of 4 bytes, got {block_bytes!r}")
-    if block_bytes > MAX_BLOCK_BYTES:
-        raise ValueError(f"an engine block of {block_bytes} bytes is over the {MAX_BLOCK_BYTES >> 30} GiB "
-                         f"a block store takes (one put of kvstored)")
-    for parts in range(-(-block_bytes // MAX_PART_BYTES), min(MAX_LAYERS, block_bytes // 4) + 1):
-        if block_bytes % (4 * parts):
-            continue
-        elems = block_bytes // (4 * parts)  # page_size x head_dim of each part
-        for head_dim in range(min(MAX_HEAD_DIM, elems), 0, -1):
-            if elems % head_dim == 0:
-                page_size = elems // head_dim
-                if page_size > MAX_PAGE_SIZE:
-                    break
-                return Geometry(num_layers=parts, num_kv_heads=1, head_dim=head_dim, dtype="float16",
-                                page_size=page_size)
-    raise ValueError(
-        f"an engine block of {block_bytes} bytes does not split into kvstored blocks (at most "
-        f"{MAX_PART_BYTES} bytes each, 4 x page_size x head_dim, page_size and head_dim at most "
-        f"{MAX_PAGE_SIZE}); a size with more factors of two fits"
-    )
 
 
 def _part(value: object) -> str:
@@ -108,14 +76,16 @@ def namespace(engine: str, model: str, tenant: str, block_bytes: int, rank: str 
     return "/".join(parts)
 
 
-def key_name(key: bytes | str | int) -> str:
-    """A sequence name for an engine key: a bytes key as hex, a printable string as it is,
-    anything longer or stranger by its SHA-256."""
+def key_bytes(key: bytes | str | int) -> bytes:
+    """The kvstored block key of an engine key: bytes as they are, a string as UTF-8, up to
+    48 bytes (MAX_BLOCK_KEY_BYTES); anything longer or of another type by the SHA-256 of its bytes or text."""
     if isinstance(key, (bytes, bytearray, memoryview)):
         raw = bytes(key)
-        return raw.hex() if len(raw) <= 100 else "h" + hashlib.sha256(raw).hexdigest()
-    s = str(key)
-    return s if _NAME_OK.match(s) else "h" + hashlib.sha256(s.encode()).hexdigest()
+    elif isinstance(key, str):
+        raw = key.encode("utf-8", "surrogatepass")
+    else:
+        raw = b"\x00" + str(key).encode()  # apart from every bytes and string key
+    return raw if 0 < len(raw) <= MAX_BLOCK_KEY_BYTES else b"h" + hashlib.sha256(raw).digest()
 
 
 def _parts(block: Any, block_bytes: int, what: str) -> list[np.ndarray]:
@@ -153,7 +123,7 @@ class BlockStore:
         self.ns = namespace(engine, model, tenant, block_bytes, rank)
         self.address = address
         self.timeout, self.lookup_timeout, self.retry_s = timeout, lookup_timeout, retry_s
-        self.batch_blocks = max(1, min(staging_bytes // block_bytes, MAX_SEQS_PER_GET))
+        self.batch_blocks = max(1, min(staging_bytes // block_bytes, MAX_BLOCK_KEYS))
         region = self.batch_blocks * block_bytes
         self.loads = Lane("load", load_channels, region, self._connect, client)
         self.stores = Lane("store", store_channels, region, self._connect, client)
@@ -212,15 +182,14 @@ class BlockStore:
 
     def lookup(self, keys: Iterable) -> list[bool]:
         """Whether each key's block is stored; misses where kvstored cannot say."""
-        names = [key_name(k) for k in keys]
-        if not self._guard("lookup", len(names)):
-            return [False] * len(names)
+        ks = [key_bytes(k) for k in keys]
+        if not self._guard("lookup", len(ks)):
+            return [False] * len(ks)
         try:
-            pages = self._lookup_client().lookup(self.ns, names, timeout=self.lookup_timeout)["pages"]
+            found = self._lookup_client().block_lookup(self.ns, ks, timeout=self.lookup_timeout)
         except (KVDriveError, OSError) as exc:
-            self._failed("lookup", exc, len(names))
-            return [False] * len(names)
-        found = [p >= 1 for p in pages]
+            self._failed("lookup", exc, len(ks))
+            return [False] * len(ks)
         self._tally(lookups=1, keys_found=sum(found), keys_missing=len(found) - sum(found))
         return found
 
@@ -235,38 +204,36 @@ class BlockStore:
         this call or before it)."""
         if len(keys) != len(sources):
             raise ValueError(f"{len(keys)} keys for {len(sources)} blocks")
-        names = [key_name(k) for k in keys]
-        done = [False] * len(names)
-        if not self._guard("store", len(names)):
+        ks = [key_bytes(k) for k in keys]
+        done = [False] * len(ks)
+        if not self._guard("store", len(ks)):
             return done
         t0 = time.perf_counter()
         try:
             with self.stores.channel(self.timeout) as ch:
-                pages = ch.client.lookup(self.ns, names, timeout=self.lookup_timeout)["pages"]
-                todo: dict[str, int] = {}
-                for i, (name, p) in enumerate(zip(names, pages)):
-                    if p >= 1:
+                # Blocks stored already are not copied into staging (the daemon would skip them too).
+                found = ch.client.block_lookup(self.ns, ks, timeout=self.lookup_timeout)
+                todo: dict[bytes, int] = {}
+                for i, (k, f) in enumerate(zip(ks, found)):
+                    if f:
                         done[i] = True
-                    elif name not in todo:
-                        todo[name] = i
+                    elif k not in todo:
+                        todo[k] = i
                 self._tally(stored_before=sum(done))
                 order = list(todo.values())
                 for start in range(0, len(order), self.batch_blocks):
-                    self._store_batch(ch, names, sources, order[start: start + self.batch_blocks], done)
-                for i, name in enumerate(names):  # a key given twice in one call
-                    done[i] = done[i] or done[todo.get(name, i)]
+                    self._store_batch(ch, ks, sources, order[start: start + self.batch_blocks], done)
+                for i, k in enumerate(ks):  # a key given twice in one call
+                    done[i] = done[i] or done[todo.get(k, i)]
         except (KVDriveError, OSError, ValueError) as exc:  # ValueError: a block of another size
-            self._failed("store", exc, len(names) - sum(done))
+            self._failed("store", exc, len(ks) - sum(done))
         self._tally(store_s_us=int((time.perf_counter() - t0) * 1e6))
         return done
 
-    def _store_batch(self, ch: Channel, names: list[str], sources: Seq[Buffer], batch: list[int],
+    def _store_batch(self, ch: Channel, ks: list[bytes], sources: Seq[Buffer], batch: list[int],
                      done: list[bool]) -> None:
-        bb, c = self.block_bytes, ch.client
-        creates = [c._submit(Op.CREATE, {"ns": self.ns, "seq": names[i], "geometry": self.geometry.to_dict(),
-                                         "exist_ok": True}) for i in batch]
-        seqs = [Sequence.from_reply(c._wait(r)) for r in creates]
-        staging = ch.region
+        """One ``block_put`` of ``batch``: stored whole, durable when it returns."""
+        bb, staging = self.block_bytes, ch.region
         t0 = time.perf_counter()
         for j, i in enumerate(batch):
             at = j * bb
@@ -274,23 +241,15 @@ class BlockStore:
                 staging.array[at: at + part.nbytes] = part
                 at += part.nbytes
         self._tally(staging_us=int((time.perf_counter() - t0) * 1e6))
-        layers = range(self.parts)  # one put of a block's every part: stored whole or not at all
-        puts = [(i, c.put_async(seq, layers, [0], staging, j * bb)) for j, (i, seq) in enumerate(zip(batch, seqs))
-                if seq.complete_pages < 1]
-        for i, seq in zip(batch, seqs):
-            if seq.complete_pages >= 1:  # stored by another writer since the lookup
-                done[i] = True
-        for i, pending in puts:
-            try:
-                pending.wait()
-                self._tally(blocks_stored=1, bytes_stored=bb)
-            except ExistsError:  # another writer stored it between our create and our put
-                pass
-            except StoreUnavailableError:
-                raise
-            except KVDriveError as exc:  # this block only (a full store, say)
-                self._failed("store", exc, 1)
-                continue
+        try:
+            r = ch.client.block_put_async(self.ns, bb, [ks[i] for i in batch], staging).wait()
+        except StoreUnavailableError:
+            raise
+        except KVDriveError as exc:  # these blocks only (a full store, say)
+            self._failed("store", exc, len(batch))
+            return
+        self._tally(blocks_stored=r["stored"], bytes_stored=r["stored"] * bb, stored_before=r["present"])
+        for i in batch:
             done[i] = True
 
     def load(self, keys: Seq, targets: Seq[Buffer]) -> list[bool]:
@@ -299,75 +258,71 @@ class BlockStore:
         or fails its checksum, is False."""
         if len(keys) != len(targets):
             raise ValueError(f"{len(keys)} keys for {len(targets)} targets")
-        names = [key_name(k) for k in keys]
-        got = [False] * len(names)
-        if not self._guard("load", len(names)):
+        ks = [key_bytes(k) for k in keys]
+        got = [False] * len(ks)
+        if not self._guard("load", len(ks)):
             return got
         t0 = time.perf_counter()
         try:
             with self.loads.channel(self.timeout) as ch:
-                r = ch.client.lookup(self.ns, names, timeout=self.lookup_timeout)
-                present = [i for i, p in enumerate(r["pages"]) if p >= 1]
-                self._tally(load_missing=len(names) - len(present))
-                for start in range(0, len(present), self.batch_blocks):
-                    batch = present[start: start + self.batch_blocks]
-                    self._load_batch(ch, [r["uids"][i] for i in batch], [targets[i] for i in batch], got, batch)
+                for start in range(0, len(ks), self.batch_blocks):
+                    batch = list(range(start, min(start + self.batch_blocks, len(ks))))
+                    self._load_batch(ch, ks, targets, got, batch)
+        except NotFoundError:  # nothing stored in this namespace yet
+            self._tally(load_missing=len(ks) - sum(got))
         except (KVDriveError, OSError, ValueError) as exc:  # ValueError: a target of another size
-            self._failed("load", exc, len(names) - sum(got))
+            self._failed("load", exc, len(ks) - sum(got))
         self._tally(load_s_us=int((time.perf_counter() - t0) * 1e6))
         return got
 
-    def _rows(self, num_blocks: int) -> np.ndarray:
-        """The (layer, head, page) rows of ``num_blocks`` blocks' parts, block after block."""
-        rows = np.zeros((num_blocks * self.parts, 3), np.int32)
-        rows[:, 0] = np.tile(np.arange(self.parts, dtype=np.int32), num_blocks)
-        return rows
-
-    def _load_batch(self, ch: Channel, uids: list[int], targets: list, got: list[bool], where: list[int]) -> None:
-        bb, c, staging = self.block_bytes, ch.client, ch.region
-        seq = Sequence(uids[0], self.ns, "", self.geometry, 1, 1)
-        try:
-            c.get_async(seq, self._rows(len(uids)), staging, 0, seqs=np.repeat(uids, self.parts)).wait()
-            ok = list(range(len(uids)))
-        except ChecksumError:
-            # A damaged block fails the get: read them one by one, so only it is a miss.
-            ok = []
-            for j, uid in enumerate(uids):
-                try:
-                    c.get_async(Sequence(uid, self.ns, "", self.geometry, 1, 1), self._rows(1), staging, j * bb).wait()
-                    ok.append(j)
-                except ChecksumError as exc:
-                    self._failed("load", exc, 1)
+    def _load_batch(self, ch: Channel, ks: list[bytes], targets: Seq[Buffer], got: list[bool], batch: list[int]) -> None:
+        bb, staging = self.block_bytes, ch.region
+        r = ch.client.block_get_async(self.ns, [ks[i] for i in batch], staging).wait()
+        if r["damaged"]:
+            self._failed("load", ChecksumError(f"{len(r['damaged'])} block(s) failed their checksum"),
+                         len(r["damaged"]))
+        ok = [j for j, f in enumerate(r["found"]) if f]
+        self._tally(load_missing=len(batch) - len(ok) - len(r["damaged"]))
         t0 = time.perf_counter()
         for j in ok:
             at = j * bb
-            for part in _parts(targets[j], bb, "target"):
+            for part in _parts(targets[batch[j]], bb, "target"):
                 part[:] = staging.array[at: at + part.nbytes]
                 at += part.nbytes
-            got[where[j]] = True
+            got[batch[j]] = True
         self._tally(staging_us=int((time.perf_counter() - t0) * 1e6), blocks_loaded=len(ok), bytes_loaded=len(ok) * bb)
 
     def delete_all(self) -> int:
         """Delete every block of this store's namespace that this user stored (any process,
-        any run); how many. Blocks being loaded meanwhile may miss; none loads wrong bytes."""
+        any run); how many. Blocks being loaded meanwhile may miss; none loads wrong bytes.
+        Blocks an earlier KVDrive kept as one sequence each in this namespace go too."""
         if not self.available():
             return 0
         deleted = 0
         try:
             with self.stores.channel(self.timeout) as ch:
-                names = [s["seq"] for s in ch.client.list(self.ns)]
-                for start in range(0, len(names), DELETE_WINDOW):  # pipelined, a window at a time
-                    sent = [ch.client._submit(Op.DELETE, {"ns": self.ns, "seq": n})
-                            for n in names[start: start + DELETE_WINDOW]]
-                    for req in sent:
-                        try:
-                            ch.client._wait(req)
-                            deleted += 1
-                        except NotFoundError:  # deleted by another since the list
-                            pass
+                try:
+                    deleted += ch.client.block_delete(self.ns)["deleted"]
+                except NotFoundError:  # no block stored in this namespace
+                    pass
+                deleted += self._delete_sequences(ch.client)
         except (KVDriveError, OSError) as exc:
             self._failed("delete", exc, 0)
         self._tally(blocks_deleted=deleted)
+        return deleted
+
+    def _delete_sequences(self, client: StoreClient) -> int:
+        """Delete the namespace's sequences (blocks as an earlier KVDrive stored them), pipelined."""
+        names = [s["seq"] for s in client.list(self.ns)]
+        deleted = 0
+        for start in range(0, len(names), DELETE_WINDOW):
+            sent = [client._submit(Op.DELETE, {"ns": self.ns, "seq": n}) for n in names[start: start + DELETE_WINDOW]]
+            for req in sent:
+                try:
+                    client._wait(req)
+                    deleted += 1
+                except NotFoundError:  # deleted by another since the list
+                    pass
         return deleted
 
     def stats(self) -> dict:

@@ -105,8 +105,8 @@ def test_a_sequence_not_yet_put_into_is_never_a_victim(daemon_factory):
 
 
 def test_an_adapter_store_at_its_quota_stores_every_key_of_the_batch(daemon_factory):
-    """The engine adapters keep one sequence per block and create a batch's sequences
-    before putting into any: none of them may be taken for the batch's own room."""
+    """An engine adapter stores a batch as one block put: none of its blocks may be taken
+    for the batch's own room."""
     num_keys, block_bytes = 64, 64 << 10
     d = daemon_factory(extra=["--quota", f"vllm/*={2 * num_keys * block_bytes}"]).start()
     store = BlockStore(block_bytes, engine="vllm", model="m", address=d.address)
