@@ -23,6 +23,15 @@ once densely and once through KVDrive for every selector and budget:
   logs, changelogs found on this machine; ``--corpus DIR`` for one's own): ``--windows``
   windows from each kind of text instead of the licences, all held out; the report
   adds, per selector, budget and context, the worst window beside the mean.
+- ``--copy`` (:mod:`kvdrive.tools.copytext`: a table of random records repeated, the same
+  records shuffled, a report quoted after other minutes; ``--copy KIND ...`` for some):
+  ``--windows`` texts of each kind (seeds 0, 1, ...) generated for each context, all held
+  out: the context ends inside the copy, the source about 70% of the context back, and
+  every decoded token is a copied one. Dense attention copies them (the report says on
+  how many of them its greedy token is the text's), so ``dloss`` is the loss on copied
+  tokens a selector's misses cost, and ``top1`` the share of them on which its greedy
+  token is dense's; the report adds the worst window and judges the default index's
+  lowest ``top1`` per budget. ``keycodes`` (``--selectors``) runs only when named.
 
 Per run: ``recall`` is the exact softmax attention mass (over every key the model
 holds at that step) on the chosen pages over the mass on all selectable pages, per
@@ -60,7 +69,8 @@ chunk's rows).
 row per text window x context x budget x selector with exactly the keys selector,
 budget, context, text_window (numbered over the whole run), text_kind ("licences", or the
 corpus kind), offset (the window's first token in its text), recall, dloss, kl,
-top1, index_bytes, kv_bytes (the full K+V of every layer at the context, in the
+top1, text_top1 (the share of steps whose greedy token is the text's next one),
+dense_text_top1 (the same for dense attention), index_bytes, kv_bytes (the full K+V of every layer at the context, in the
 model's dtype; of the global layers only, the ones KVDrive stores), select_ms,
 cache_bytes (the device cache at the end of the decode); ``cache`` one row per
 context x window x policy (selector, budget, context, window, capacity, policy,
@@ -88,8 +98,10 @@ from kvdrive.tools.bench_common import InputError, PrefillSnapshot, TraceObserve
 from kvdrive.tools.targets import (TARGET_BEST, TARGET_DLOSS_BUDGET, TARGET_INDEX_VS_FP16_KV,
                                    TARGET_INDEX_VS_QUEST, TARGET_LOOKAHEAD_VS_BELADY, TARGET_RECALL_VS_MEANKEY,
                                    TARGET_RECALL_VS_ORACLE, TARGET_SELECT_SPEEDUP, TARGET_SELECT_VS_HIERARCHICAL,
-                                   TARGET_MEAN_DLOSS, TARGET_WINDOW, TARGET_WORST_DLOSS, TARGET_WORST_VS_ORACLE,
-                                   DenseTarget, verdict)
+                                   TARGET_COPY_MATCH, TARGET_MEAN_DLOSS, TARGET_WINDOW, TARGET_WORST,
+                                   TARGET_WORST_OTHER, DenseTarget, verdict)
+from kvdrive.tools import copytext
+from kvdrive.tools.copytext import KINDS as COPY_KINDS
 from kvdrive.tools.bench_fidelity_options import (DEFAULT_BUDGETS, DEFAULT_TOKENS, DEFAULT_WINDOWS, MODEL_RUNS,
                                                   PREFILL_CHUNK, QUICK_BUDGETS, QUICK_TOKENS, QUICK_WINDOWS)
 from kvdrive.tools.text_table import text_table
@@ -116,6 +128,7 @@ class FidelityConfig:
     threads: int = 1
     # None: the licences (or --text); "": the built-in corpus; else a corpus directory.
     corpus: str | None = None
+    copy: tuple[str, ...] | None = None  # copy text kinds (kvdrive.tools.copytext), else None
     windows: int = 1
     model: str = "smollm2"
     prefill_chunk: int = PREFILL_CHUNK
@@ -148,6 +161,10 @@ class FidelityConfig:
             raise ValueError(f"--text {self.text} is not a file")
         if self.text is not None and self.corpus is not None:
             raise ValueError("--text and --corpus: choose one")
+        if self.copy is not None and (self.text is not None or self.corpus is not None):
+            raise ValueError("--copy with --text or --corpus: choose one")
+        if self.copy is not None and (not self.copy or any(k not in COPY_KINDS for k in self.copy)):
+            raise ValueError(f"--copy takes text kinds among {', '.join(COPY_KINDS)}, got {list(self.copy)}")
         if self.corpus and not Path(self.corpus).is_dir():
             raise ValueError(f"--corpus {self.corpus} is not a directory")
         try:
@@ -155,6 +172,11 @@ class FidelityConfig:
         except ValueError as exc:
             raise ValueError(str(exc).replace("rank", "--rank", 1).replace("int8_channels", "--int8-channels")
                              .replace("int2_channels", "--int2-channels")) from None
+
+    @property
+    def tuned(self) -> bool:
+        """Whether window 0 is the text the selectors' settings were chosen on (the licences)."""
+        return self.corpus is None and self.copy is None
 
     @property
     def traced_kind(self) -> IndexKind | None:
@@ -176,6 +198,8 @@ class FidelityRow:
     dloss: float
     kl: float
     top1: float
+    text_top1: float
+    dense_text_top1: float
     index_bytes: int
     kv_bytes: int
     select_ms: float
@@ -319,15 +343,18 @@ def run_fidelity(cfg: FidelityConfig) -> tuple[list[FidelityRow], list[CacheRow]
     model, tok = load_model(cfg.model)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    texts, info = read_texts(cfg, license_text)
-    sources = {kind: tok(text, return_tensors="pt").input_ids for kind, text in texts.items()}
-    info.update({"load_s": time.perf_counter() - t0, "text_tokens": {k: v.shape[1] for k, v in sources.items()},
-                 "max_positions": model.config.max_position_embeddings})
     need = max(cfg.contexts) + cfg.tokens + 1
-    if need > info["max_positions"]:
+    if need > model.config.max_position_embeddings:
         raise InputError(f"--context {max(cfg.contexts)} + --tokens {cfg.tokens} exceeds the model's "
-                         f"{info['max_positions']} positions")
-    plan = window_plan(sources, need, cfg.windows, strict=cfg.corpus is None, skipped=info["skipped"])
+                         f"{model.config.max_position_embeddings} positions")
+    if cfg.copy is not None:
+        plan, info = copy_plan(cfg, lambda text: tok(text).input_ids)
+    else:
+        texts, info = read_texts(cfg, license_text)
+        sources = {kind: tok(text, return_tensors="pt").input_ids for kind, text in texts.items()}
+        info["text_tokens"] = {k: v.shape[1] for k, v in sources.items()}
+        plan = window_plan(sources, need, cfg.windows, strict=cfg.corpus is None, skipped=info["skipped"])
+    info.update({"load_s": time.perf_counter() - t0, "max_positions": model.config.max_position_embeddings})
     info["offsets"] = [(kind, offset) for kind, offset in plan]
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -350,8 +377,11 @@ def run_fidelity(cfg: FidelityConfig) -> tuple[list[FidelityRow], list[CacheRow]
     try:
         with torch.no_grad():
             for w, (kind_name, offset) in enumerate(plan):
-                ids = sources[kind_name]
                 for context in cfg.contexts:
+                    if cfg.copy is not None:
+                        ids = torch.tensor([info["copies"][(w, context)].ids])
+                    else:
+                        ids = sources[kind_name]
                     where = f"window {w} ({kind_name}, token {offset}), context {context}"
                     ctx = ids[:, offset : offset + context]
                     fed = ids[:, offset + context : offset + context + cfg.tokens]
@@ -361,7 +391,9 @@ def run_fidelity(cfg: FidelityConfig) -> tuple[list[FidelityRow], list[CacheRow]
                     _note(f"{where}: dense prefill {time.perf_counter() - t:.0f} s (once, replayed per run)")
                     t = time.perf_counter()
                     dense = teacher_force(model, snapshot.dense_cache(model.config), fed)
-                    _note(f"{where}: dense decode of {cfg.tokens} tokens {time.perf_counter() - t:.0f} s")
+                    dense_text = float((dense.argmax(dim=-1) == targets).double().mean())
+                    _note(f"{where}: dense decode of {cfg.tokens} tokens {time.perf_counter() - t:.0f} s "
+                          f"(its greedy token is the text's on {dense_text:.3f} of them)")
                     for budget in cfg.budgets:
                         t = time.perf_counter()
                         traced = cfg.traced_kind if w == 0 and budget == TRACE_BUDGET else None
@@ -370,19 +402,36 @@ def run_fidelity(cfg: FidelityConfig) -> tuple[list[FidelityRow], list[CacheRow]
                         for kind in cfg.selectors:
                             logits, r = results[kind]
                             dloss, kl, top1 = compare(logits, dense, targets)
+                            text_top1 = float((logits.argmax(dim=-1) == targets).double().mean())
                             rows.append(FidelityRow(kind.value, budget, context, w, kind_name, offset, r["recall"],
-                                                    dloss, kl,
-                                                    top1, r["index_bytes"], per_token * context, r["select_ms"],
-                                                    r["cache_bytes"]))
+                                                    dloss, kl, top1, text_top1, dense_text, r["index_bytes"],
+                                                    per_token * context, r["select_ms"], r["cache_bytes"]))
                             if r["trace"] is not None:
                                 crows += cache_rows(r["trace"], kind, context)
                         done += len(cfg.selectors)
                         _note(f"[{done}/{runs}] {where}: {len(cfg.selectors)} selectors side by side at {budget:.3%}: "
-                              f"{time.perf_counter() - t:.0f} s")
+                              f"{time.perf_counter() - t:.0f} s; dloss / top1 / recall: "
+                              + ", ".join(f"{r.selector} {r.dloss:+.4f} / {r.top1:.3f} / {r.recall:.4f}"
+                                          for r in rows[-len(cfg.selectors):]))
                     del snapshot
     finally:
         store.close()
     return rows, crows, info
+
+
+def copy_plan(cfg: FidelityConfig, tokenize) -> tuple[list[tuple[str, int]], dict]:
+    """The windows of a copy run, ``--windows`` per kind (window ``w`` of a kind is seed ``w``), and what
+    to say of them; ``info["copies"][(window, context)]`` is that window's text for that context
+    (the context ends where the copy is under way, so each context has its own)."""
+    plan = [(kind, 0) for kind in cfg.copy for _ in range(cfg.windows)]
+    try:
+        copies = {(w, c): copytext.build(kind, w % cfg.windows, c, cfg.tokens, tokenize)
+                  for w, (kind, _) in enumerate(plan) for c in cfg.contexts}
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    return plan, {"source": "generated copy texts (kvdrive.tools.copytext), one per kind, seed and context",
+                  "skipped": {}, "copies": copies,
+                  "text_tokens": {f"{x.kind}#{x.seed}@{c}": len(x.ids) for (_, c), x in copies.items()}}
 
 
 def read_texts(cfg: FidelityConfig, license_text) -> tuple[dict[str, str], dict]:
@@ -533,7 +582,7 @@ def _sketch_codes(attach_cfg: AttachConfig, head_dim: int) -> str:
 
 def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, info: dict) -> str:
     attach_cfg = cfg.attach_config
-    tuned = cfg.corpus is None
+    tuned = cfg.tuned
     windows = ", ".join(f"{w} {k}@{o}" + (" (tuning)" if tuned and w == 0 else " (held out)")
                         for w, (k, o) in enumerate(info["offsets"]))
     tokens = ", ".join(f"{k} {n}" for k, n in info["text_tokens"].items())
@@ -544,7 +593,9 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
         f"{PAGE_SIZE} tokens, sink {attach_cfg.sink_tokens} and local window {attach_cfg.local_tokens} tokens always "
         f"attended; lowrank: rank {attach_cfg.lowrank_layout(info['head_dim']).rank} key sketches ({_sketch_codes(attach_cfg, info['head_dim'])}); "
         f"hierarchical: {attach_cfg.pages_per_cluster} "
-        f"pages per cluster, {attach_cfg.candidate_factor:g} x k candidates",
+        f"pages per cluster, {attach_cfg.candidate_factor:g} x k candidates"
+        + (f"; keycodes: every key's {info['head_dim']} channels in 4 bits after a fixed rotation, one fp16 scale a "
+           f"key ({info['head_dim'] // 2 + 2} bytes a token)" if IndexKind.KEYCODES in cfg.selectors else ""),
         "select_ms: the session's selection time per decode step from the second step on, all layers (with the "
         "scoring of cached pages for lookahead eviction), the selectors decoding side by side, a step each in turn; "
         f"{os.cpu_count()} CPUs, torch threads: "
@@ -555,6 +606,8 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
     ]
     for kind, why in info.get("skipped", {}).items():
         lines.append(f"NOTE: corpus text {kind}: {why}")
+    if cfg.copy is not None:
+        lines += copy_lines(rows, info["copies"])
     if max(cfg.contexts) > cfg.prefill_chunk:
         lines.append(f"contexts over {cfg.prefill_chunk} tokens are prefilled densely in chunks of {cfg.prefill_chunk}")
     target = MODEL_RUNS[cfg.model].target.context
@@ -587,6 +640,8 @@ def render(rows: list[FidelityRow], crows: list[CacheRow], cfg: FidelityConfig, 
     lines += ["", *target_lines(rows, crows, info["itemsize"], cfg.model, per_window=tuned)]
     if not tuned:
         lines += worst_target_lines(rows, info["itemsize"])
+    if cfg.copy is not None:
+        lines += copy_target_lines(rows)
     return "\n".join(lines)
 
 
@@ -603,6 +658,7 @@ class WindowSummary:
     oracle_on_worst: FidelityRow | None
     worst_kl: float
     min_recall_vs_oracle: float
+    least_top1: FidelityRow  # the window whose greedy tokens agree least with dense's
 
 
 def summarize_windows(rows: list[FidelityRow]) -> list[WindowSummary]:
@@ -618,7 +674,7 @@ def summarize_windows(rows: list[FidelityRow]) -> list[WindowSummary]:
         ratios = [r.recall / o.recall for r in rs if (o := oracle.get((budget, context, r.text_window))) and o.recall > 0]
         out.append(WindowSummary(sel, budget, context, len(rs), sum(r.dloss for r in rs) / len(rs), worst,
                                  oracle.get((budget, context, worst.text_window)), max(r.kl for r in rs),
-                                 min(ratios) if ratios else math.nan))
+                                 min(ratios) if ratios else math.nan, min(rs, key=lambda r: r.top1)))
     return out
 
 
@@ -629,10 +685,40 @@ def worst_window_lines(rows: list[FidelityRow]) -> list[str]:
         body.append((w.selector, f"{w.budget:.3%}", str(w.context), str(w.windows), f"{w.mean_dloss:+.4f}",
                      f"{w.worst.dloss:+.4f}", f"{w.worst.text_window} {w.worst.text_kind}",
                      f"{o.dloss:+.4f}" if o else "-", f"{w.worst.kl:.4f}", f"{w.worst_kl:.4f}",
-                     f"{w.min_recall_vs_oracle:.3f}"))
-    return ["worst window: per selector, budget and context, over every window; oracle: its dloss on that window",
+                     f"{w.min_recall_vs_oracle:.3f}", f"{w.least_top1.top1:.3f}"))
+    return ["worst window: per selector, budget and context, over every window; oracle: its dloss on that window; "
+            "min top1: the lowest share of steps whose greedy token is dense's",
             *text_table(("selector", "budget", "context", "windows", "mean dloss", "worst dloss", "at window",
-                         "oracle", "kl there", "worst kl", "min vs oracle"), body, {1, 2, 3, 4, 5, 7, 8, 9, 10})]
+                         "oracle", "kl there", "worst kl", "min vs oracle", "min top1"), body,
+                        {1, 2, 3, 4, 5, 7, 8, 9, 10, 11})]
+
+
+def copy_lines(rows: list[FidelityRow], copies: dict) -> list[str]:
+    """What each copy text holds, and how well dense attention itself copies there."""
+    dense = {(r.text_window, r.context): r.dense_text_top1 for r in rows}
+    out = []
+    for (w, context), c in sorted(copies.items()):
+        d = dense.get((w, context))
+        out.append(f"copy text: window {w} {c.kind} seed {c.seed}, context {context}: {len(c.ids)} tokens, the copy "
+                   f"from token {c.copy_start} (its source: {c.source_tokens} tokens from the start); dense's greedy "
+                   f"token is the text's on " + (f"{d:.3f}" if d is not None else "-") + " of the decoded tokens")
+    return out
+
+
+def copy_target_lines(rows: list[FidelityRow]) -> list[str]:
+    """The default selector's greedy tokens against dense's on every copy window, per budget and context."""
+    lines = []
+    for (budget, context), goal in sorted(((b, c), TARGET_COPY_MATCH.get(b)) for b, c in
+                                           {(r.budget, r.context) for r in rows if r.selector == TARGET_BEST}):
+        if goal is None:
+            continue
+        best = [r for r in rows if r.selector == TARGET_BEST and r.budget == budget and r.context == context]
+        low = min(best, key=lambda r: r.top1)
+        mean = sum(r.top1 for r in best) / len(best)
+        lines.append(f"target: {TARGET_BEST} greedy token = dense's on >= {goal:g} of the copied tokens on every "
+                     f"window (budget {budget:.3%}, context {context}, {len(best)} windows): lowest {low.top1:.3f} at "
+                     f"window {low.text_window} ({low.text_kind}), mean {mean:.3f}: {verdict(low.top1 >= goal)}")
+    return lines
 
 
 def _index_bytes_line(name: str, rows: list[FidelityRow], itemsize: int, at: str) -> str:
@@ -670,9 +756,10 @@ def worst_target_lines(rows: list[FidelityRow], itemsize: int = 4) -> list[str]:
             continue
         at = f"budget {w.budget:.3%}, context {w.context}, {w.windows} windows"
         o = w.oracle_on_worst
-        vs = "" if o is None else f" and <= oracle's {o.dloss:+.4f} + {TARGET_WORST_VS_ORACLE:g}"
-        ok = w.worst.dloss <= TARGET_WORST_DLOSS and (o is None or w.worst.dloss <= o.dloss + TARGET_WORST_VS_ORACLE)
-        lines.append(f"target: {TARGET_BEST} worst-window dloss <= {TARGET_WORST_DLOSS:g}{vs} ({at}): "
+        worst, over = TARGET_WORST.get(w.budget, TARGET_WORST_OTHER)
+        vs = "" if o is None else f" and <= oracle's {o.dloss:+.4f} + {over:g}"
+        ok = w.worst.dloss <= worst and (o is None or w.worst.dloss <= o.dloss + over)
+        lines.append(f"target: {TARGET_BEST} worst-window dloss <= {worst:g}{vs} ({at}): "
                      f"{w.worst.dloss:+.4f} at window {w.worst.text_window} ({w.worst.text_kind}): {verdict(ok)}")
         lines.append(f"target: {TARGET_BEST} mean dloss <= {TARGET_MEAN_DLOSS:g} ({at}): {w.mean_dloss:+.4f}: "
                      f"{verdict(w.mean_dloss <= TARGET_MEAN_DLOSS)}")
@@ -695,6 +782,7 @@ def run(args: argparse.Namespace) -> int:
             threads=args.threads,
             windows=args.windows if args.windows is not None else (QUICK_WINDOWS if args.quick else DEFAULT_WINDOWS),
             corpus=args.corpus,
+            copy=None if args.copy is None else tuple(args.copy or COPY_KINDS),
             model=args.model,
             prefill_chunk=args.prefill_chunk,
             rank=args.rank,

@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvdrive.tools.copytext import KINDS as COPY_KINDS
 from kvdrive.tools.targets import DENSE_TARGETS, DenseTarget
 from kvdrive_client.index_kind import IndexKind
 
@@ -52,7 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"teacher-forced decode tokens (default {DEFAULT_TOKENS}, {QUICK_TOKENS} with --quick)")
     p.add_argument("--budget", type=float, nargs="+", default=None, metavar="FRACTION",
                    help="budgets, fractions of the selectable pages (default 0.0625 0.03125, 0.0625 with --quick)")
-    p.add_argument("--selectors", nargs="+", default=[k.value for k in SELECTORS], choices=[k.value for k in SELECTORS])
+    p.add_argument("--selectors", nargs="+", default=[k.value for k in SELECTORS], choices=[k.value for k in IndexKind],
+                   help=f"default: {' '.join(k.value for k in SELECTORS)}; keycodes (every key in 4-bit codes, three "
+                        f"times lowrank's bytes) only when named")
     p.add_argument("--rank", type=int, default=None,
                    help="lowrank: the sketch rank (default: attach()'s, 27/64 of the head dim)")
     p.add_argument("--int8-channels", type=int, default=None, metavar="N",
@@ -66,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="windows from each kind of text of the built-in corpus (code, reference documentation, "
                         "tables, logs, changelogs found on this machine), or of DIR (each file or subdirectory a "
                         "kind), instead of the licences; adds the worst window beside the mean")
+    p.add_argument("--copy", nargs="*", default=None, metavar="KIND",
+                   help=f"generated texts whose decode copies spans from far back, --windows seeds of each kind "
+                        f"({', '.join(COPY_KINDS)}; none named: all), instead of the licences; the report adds the "
+                        f"worst window and the share of copied tokens whose greedy token is dense's")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads; selection kernels take microseconds per layer and extra threads on "
                         "a shared machine mostly add noise to select_ms (0: torch's own default)")
