@@ -11,4 +11,5 @@ class IndexKind(enum.Enum):
     QUEST = "quest"
     MEAN_KEY = "meankey"
     LOWRANK = "lowrank"
+    KEYCODES = "keycodes"
     ORACLE = "oracle"

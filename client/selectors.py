@@ -1,6 +1,6 @@
 """Page selectors: which pages of a layer's context each decode step attends to.
 
-One interface, :class:`Selector`, five implementations side by side:
+One interface, :class:`Selector`, six implementations side by side:
 
 - :class:`HierarchicalIndex` (KVDrive): page mean keys grouped under k-means
   centroids; a step scores the centroids, then only the pages under the best ones.
@@ -9,6 +9,7 @@ One interface, :class:`Selector`, five implementations side by side:
   landmarks).
 - :class:`LowRankIndex`: every key as a low-rank sketch fitted to the prefill queries
   (int4 codes by default); a page scores its estimated share of the attention mass.
+- :class:`KeyCodeIndex`: every key in rotated 4-bit codes, scored as the low-rank index (3x its bytes).
 - :class:`OracleSelector`: exact attention mass per page from all keys; for
   measurement only (it keeps every key).
 
@@ -291,6 +292,9 @@ def make_selector(kind: IndexKind, page_size: int, scaling: float, kernels: Kern
         return MeanKeyIndex(page_size, kernels)
     if kind is IndexKind.LOWRANK:
         return LowRankIndex(page_size, scaling, kernels=kernels, **options)
+    if kind is IndexKind.KEYCODES:
+        from kvdrive_client.keycodes import KeyCodeIndex  # noqa: PLC0415 - an option; it imports this module
+        return KeyCodeIndex(page_size, scaling, kernels=kernels, **options)
     if kind is IndexKind.ORACLE:
         return OracleSelector(page_size, scaling, kernels)
     raise ValueError(f"unknown index kind {kind!r}")
