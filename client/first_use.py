@@ -6,6 +6,8 @@ program that never configured logging does not show, so a first attach() looked 
 :class:`KernelNotice` says it on stderr instead where logging is not configured (and
 only when a compile actually happens): a first line once the warm-up has run 2 s, then
 one line per kernel compiled. Where logging is configured, the INFO lines say it all.
+The first load of a model converts its GGUF file the same way (:func:`tell`, from
+:mod:`kvdrive_client.models`).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from typing import TYPE_CHECKING
 
-from kvdrive.kernels import KernelProgress
+if TYPE_CHECKING:  # the kernels import torch and numba: models.py tells its lines without them
+    from kvdrive.kernels import KernelProgress
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +31,10 @@ def logging_configured() -> bool:
                 or logging.getLogger("kvdrive").handlers)
 
 
-def tell(message: str) -> None:
-    """``message`` on stderr where logging is not configured; at INFO where it is."""
+def tell(message: str, level: int = logging.INFO, logger: logging.Logger = log) -> None:
+    """``message`` on stderr where logging is not configured; logged at ``level`` (by ``logger``) where it is."""
     if logging_configured():
-        log.info("%s", message)
+        logger.log(level, "%s", message)
     else:
         print(f"kvdrive: {message}", file=sys.stderr, flush=True)
 

@@ -14,9 +14,13 @@ once per file and remembered by path, size, inode and modification time), so eve
 environment that installs the same file shares one copy; later loads read it in seconds.
 ``python -m kvdrive_client.models`` lists the copies with their sizes, and ``clean``
 removes those no installed model package's file names (SmolLM2's copy is about 540 MiB,
-Gemma 3 270M's about 1.1 GiB). Nothing is downloaded. The conversion logs its
-stages and how many tensors are de-quantised (INFO, at most one line every few
-seconds); :func:`load_model`'s ``progress`` receives the same lines.
+Gemma 3 270M's about 1.1 GiB). Nothing is downloaded. The conversion logs its start
+and end (WARNING), its stages and how many tensors are de-quantised (INFO, at most one
+line every few seconds); :func:`load_model`'s ``progress`` receives the same lines
+instead (all logged at INFO then).
+Where the program configured no logging and gave no ``progress``, the lines go to
+stderr instead, as the first kernel compile's do (:mod:`kvdrive_client.first_use`):
+a person sees why the first load takes minutes.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvdrive_client.first_use import logging_configured, tell
 
 log = logging.getLogger(__name__)
 
@@ -105,14 +111,21 @@ def gguf_path(name: str) -> Path:
 
 
 class _locked:
-    """An exclusive flock on a file for the with-block: one process converts, others wait."""
+    """An exclusive flock on a file for the with-block: one process converts, others wait
+    (``on_wait`` is called first when the lock is held elsewhere)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, on_wait: Callable[[], None] | None = None) -> None:
         self.path = path
+        self.on_wait = on_wait
 
     def __enter__(self):
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if self.on_wait is not None:
+                self.on_wait()
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -199,9 +212,14 @@ def load_model(name: str = "smollm2", dtype=None, progress: Progress | None = No
     try:
         if not (converted / "config.json").exists():
             converted.parent.mkdir(parents=True, exist_ok=True)
-            with _locked(converted.parent / f".{name}.lock"):
+            lines = _conversion_lines(progress)
+
+            def on_wait() -> None:
+                _say(lines, "waiting for another process to finish de-quantising %s into %s", name, converted)
+
+            with _locked(converted.parent / f".{name}.lock", on_wait):
                 if not (converted / "config.json").exists():
-                    _convert(name, gguf, converted, progress)
+                    _convert(name, gguf, converted, lines)
     except OSError as exc:
         log.warning("cannot keep a de-quantised copy of %s under %s (%s): loading the GGUF file itself, as every "
                     "load will", name, converted.parent, exc)
@@ -261,12 +279,30 @@ class _CountDequantized:
         self._module.dequantize = self._original
 
 
+def _conversion_lines(progress: Progress | None) -> Progress | None:
+    """Where a conversion's progress lines go besides the log: the caller's ``progress``, or
+    stderr where there is none and the program configured no logging (the log shows nothing then)."""
+    if progress is None and not logging_configured():
+        return tell
+    return progress
+
+
+def _announce(progress: Progress | None, msg: str, *args) -> None:
+    """A conversion's start or end: given to ``progress`` (and logged at INFO) where there is one, else
+    logged at WARNING."""
+    if progress is None:
+        log.warning(msg, *args)
+    else:
+        _say(progress, msg, *args)
+
+
 def _convert(name: str, gguf: Path, converted: Path, progress: Progress | None = None) -> None:
+    """De-quantise ``gguf`` into ``converted``; ``progress`` gets each line (see :func:`_conversion_lines`)."""
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
-    log.warning("de-quantising %s (%s, %.0f MiB) once for this machine into %s (a minute or more on a small "
-                "host); later loads read the copy", name, gguf.name, gguf.stat().st_size / 2**20, converted)
+    _announce(progress, "de-quantising %s (%s, %.0f MiB) once for this machine into %s (a minute or more on a "
+              "small host); later loads read the copy", name, gguf.name, gguf.stat().st_size / 2**20, converted)
     t0 = time.perf_counter()
     _say(progress, "reading the tokenizer from %s", gguf.name)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -286,7 +322,7 @@ def _convert(name: str, gguf: Path, converted: Path, progress: Progress | None =
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     os.replace(tmp, converted)
-    log.warning("de-quantised %s in %.0f s", name, time.perf_counter() - t0)
+    _announce(progress, "de-quantised %s in %.0f s", name, time.perf_counter() - t0)
 
 
 def load_smollm2(dtype=None, progress: Progress | None = None):
