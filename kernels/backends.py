@@ -17,6 +17,7 @@ import torch
 from kvdrive.kernels import cpu
 from kvdrive.kernels import reference as ref
 from kvdrive.kernels.transfer import HostTransfer
+from kvdrive.kernels.window import LocalWindow
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -47,6 +48,22 @@ class Kernels:
         half math is slower than the conversion (the CPU)."""
         return torch.float32 if self._widen_half and dtype in _HALF else dtype
 
+    def step_pages(self, valid, first_page, num_pages: int, sink: int, first_local: int, page_size: int,
+                   selectable: bool = True):
+        """A step's pages, planned once for every layer: the pages it may choose ``[B, num_pages]``
+        bool (after the row's sink, before the local window's first page, holding a real token
+        of ``valid`` ``[B, >= num_pages * page_size]``; None unless ``selectable``) and each
+        row's sink ``[B, sink]``, its first pages from its ``first_page`` ``[B]`` on (-1 from
+        ``first_local`` on)."""
+        sinks = first_page[:, None] + torch.arange(sink, device=first_page.device)
+        sinks = sinks.masked_fill(sinks >= first_local, -1)
+        if not selectable:
+            return None, sinks
+        page = torch.arange(num_pages, device=valid.device)
+        sel = (page[None, :] >= (first_page + sink)[:, None]) & (page[None, :] < first_local)
+        sel &= valid[:, : num_pages * page_size].reshape(valid.shape[0], num_pages, page_size).any(dim=2)
+        return sel.contiguous(), sinks
+
     def lowrank_select(self, query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, layout):
         return ref.lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, layout)
 
@@ -59,6 +76,16 @@ class Kernels:
                                                            index.valid, selectable, k, index.page_size, cached,
                                                            index.layout)
         return with_sink(sink, pages.masked_fill(scores == ref.NEG_INF, -1)), cached_scores
+
+    def lowrank_add_page(self, index, keys, valid) -> None:
+        """Page ``index.num_pages`` of a low-rank ``index`` (a :class:`kvdrive_client.lowrank.LowRankIndex`
+        with room for it): its keys ``[B, H, S, D]`` sketched, quantised and packed into
+        ``index.codes``, its mask ``valid`` ``[B, S]`` into ``index.valid``."""
+        s = index.page_size
+        at = slice(index.num_pages * s, (index.num_pages + 1) * s)
+        steps = (torch.matmul(keys.float(), index.kproj.float()) / index.scale[:, :, None, :]).transpose(-1, -2)
+        index.codes[:, :, :, at] = ref.pack_lowrank_codes(ref.quantize_lowrank(steps, index.layout), index.layout)
+        index.valid[:, at] = valid
 
     def lowrank_scores(self, query, qproj, scale, scaling, codes, valid, num_pages, page_size, layout):
         t = num_pages * page_size
@@ -80,10 +107,22 @@ class Kernels:
         for i, cache in enumerate((cache_k, cache_v)):
             cache.view(-1, *cache.shape[3:]).index_copy_(0, rows, kv[:, i].to(cache.dtype))
 
-    def count_attended(self, valid, counts: torch.Tensor, index: int) -> None:
+    def append(self, window: LocalWindow, key: torch.Tensor, value: torch.Tensor) -> None:
+        """One token's ``key``/``value`` ``[B, H, D]`` (or ``[B, H, 1, D]``) into the slot of
+        position ``window.end`` (the caller moves ``end`` on)."""
+        slot = window.slot(window.end)
+        for ring, token in ((window.k, key), (window.v, value)):
+            (ring.select(2, slot) if token.dim() == 3 else ring[:, :, slot : slot + 1]).copy_(token)
+
+    def count_attended(self, valid, counts: torch.Tensor, index: int, context=None) -> None:
         """Add the real attended tokens (``valid``, from :meth:`attended_valid`) to ``counts[index]``
-        on the device. Called before attention over ``valid``, which may do the adding."""
+        on the device. Called before attention over ``valid``, which may do the adding. With
+        ``context`` (``(tokens, t, index, times)``), also add ``times`` the real tokens among the
+        first ``t`` of ``tokens`` ``[B, >= t]`` to ``counts[index]``."""
         counts[index] += valid.sum()
+        if context is not None:
+            tokens, t, at, times = context
+            counts[at] += tokens[:, :t].sum() * times
 
     def partial(self):
         """State carried from the first part of a two-part attention into the second."""
@@ -100,6 +139,17 @@ class Kernels:
     def dense_attention(self, query, keys, values, valid, scaling):
         """Attention over gathered tokens (no pages selected: the local window only)."""
         return ref.decode_attention(query, keys, values, valid, scaling, self.attention_dtype(values.dtype))
+
+    def attend_window(self, query, cache_k, cache_v, slots, window: LocalWindow | None, valid, scaling, partial=None):
+        """:meth:`attention` over the pages in ``slots`` then a :class:`LocalWindow` (None: none);
+        with ``slots`` None, :meth:`dense_attention` over the window alone."""
+        if window is None:
+            local_k = local_v = cache_k.new_empty(*cache_k.shape[:2], 0, cache_k.shape[4])
+        else:
+            local_k, local_v = window.linear()
+        if slots is None:
+            return self.dense_attention(query, local_k, local_v, valid, scaling)
+        return self.attention(query, cache_k, cache_v, slots, local_k, local_v, valid, scaling, partial)
 
 
 def with_sink(sink: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ Shapes as in ``reference``: ``B`` batch, ``H`` KV heads, ``G`` query heads per K
 ``C`` cache slots per head, ``S`` tokens per page, ``D`` head dim.
 
 **Attention** (:func:`sparse_attention`) reads K and V straight from the device-cache
-slots and the local window, no gathered copy. The attended tokens of a (row, KV head),
+slots and the local window (a ring of slots, :mod:`kvdrive.kernels.window`), no gathered copy. The attended tokens of a (row, KV head),
 the selected pages then the local window, are split into chunks ("split-K"): the grid is
 ``(B * H, splits)``, so that a decode step's few (row, head) pairs still fill the GPU.
 Each program runs an online softmax over its chunk, ``BLOCK_N`` tokens at a time, all
@@ -44,6 +44,8 @@ window's, and counts the attended ones, instead of a ``[B, H, tokens]`` mask bui
 torch ops. Placement and landing fetched pages are in :mod:`.triton_placement`, the
 step's page choice in :mod:`.triton_topk`. Counts and strides that change from step to
 step are passed unspecialised (``do_not_specialize``), so a decode does not recompile.
+Every launch goes through a torch custom op (:mod:`kvdrive.kernels.triton_ops`), so that a
+decode step's device work traces as whole segments.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from triton.runtime.jit import JITFunction
 
 from kvdrive.kernels import reference as ref
 from kvdrive.kernels.backends import Kernels
+from kvdrive.kernels.window import LocalWindow
 
 NEG_INF = float("-inf")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -177,12 +180,12 @@ _launch_lock = threading.Lock() if INTERPRETED else nullcontext()
 # Arguments that change from step to step (counts, lengths, strides of per-step tensors) are
 # not specialised on (Triton otherwise compiles anew whenever one of them becomes 1 or
 # a multiple of 16); the head-dim strides, 1, stay specialised.
-@triton.jit(do_not_specialize=["K", "L", "chunk", "splits", "local_start", "ssl_b", "ssl_h", "slk_b", "slk_h",
-                               "slk_l", "slv_b", "slv_h", "slv_l", "sva_b", "sva_h", "spg_b", "spg_h"],
+@triton.jit(do_not_specialize=["K", "L", "chunk", "splits", "local_start", "local_first", "ring", "ssl_b", "ssl_h",
+                               "slk_b", "slk_h", "slk_l", "slv_b", "slv_h", "slv_l", "sva_b", "sva_h", "spg_b", "spg_h"],
             do_not_specialize_on_alignment=["valid_ptr", "slots_ptr", "pages_ptr"])
 def _sparse_attention_kernel(
     q_ptr, kc_ptr, vc_ptr, slots_ptr, lk_ptr, lv_ptr, valid_ptr, part_ptr, lse_ptr, pages_ptr, count_ptr,
-    scaling, H, G, D, K, L, chunk, splits, local_start, count_at,
+    scaling, H, G, D, K, L, chunk, splits, local_start, local_first, ring, count_at, context_at, context_times,
     sq_b, sq_h, sq_g, sq_d,
     skc_b, skc_h, skc_c, skc_s, skc_d,
     svc_b, svc_h, svc_c, svc_s, svc_d,
@@ -193,6 +196,7 @@ def _sparse_attention_kernel(
     spg_b, spg_h, spg_k,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     F32_DOT: tl.constexpr, TOKENS: tl.constexpr = False, COUNT: tl.constexpr = False,
+    CONTEXT: tl.constexpr = False,
 ):
     """Program (row x head, split): attention over attended tokens ``[split * chunk, (split + 1) * chunk)``.
 
@@ -203,12 +207,24 @@ def _sparse_attention_kernel(
     sequence's real tokens ``valid`` ``[B, >= t]`` (``sva_h`` unused) at the positions of
     the ``pages`` ``[B, H, K]`` (-1: none) and of the local window from ``local_start``
     (``reference.attended_valid`` in the kernel). With ``COUNT`` the tokens that count are
-    added to ``count_ptr[count_at]`` (int64).
+    added to ``count_ptr[count_at]`` (int64); with ``CONTEXT`` (and ``TOKENS``), each row's
+    program (head 0, split 0) also adds ``context_times`` times the real tokens of
+    ``[0, local_start + L)`` to ``count_ptr[context_at]``. The local window is a ring of
+    ``ring`` slots (``kvdrive.kernels.window``): its token ``i`` sits in slot
+    ``(local_first + i) % ring``.
     """
     pair = tl.program_id(0)
     split = tl.program_id(1)
     b = (pair // H).to(tl.int64)
     h = (pair % H).to(tl.int64)
+    if CONTEXT:  # first, while few registers are live (after the loops it spills at fp32 D 128)
+        if (h == 0) & (split == 0):  # the row's context, once per row
+            real = tl.zeros([BLOCK_N], tl.int32)
+            for n0 in range(0, local_start + L, BLOCK_N):
+                n = n0 + tl.arange(0, BLOCK_N)
+                inside = n < local_start + L
+                real += ((tl.load(valid_ptr + b * sva_b + n * sva_n, mask=inside, other=0) != 0) & inside).to(tl.int32)
+            tl.atomic_add(count_ptr + context_at, tl.sum(real, axis=0).to(tl.int64) * context_times)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     gm = g < G
@@ -253,9 +269,10 @@ def _sparse_attention_kernel(
         else:
             ok = (tl.load(valid_ptr + b * sva_b + h * sva_h + n * sva_n, mask=inside, other=0) != 0) & inside
         counted += ok.to(tl.int32)
-        kt = tl.load(lk_ptr + (b * slk_b + h * slk_h + i * slk_l)[None, :] + d[:, None] * slk_d,
+        at = ((local_first + i) % ring).to(tl.int64)
+        kt = tl.load(lk_ptr + (b * slk_b + h * slk_h + at * slk_l)[None, :] + d[:, None] * slk_d,
                      mask=ok[None, :] & dm[:, None], other=0.0)
-        v = tl.load(lv_ptr + (b * slv_b + h * slv_h + i * slv_l)[:, None] + d[None, :] * slv_d,
+        v = tl.load(lv_ptr + (b * slv_b + h * slv_h + at * slv_l)[:, None] + d[None, :] * slv_d,
                     mask=ok[:, None] & dm[None, :], other=0.0)
         m_i, l_i, acc = _softmax_step(q, kt, v, ok, m_i, l_i, acc, scaling, F32_DOT)
     if COUNT:
@@ -314,6 +331,8 @@ def _workspace(tag: str, shape: tuple[int, ...], device: torch.device) -> torch.
     """A :func:`_scratch` buffer for results a kernel here writes in full and the next reads
     (or that its caller reads before its next call), kept per thread and ``tag`` and reused
     while the shape stays: no allocation per launch."""
+    if torch.compiler.is_compiling():  # a traced segment allocates once, from its graph's own pool
+        return _scratch(shape, device)
     buffers = _workspaces.__dict__.setdefault("buffers", {})
     buf = buffers.get(tag)
     if buf is None or buf.shape != shape or buf.device != device:
@@ -354,11 +373,15 @@ class TokenValidity:
     pages: torch.Tensor | None
     local_start: int
     count: tuple[torch.Tensor, int] | None = None
+    #: ``(index, times)``: attention also adds ``times`` the real tokens of the context (the
+    #: tokens before the local window's end) to element ``index`` of ``count``'s tensor.
+    context: tuple[int, int] | None = None
 
 
 def sparse_attention(query: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
                      local_k: torch.Tensor, local_v: torch.Tensor, valid: torch.Tensor | TokenValidity,
-                     scaling: float, *, block_n: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+                     scaling: float, *, block_n: int | None = None, num_splits: int | None = None,
+                     ring: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over cache slots, then the local window, in two Triton kernels.
 
     Arguments as :func:`kvdrive.kernels.reference.sparse_attention`: query ``[B, H, G, D]``,
@@ -370,48 +393,75 @@ def sparse_attention(query: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.
     with nothing valid. ``block_n``: tokens per tile (None: :func:`attention_block_n`);
     ``num_splits`` forces the chunks per (row, head) (None: enough for
     :data:`TARGET_PROGRAMS` programs, at least :data:`MIN_CHUNK_TOKENS` tokens each).
+    ``ring``: ``(first, length)``, the local window as a ring (:class:`kvdrive.kernels.window.LocalWindow`):
+    its ``length`` tokens from slot ``first`` of ``local_k``/``local_v``, wrapping around.
+    ``out``: where the result goes (float32, ``[B, H, G, D]`` contiguous, or any shape of as many elements).
     """
     _check_kv(cache_k, cache_v, local_k, local_v)
     b, h, g, d = query.shape
-    k, s, l = slots.shape[2], cache_k.shape[3], local_k.shape[2]
+    k, s = slots.shape[2], cache_k.shape[3]
+    first, l = ring if ring is not None else (0, local_k.shape[2])
     n = k * s + l
     by_tokens = isinstance(valid, TokenValidity)
     if not by_tokens and valid.shape[2] < n:
         raise ValueError(f"valid covers {valid.shape[2]} tokens, the pages and local window {n}")
-    if b * h * g == 0 or n == 0:
+    if b * h * g == 0 or (n == 0 and not (by_tokens and valid.context is not None)):
         return torch.zeros(b, h, g, d, dtype=torch.float32, device=query.device)
-    query = query.to(cache_k.dtype)
+    if query.dtype != cache_k.dtype:
+        query = query.to(cache_k.dtype)
+    context_at, context_times, context = 0, 0, False
     if by_tokens:
         pages = valid.pages if valid.pages is not None else slots
         counts, count_at = valid.count if valid.count is not None else (slots, 0)
+        if valid.context is not None and valid.count is not None:
+            (context_at, context_times), context = valid.context, True
         local_start, count = valid.local_start, valid.count is not None
-        valid_strides = (valid.tokens.stride(0), 0, valid.tokens.stride(1))
         valid = valid.tokens
     else:
         pages, counts, count_at, local_start, count = slots, slots, 0, 0, False
         valid = _as_bytes(valid)
-        valid_strides = valid.stride()
     block_n = block_n or attention_block_n(cache_k.dtype)
-    splits, chunk = _splits(b * h, n, block_n, MIN_CHUNK_TOKENS, num_splits)
+    splits, chunk = _splits(b * h, max(n, 1), block_n, MIN_CHUNK_TOKENS, num_splits)
     if splits == 1:  # the one chunk's output is the result
-        part = _scratch((b, h, splits, g, d), query.device)
-        out = part.view(b, h, g, d)
+        part = out if out is not None else _scratch((b, h, g, d), query.device)
     else:
-        part, out = _workspace("attention part", (b, h, splits, g, d), query.device), _scratch((b, h, g, d), query.device)
+        part = _workspace("attention part", (b, h, splits, g, d), query.device)
+        out = out if out is not None else _scratch((b, h, g, d), query.device)
     lse = _workspace("attention lse", (b, h, splits, g), query.device)
+    _attention_op(query, cache_k, cache_v, slots, local_k, local_v, valid, part, lse, pages, counts if count else None,
+                  None if splits == 1 else out, float(scaling), [l, chunk, splits, local_start, first, count_at,
+                                                                  context_at, context_times, block_n],
+                  [by_tokens, context])
+    return part if splits == 1 else out
+
+
+@torch.library.custom_op("kvdrive::attention", mutates_args=("part", "lse", "counts", "out"))
+def _attention_op(query: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
+                  local_k: torch.Tensor, local_v: torch.Tensor, valid: torch.Tensor, part: torch.Tensor,
+                  lse: torch.Tensor, pages: torch.Tensor, counts: torch.Tensor | None, out: torch.Tensor | None,
+                  scaling: float, sizes: list[int], flags: list[bool]) -> None:
+    """The launches of :func:`sparse_attention` (a torch op, so that a step's segment traces:
+    :mod:`kvdrive.kernels.triton_ops`). ``sizes``: window length, chunk, splits, local start,
+    ring's first slot, count and context indices, context multiplier, tokens per tile;
+    ``flags``: validity by tokens, context counted. ``out`` None: one split, ``part`` is it."""
+    b, h, g, d = query.shape
+    k, s = slots.shape[2], cache_k.shape[3]
+    l, chunk, splits, local_start, first, count_at, context_at, context_times, block_n = sizes
+    by_tokens, context = flags
+    valid_strides = (valid.stride(0), 0, valid.stride(1)) if by_tokens else valid.stride()
     block_g, block_d = _pow2(g), _pow2(d)
     with _launch_lock:
         _sparse_attention_kernel[(b * h, splits)](
-            query, cache_k, cache_v, slots, local_k, local_v, valid, part, lse, pages, counts,
-            float(scaling), h, g, d, k, l, chunk, splits, local_start, count_at,
-            *query.stride(), *cache_k.stride(), *cache_v.stride(), *slots.stride(),
-            *local_k.stride(), *local_v.stride(), *valid_strides, *pages.stride(),
-            PAGE=s if k else 1, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d,
-            F32_DOT=_f32_dot(cache_k.dtype), TOKENS=by_tokens, COUNT=count, num_warps=4,
+            query, cache_k, cache_v, slots, local_k, local_v, valid, part, lse, pages,
+            counts if counts is not None else slots, scaling, h, g, d, k, l, chunk, splits, local_start, first,
+            max(local_k.shape[2], 1), count_at, context_at, context_times, *query.stride(), *cache_k.stride(),
+            *cache_v.stride(), *slots.stride(), *local_k.stride(), *local_v.stride(), *valid_strides,
+            *pages.stride(), PAGE=s if k else 1, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d,
+            F32_DOT=_f32_dot(cache_k.dtype), TOKENS=by_tokens, COUNT=counts is not None, CONTEXT=context,
+            num_warps=4,
         )
-        if splits > 1:
+        if out is not None:
             _merge_kernel[(b * h,)](part, lse, out, g, d, splits, BLOCK_G=block_g, BLOCK_D=block_d, num_warps=4)
-    return out
 
 
 def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -419,9 +469,12 @@ def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     """:func:`kvdrive.kernels.reference.decode_attention` over ``[B, H, N, D]`` keys/values
     (``valid`` ``[B, H, N]``, or a :class:`TokenValidity` without pages) by
     :func:`sparse_attention` with no pages; float32."""
-    no_pages = torch.empty(*keys.shape[:2], 0, dtype=torch.int64, device=keys.device)
-    return sparse_attention(query, keys[:, :, None], values[:, :, None], no_pages, keys, values, valid, scaling,
+    return sparse_attention(query, keys[:, :, None], values[:, :, None], _no_pages(keys), keys, values, valid, scaling,
                             **kwargs)
+
+
+def _no_pages(keys: torch.Tensor) -> torch.Tensor:
+    return torch.empty(*keys.shape[:2], 0, dtype=torch.int64, device=keys.device)
 
 
 # ---------------------------------------------------------------- low-rank page scores
@@ -547,10 +600,9 @@ def _lowrank_weights_kernel(
 
 
 def _code_row_weights(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor, scaling: float,
-                      layout: ref.SketchLayout) -> torch.Tensor:
-    """``[4, B, H, G, rows]`` float32 (:func:`_lowrank_weights_kernel`) in one launch."""
+                      layout: ref.SketchLayout, w: torch.Tensor) -> torch.Tensor:
+    """``w`` ``[4, B, H, G, rows]`` float32 (:func:`_lowrank_weights_kernel`) in one launch."""
     b, h, g, d = query.shape
-    w = _workspace("lowrank weights", (4, b, h, g, layout.rows), query.device)
     _lowrank_weights_kernel[(b * h,)](
         query, qproj, scale, w, float(scaling),
         h, g, d, layout.rank, layout.int8, layout.int4, layout.int8, layout.int8 + layout.int4_rows, layout.rows,
@@ -628,10 +680,26 @@ def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
     block_p = block_p or lowrank_block_p(page_size)
     splits, per_split = _splits(b * h, num_pages, block_p, triton.cdiv(MIN_CHUNK_TOKENS, page_size), num_splits)
     plse = _workspace("lowrank page lse", (b, h, g, num_pages), query.device)
+    weights = _workspace("lowrank weights", (4, b, h, g, layout.rows), query.device)
+    _lowrank_scores_op(query, qproj, scale, codes, valid, weights, plse, out, float(scaling),
+                       [layout.rank, layout.int8, layout.int2, page_size, block_p, per_split, splits])
+    return out
+
+
+@torch.library.custom_op("kvdrive::lowrank_scores", mutates_args=("weights", "plse", "out"))
+def _lowrank_scores_op(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor, codes: torch.Tensor,
+                       valid: torch.Tensor, weights: torch.Tensor, plse: torch.Tensor, out: torch.Tensor,
+                       scaling: float, sizes: list[int]) -> None:
+    """The launches of :func:`lowrank_scores`, as a torch op (:mod:`kvdrive.kernels.triton_ops`).
+    ``sizes``: the layout's rank, int8 and int2 channels, page size, pages per tile and per split, splits."""
+    rank, int8, int2, page_size, block_p, per_split, splits = sizes
+    layout = ref.SketchLayout(rank, int8, int2)
+    b, h, g, _ = query.shape
     block_g = _pow2(g)
     rows8, rows4 = layout.int8, layout.int8 + layout.int4_rows
+    num_pages = out.shape[2]
     with _launch_lock:
-        weights = _code_row_weights(query, qproj, scale, scaling, layout)
+        _code_row_weights(query, qproj, scale, scaling, layout, weights)
         _lowrank_page_lse_kernel[(b * h, splits)](
             weights, codes, valid, plse,
             h, g, rows8, rows4, layout.rows, num_pages, per_split,
@@ -640,7 +708,6 @@ def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
             num_stages=LOWRANK_NUM_STAGES,
         )
         _lowrank_mass_kernel[(b * h,)](plse, out, g, num_pages, BLOCK_G=block_g, BLOCK_P=128, num_warps=4)
-    return out
 
 
 def lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, layout, **kwargs):
@@ -697,15 +764,34 @@ class TritonKernels(Kernels):
                                 selectable.shape[1], index.page_size, index.layout, reuse_out=True)
         return choose_pages(scores, selectable, k, sink), None if cached is None else PagePriority(scores)
 
+    def step_pages(self, valid, first_page, num_pages, sink, first_local, page_size, selectable=True):
+        from kvdrive.kernels.triton_topk import step_pages  # noqa: PLC0415 - it imports this module
+
+        return step_pages(valid, first_page, num_pages, sink, first_local, page_size, selectable)
+
+    def lowrank_add_page(self, index, keys, valid):
+        from kvdrive.kernels.triton_index import lowrank_encode_page  # noqa: PLC0415 - it imports this module
+
+        lowrank_encode_page(keys, valid, index.kproj, index.scale, index.layout, index.codes, index.valid,
+                            index.num_pages * index.page_size)
+
     def attended_valid(self, valid, chosen, page_size, local_start, t, heads):
         """A :class:`TokenValidity`: attention works out which attended tokens are real itself."""
         return TokenValidity(valid, chosen, local_start)
 
-    def count_attended(self, valid, counts, index):
+    def count_attended(self, valid, counts, index, context=None):
         if not isinstance(valid, TokenValidity):
-            return super().count_attended(valid, counts, index)
+            return super().count_attended(valid, counts, index, context)
         valid.count = (counts, index)  # attention adds them as it attends
+        if context is not None:  # attention counts the tokens before its window's end: t, as the caller's
+            _, _, at, times = context
+            valid.context = (at, times)
         return None
+
+    def append(self, window, key, value):
+        from kvdrive.kernels.triton_window import append  # noqa: PLC0415 - it imports this module
+
+        append(window, key, value)
 
     def land(self, cache_k, cache_v, rows, kv):
         from kvdrive.kernels.triton_placement import land  # noqa: PLC0415 - it imports this module
@@ -724,6 +810,18 @@ class TritonKernels(Kernels):
 
     def dense_attention(self, query, keys, values, valid, scaling):
         return dense_attention(query, keys, values, valid, scaling)
+
+    def attend_window(self, query, cache_k, cache_v, slots, window, valid, scaling, partial=None):
+        """Attention straight from the window's ring (no linear copy of it)."""
+        if partial is not None:
+            raise NotImplementedError(f"{self.name} kernels attend in one pass")
+        if window is None:
+            empty = cache_k.new_empty(*cache_k.shape[:2], 0, cache_k.shape[4])
+            window = LocalWindow(empty, empty, 0, 0)
+        if slots is None:  # the window alone
+            cache_k, cache_v, slots = window.k[:, :, None], window.v[:, :, None], _no_pages(window.k)
+        return sparse_attention(query, cache_k, cache_v, slots, window.k, window.v, valid, scaling,
+                                ring=(window.first, window.length))
 
 
 # ---------------------------------------------------------------- ahead-of-time compilation
@@ -809,9 +907,9 @@ def _attention_signature(dtype: torch.dtype, page: int, g: int, d: int, block_n:
     sig = {name: "i32" for name in _sparse_attention_kernel.arg_names}
     sig.update(q_ptr=kv, kc_ptr=kv, vc_ptr=kv, lk_ptr=kv, lv_ptr=kv, slots_ptr="*i64", valid_ptr="*i1",
                part_ptr="*fp32", lse_ptr="*fp32", pages_ptr="*i64", count_ptr="*i64", scaling="fp32")
-    # As a decode step launches it: validity from the tokens (TokenValidity), counted.
+    # As a decode step launches it: validity from the tokens (TokenValidity), counted, the context too (layer 0).
     const = dict(PAGE=page, BLOCK_N=block_n or attention_block_n(dtype), BLOCK_G=_pow2(g), BLOCK_D=_pow2(d),
-                 F32_DOT=dtype == torch.float32, TOKENS=True, COUNT=True, sq_d=1, skc_d=1, svc_d=1, ssl_k=1,
+                 F32_DOT=dtype == torch.float32, TOKENS=True, COUNT=True, CONTEXT=True, sq_d=1, skc_d=1, svc_d=1, ssl_k=1,
                  slk_d=1, slv_d=1, sva_n=1, spg_k=1)
     for name in const:
         sig[name] = "constexpr"
@@ -870,9 +968,15 @@ def sm90_configs() -> dict[str, tuple]:
     configs["lowrank G4"] = (_lowrank_page_lse_kernel, *_lowrank_signature(16, 4), LOWRANK_NUM_STAGES)
     configs["lowrank mass G4"] = (_lowrank_mass_kernel, *_mass_signature(4), 3)
     configs["lowrank weights G4 D128"] = (_lowrank_weights_kernel, *_weights_signature(4, 128, 22), 3)
-    from kvdrive.kernels.triton_topk import choose_signature  # noqa: PLC0415 - it imports this module
+    from kvdrive.kernels.triton_topk import choose_signature, step_pages_signature  # noqa: PLC0415 - it imports this module
 
     configs["choose P2048"] = (*choose_signature(2048), 3, 8)
+    configs["step pages S16"] = (*step_pages_signature(16, 1), 3)
+    from kvdrive.kernels.triton_index import encode_signature  # noqa: PLC0415 - it imports this module
+    from kvdrive.kernels.triton_window import append_signature  # noqa: PLC0415 - it imports this module
+
+    configs["encode page S16 D128 R44"] = (*encode_signature(16, 128, 22), 3)
+    configs["append fp16 D128"] = (*append_signature("fp16", 128), 3, 1)
     return configs
 
 

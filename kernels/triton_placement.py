@@ -119,6 +119,17 @@ def place(pages: torch.Tensor, page_slot: torch.Tensor, slot_page: torch.Tensor,
                     ("last_used", last_used), ("prio", prio)):
         if t.stride(2) != 1:
             raise ValueError(f"place needs {name}'s last dimension contiguous, its strides are {t.stride()}")
+    _place_op(pages, page_slot, slot_page, last_used, prio, head_capacity, slots, miss, step, by_page)
+    return slots, miss
+
+
+@torch.library.custom_op("kvdrive::place", mutates_args=("page_slot", "slot_page", "last_used", "slots", "miss"))
+def _place_op(pages: torch.Tensor, page_slot: torch.Tensor, slot_page: torch.Tensor, last_used: torch.Tensor,
+              prio: torch.Tensor, head_capacity: torch.Tensor | None, slots: torch.Tensor, miss: torch.Tensor,
+              step: int, by_page: bool) -> None:
+    """The launch of :func:`place`, as a torch op (:mod:`kvdrive.kernels.triton_ops`)."""
+    b, h, k = pages.shape
+    capacity = slot_page.shape[2]
     with _launch_lock:
         _place_kernel[(b * h,)](
             pages, page_slot, slot_page, last_used, prio, slots if head_capacity is None else head_capacity,
@@ -128,7 +139,6 @@ def place(pages: torch.Tensor, page_slot: torch.Tensor, slot_page: torch.Tensor,
             HAS_CAP=head_capacity is not None, BY_PAGE=by_page, BLOCK_K=_pow2(k, 1), BLOCK_C=_pow2(capacity, 1),
             num_warps=place_warps(capacity),
         )
-    return slots, miss
 
 
 def place_warps(capacity: int) -> int:
@@ -179,6 +189,13 @@ def land(cache_k: torch.Tensor, cache_v: torch.Tensor, rows: torch.Tensor, kv: t
             raise ValueError(f"land needs {name} contiguous but for a batch slice, its strides are {t.stride()}")
     if kv.stride()[2:] != (d, 1):
         raise ValueError(f"land needs each fetched page contiguous, the strides are {kv.stride()}")
+    _land_op(kv, rows, cache_k, cache_v)
+
+
+@torch.library.custom_op("kvdrive::land", mutates_args=("cache_k", "cache_v"))
+def _land_op(kv: torch.Tensor, rows: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
+    """The launch of :func:`land`, as a torch op (:mod:`kvdrive.kernels.triton_ops`)."""
+    n, s, d = kv.shape[0], cache_k.shape[3], cache_k.shape[4]
     with _launch_lock:
         _land_kernel[(n,)](kv, rows, cache_k, cache_v, n, kv.stride(0), kv.stride(1), PAGE_ELEMS=s * d,
                            BLOCK=_pow2(s * d, 1), num_warps=4)
