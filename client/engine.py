@@ -34,6 +34,8 @@ from kvdrive_client.store import StoreClient
 
 __all__ = ["ModelShape", "SparseKV"]
 
+VALID_RESERVE = 256  # decoded tokens' room in the token mask, added at a time
+
 
 class SparseKV:
     """KVDrive for one batch of ``batch`` sequences, from prefill to the end of decode.
@@ -81,12 +83,15 @@ class SparseKV:
         selected for this step and the local window (the new token included)."""
         session, sh = self.session, self.session.shape
         with session.decode_threads():
-            session.update(key[:, :, None], value[:, :, None], layer)
+            session.append(key, value, layer)
 
             def valid() -> torch.Tensor:  # the prompt's real tokens, then every decoded one
                 have, t = session.valid, session.seq_length(layer)
-                return have if have.shape[1] >= t else torch.cat([have, have.new_ones(have.shape[0], t - have.shape[1])],
-                                                                 dim=1)
+                if have.shape[1] >= t:
+                    return have
+                # Room for the tokens of many steps at once: the mask grows once in a while, not every step.
+                more = max(t - have.shape[1], VALID_RESERVE)
+                return torch.cat([have, have.new_ones(have.shape[0], more)], dim=1)
 
             b = query.shape[0]
             out = session.decode_query(layer, query.reshape(b, sh.num_kv_heads, sh.group, sh.head_dim), valid)

@@ -13,6 +13,7 @@ from kvdrive_client.selectors import IndexKind, Selector, _grow
 
 # The default at head dim 64 (AttachConfig.lowrank_layout scales it with the head dim).
 DEFAULT_LAYOUT = ref.SketchLayout(27, 1, 12)
+DECODE_PAGES = 64  # pages decoding may add before the index first grows
 
 
 class LowRankIndex(Selector):
@@ -98,8 +99,11 @@ class LowRankIndex(Selector):
         # One scale per channel: its largest |z| over its code range (see the class).
         levels = self.layout.levels().to(z.device)
         self.scale = (z.abs().amax(dim=2) / levels).clamp_min(1e-6) if t else torch.ones_like(self.kproj[..., 0, :], dtype=torch.float32)
-        self.codes = self._quantize(z[:, :, : p * s]).contiguous()  # padding tokens encode as 0 (never scored)
-        self.valid = valid[:, : p * s].clone()
+        codes = self._quantize(z[:, :, : p * s])  # padding tokens encode as 0 (never scored)
+        # Room for DECODE_PAGES pages more: decoded pages are added in place (the index grows once in a while).
+        spare = DECODE_PAGES * s
+        self.codes = torch.cat([codes, codes.new_zeros(*codes.shape[:3], spare)], dim=3)
+        self.valid = torch.cat([valid[:, : p * s], valid.new_zeros(b, spare)], dim=1)
         self.num_pages = p
         if p == 0:
             return None
@@ -116,8 +120,7 @@ class LowRankIndex(Selector):
         n, s = self.num_pages, self.page_size
         self.codes = _grow(self.codes, (n + 1) * s, dim=3)
         self.valid = _grow(self.valid, (n + 1) * s, dim=1, fill=False)
-        self.codes[:, :, :, n * s : (n + 1) * s] = self._quantize(torch.matmul(keys.float(), self.kproj.float()))
-        self.valid[:, n * s : (n + 1) * s] = valid
+        self.kernels(keys).lowrank_add_page(self, keys, valid)
         self.num_pages += 1
 
     def scores(self, query):

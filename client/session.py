@@ -119,8 +119,8 @@ class Session:
 
     def local_window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """A layer's local window: K and V ``[B, H, L, D]`` and the position of its first token."""
-        ls = self.ctx.layers[layer]
-        return ls.local_k, ls.local_v, ls.local_start
+        window = self.ctx.layers[layer].window
+        return *window.linear(), window.start
 
     def cache(self, layer: int):
         """A layer's device cache (None before its prefill)."""
@@ -153,11 +153,16 @@ class Session:
                 f"KVDrive decodes one token per step after prefill (got {q_len} tokens at layer {layer}); "
                 "start a new generate() for a new prompt"
             )
+        self.append(key, value, layer)
+        return ls.window.k, ls.window.v  # the ring: KVDrive's decode attention reads the window itself
+
+    def append(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> None:
+        """A decode step's token, ``[B, H, D]`` (or ``[B, H, 1, D]``), into the layer's local window."""
+        ls = self.ctx.layers[layer]
         with self.decode_threads():
-            ls.local_k = torch.cat([ls.local_k, key], dim=2)
-            ls.local_v = torch.cat([ls.local_v, value], dim=2)
+            self.ctx.kernels.append(ls.window, key, value)
+        ls.window.end += 1
         ls.num_tokens += 1
-        return ls.local_k, ls.local_v
 
     # ------------------------------------------------------------ prefill
 
@@ -230,25 +235,20 @@ class Session:
         num_pages = ls.num_tokens // self.cfg.page_size
         self.plan = planning.build_plan(self.ctx, self.valid, ls.num_tokens, num_pages, self.tuning.micro_batch,
                                         self.plan)
-        self.ctx.counts.add("context_tokens", self.valid.sum() * (self.shape.num_kv_heads * self.shape.num_layers))
 
     def _advance(self, layer: int) -> None:
         """Index (and queue for the store) pages completed by the new token; slide the local window."""
         ls, s = self.ctx.layers[layer], self.cfg.page_size
         while ls.num_pages < self.plan.num_pages:
             page = ls.num_pages
-            lo = page * s - ls.local_start
-            k, v = ls.local_k[:, :, lo : lo + s], ls.local_v[:, :, lo : lo + s]
+            k, v = ls.window.tokens(page * s, (page + 1) * s)
             page_valid = self.valid[:, page * s : (page + 1) * s]
             ls.selector.add_page(k, page_valid)
             for ob in self.ctx.observers:
                 ob.on_page(layer, page, k, page_valid)
             ls.num_pages += 1
             self.io.queue_page(layer, page, k, v)
-        drop = self.plan.first_local * s - ls.local_start
-        if drop > 0:
-            ls.local_k, ls.local_v = ls.local_k[:, :, drop:], ls.local_v[:, :, drop:]
-            ls.local_start += drop
+        ls.window.start = max(ls.window.start, self.plan.first_local * s)
 
     def _size_cache(self, layer: int) -> None:
         ls = self.ctx.layers[layer]

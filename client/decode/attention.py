@@ -21,7 +21,7 @@ def attended_valid(ctx: Context, plan: StepPlan, layer: int, mb: MicroBatch):
     """Which of the micro-batch's attended tokens (selected pages, then local window) are real,
     in the form the kernels' attention reads (a bool tensor, or the Triton kernels' record)."""
     ls = ctx.layers[layer]
-    return ctx.kernels.attended_valid(mb.of(plan.valid), mb.chosen, ctx.cfg.page_size, ls.local_start,
+    return ctx.kernels.attended_valid(mb.of(plan.valid), mb.chosen, ctx.cfg.page_size, ls.window.start,
                                       plan.t, ctx.shape.num_kv_heads)
 
 
@@ -41,13 +41,9 @@ def _attend(ctx: Context, layer: int, mb: MicroBatch, slots: torch.Tensor | None
     """Stage 4 over ``slots`` (None: no pages) and, with ``local``, the local window."""
     t0 = time.perf_counter()
     ls, sh = ctx.layers[layer], ctx.shape
-    lk, lv = mb.of(ls.local_k), mb.of(ls.local_v)
-    if slots is None:
-        out = ctx.kernels.dense_attention(mb.query, lk, lv, mb.valid, sh.scaling)
-    else:
-        if not local:
-            lk, lv = lk[:, :, :0], lv[:, :, :0]
-        out = ctx.kernels.attention(mb.query, mb.cache.k, mb.cache.v, slots, lk, lv, mb.valid, sh.scaling, partial)
+    window = mb.window(ls.window) if local else None
+    cache_k, cache_v = (mb.cache.k, mb.cache.v) if slots is not None else (None, None)
+    out = ctx.kernels.attend_window(mb.query, cache_k, cache_v, slots, window, mb.valid, sh.scaling, partial)
     t1 = time.perf_counter()
     ctx.timeline.add("compute", "main", t0, t1, layer=layer, mb=mb.index)
     ctx.stats["attention_ms"] += (t1 - t0) * 1e3
@@ -62,7 +58,9 @@ def finish(ctx: Context, io: StoreIO, plan: StepPlan, layer: int, mb: MicroBatch
     next fetch there: it reuses this fetch's staging buffer).
     """
     mb.valid = attended_valid(ctx, plan, layer, mb)
-    ctx.counts.add_attended(ctx.kernels, mb.valid)
+    # The step's context is counted once, at its first layer: every layer attends the same tokens.
+    context = (mb.of(plan.valid), plan.t, ctx.shape.num_kv_heads * ctx.shape.num_layers) if layer == 0 else None
+    ctx.counts.add_attended(ctx.kernels, mb.valid, context)
     if mb.chosen is None:
         out = _attend(ctx, layer, mb, None, None)
     elif mb.fetch is not None and ctx.cfg.overlap_fetch and ctx.kernels.attends_in_parts:

@@ -49,6 +49,7 @@ class StoreIO:
         self.base_pages = 0
         self.restored = False
         self._staging: list = [None, None]
+        self._staged: list = [None, None]  # each staging buffer as a flat tensor of the model's dtype
         # Prefill puts in flight, by put buffer (layers alternate between two).
         self._put_staging: list = [None, None]
         self._puts: list[list] = [[], []]
@@ -178,15 +179,20 @@ class StoreIO:
         has it; it then travels to the host with the next copy a step makes (:meth:`take_pages`)."""
         self._page_parts.setdefault(page, []).append((layer, torch.stack([keys, values], dim=2)))
 
-    def take_pages(self) -> tuple[list[int], torch.Tensor] | None:
-        """The pages every layer has completed, as one flat byte tensor on the device (layer-major
-        per page: ``[L, B, H, 2, S, D]``), to copy to the host; None when there are none. Such a
-        page is local for at least a page of steps more, so nothing fetches it before it is put."""
+    def take_pages(self) -> tuple[list[int], torch.Tensor, int] | None:
+        """The pages every layer has completed, as one flat int64 tensor on the device holding their
+        bytes (layer-major per page: ``[L, B, H, 2, S, D]``; zero bytes added up to a whole word),
+        to copy to the host, and the number of bytes; None when there are none. Such a page is
+        local for at least a page of steps more, so nothing fetches it before it is put."""
         pages = [p for p, parts in sorted(self._page_parts.items()) if len(parts) == self.ctx.shape.num_layers]
         if not pages:
             return None
-        data = [kv for p in pages for _, kv in sorted(self._page_parts.pop(p), key=lambda x: x[0])]
-        return pages, torch.cat([kv.contiguous().view(torch.uint8).reshape(-1) for kv in data])
+        data = torch.stack([kv for p in pages for _, kv in sorted(self._page_parts.pop(p), key=lambda x: x[0])])
+        nbytes = data.numel() * data.element_size()
+        if data.shape[-1] * data.element_size() % 8 == 0:
+            return pages, data.view(torch.int64).view(-1), nbytes
+        flat = data.view(torch.uint8).view(-1)
+        return pages, torch.cat([flat, flat.new_zeros(-nbytes % 8)]).view(torch.int64), nbytes
 
     def put_pages(self, pages: list[int], host_bytes: np.ndarray) -> None:
         """Write taken pages (their bytes on the host) to the store: all layers at once, one put per row."""
@@ -205,7 +211,7 @@ class StoreIO:
         """Write the pages every layer has completed now (their own copy to the host)."""
         taken = self.take_pages()
         if taken is not None:
-            self.put_pages(taken[0], taken[1].cpu().numpy())
+            self.put_pages(taken[0], taken[1].cpu().numpy().view(np.uint8)[: taken[2]])
 
     # ------------------------------------------------------------ gets
 
@@ -220,6 +226,8 @@ class StoreIO:
                 self.store.unregister(buf)
             buf = self._staging[slot] = self.store.register(max(nbytes, 1 << 20))
             transfer.register(buf.array)
+            # The buffer as the model's dtype, made once: a fetch's pages are a slice of it.
+            self._staged[slot] = torch.from_numpy(buf.array).view(self.ctx.shape.dtype)
         return buf
 
     def submit(self, layer: int, row0: int, host: HostPlacement, slot: int) -> Fetch | None:
@@ -259,7 +267,7 @@ class StoreIO:
         ctx.stats["blocks_dram"] += reply["dram"]
         ctx.stats["blocks_ssd"] += reply["ssd"]
         s, d, bb = ctx.cfg.page_size, ctx.shape.head_dim, self.block_bytes
-        raw = torch.from_numpy(fetch.staging.array[: fetch.n * bb]).view(ctx.shape.dtype).reshape(fetch.n, 2, s, d)
+        raw = self._staged[fetch.slot][: fetch.n * 2 * s * d].view(fetch.n, 2, s, d)
         raw = ctx.kernels.transfer.to_device(raw, fetch.slot)
         ctx.stats["bytes_fetched"] += fetch.n * bb
         ctx.stats["fetch_wait_ms"] += (t1 - t0) * 1e3
@@ -278,6 +286,7 @@ class StoreIO:
         for i, buf in enumerate(self._staging):
             if buf is not None:
                 self.ctx.kernels.transfer.unregister(buf.array)
+                self._staged[i] = None
                 self.store.unregister(buf)
                 self._staging[i] = None
         if not self.ctx.cfg.keep:

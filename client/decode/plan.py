@@ -23,36 +23,25 @@ def first_local_page(ctx: Context, num_tokens: int, num_pages: int) -> int:
 
 
 def cache_capacity(ctx: Context, layer: int, first_local: int) -> tuple[int, tuple[int, ...] | None]:
-    """Slots per (row, KV head) for a context of ``first_local`` pages, and per-head limits (or None)."""
+    """Slots per (row, KV head) for a context of ``first_local`` pages, and per-head limits (or None).
+
+    Never more than the ``first_local`` pages a step can attend from the cache (sink and
+    selectable): a multiple of a selection that is already every page would only reserve
+    slots no page can fill (x4 the KV at budget 1)."""
     cfg, sh = ctx.cfg, ctx.shape
     sink = min(cfg.sink_pages, first_local)
     k = cfg.pages_to_select(first_local - sink)
+    most = max(1, first_local)
     if cfg.head_multipliers is not None:
-        per_head = tuple(max(math.ceil(w * k) + sink, k + sink, 1) for w in cfg.head_multipliers[layer])
+        per_head = tuple(min(most, max(math.ceil(w * k) + sink, k + sink, 1)) for w in cfg.head_multipliers[layer])
         return max(per_head), per_head
     if cfg.cache_bytes is not None:
         per_page = sh.page_bytes(cfg.page_size)
         slots = cfg.cache_bytes // (per_page * ctx.batch * sh.num_kv_heads * sh.num_layers)
-        return max(int(slots), k + sink, 1), None
+        return min(most, max(int(slots), k + sink, 1)), None
     if ctx.multiplier == 0:
         return max(1, k + sink), None
-    return max(1, math.ceil(ctx.multiplier * k) + sink), None
-
-
-def sink_pages(ctx: Context, sink: int, first_local: int) -> torch.Tensor:
-    """``[B, sink]``: each row's sink, its first ``sink`` pages from its first real one (a
-    left-padded row's sink is its prompt's start, not the padding); -1 past the local window's start."""
-    pages = ctx.first_page[:, None] + torch.arange(sink, device=ctx.device)
-    return pages.masked_fill(pages >= first_local, -1)
-
-
-def _selectable(ctx: Context, valid: torch.Tensor, num_pages: int, sink: int, first_local: int) -> torch.Tensor:
-    """Pages a step may choose: after the row's sink, before the local window, holding a real token."""
-    s = ctx.cfg.page_size
-    page = torch.arange(num_pages, device=ctx.device)
-    sel = (page[None, :] >= (ctx.first_page + sink)[:, None]) & (page[None, :] < first_local)
-    sel &= valid[:, : num_pages * s].reshape(ctx.batch, num_pages, s).any(dim=2)
-    return sel.contiguous()
+    return min(most, max(1, math.ceil(ctx.multiplier * k) + sink)), None
 
 
 def build_plan(ctx: Context, valid: torch.Tensor, t: int, num_pages: int, micro_batch: int,
@@ -70,6 +59,6 @@ def build_plan(ctx: Context, valid: torch.Tensor, t: int, num_pages: int, micro_
     if previous is not None and (previous.num_pages, previous.first_local, previous.k) == (num_pages, first_local, k):
         selectable, sinks = previous.selectable, previous.sink_pages
     else:
-        selectable = _selectable(ctx, valid, num_pages, sink, first_local) if k else None
-        sinks = sink_pages(ctx, sink, first_local)
+        selectable, sinks = ctx.kernels.step_pages(valid, ctx.first_page, num_pages, sink, first_local,
+                                                   ctx.cfg.page_size, selectable=k > 0)
     return StepPlan(ctx.step, valid, t, num_pages, first_local, sink, k, selectable, groups, sinks)

@@ -7,6 +7,7 @@ import time
 import torch
 
 from kvdrive.kernels import reference as ref
+from kvdrive.kernels.window import LocalWindow, ring_capacity
 from kvdrive_client.config import AttachConfig
 from kvdrive_client.decode.fetch import StoreIO
 from kvdrive_client.decode.plan import cache_capacity, first_local_page
@@ -96,9 +97,8 @@ def finish_layer(ctx: Context, io: StoreIO, layer: int, query: torch.Tensor, val
         io.put_layer(layer, keys, values, num_pages, cluster, score)
     t3 = time.perf_counter()
     first_local = first_local_page(ctx, t, num_pages)
-    ls.local_start = first_local * s
-    ls.local_k = keys[:, :, ls.local_start :].clone()
-    ls.local_v = values[:, :, ls.local_start :].clone()
+    ls.window = LocalWindow.of(keys[:, :, first_local * s :], values[:, :, first_local * s :], first_local * s,
+                               ring_capacity(cfg.local_tokens, s))
     capacity, per_head = cache_capacity(ctx, layer, first_local)
     ls.cache = DeviceCache((b, h, capacity, s, d), keys.dtype, ctx.device, cfg.eviction, reuse=ctx.multiplier != 0,
                            kernels=ctx.kernels)

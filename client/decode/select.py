@@ -57,20 +57,15 @@ def to_host(ctx: Context, io: StoreIO, mb: MicroBatch) -> None:
     with the figures counted on the device and the decode pages ready for the store; put
     those pages; add the micro-batch's hits, misses and stage times to the session's figures."""
     counts, pages = ctx.counts.take(), io.take_pages()
-    words = ([] if counts is None else [counts]) + ([] if pages is None else [_words(pages[1])])
+    words = ([] if counts is None else [counts]) + ([] if pages is None else [pages[1]])
     mb.host, tail = mb.placement.to_host(None if not words else words[0] if len(words) == 1 else torch.cat(words))
     if counts is not None:
         ctx.counts.add_to(ctx.stats, tail[: counts.numel()])
         tail = tail[counts.numel() :]
     if pages:
-        io.put_pages(pages[0], tail.view(np.uint8)[: pages[1].numel()])
+        io.put_pages(pages[0], tail.view(np.uint8)[: pages[2]])
     ctx.stats["hits"] += mb.host.num_hits
     ctx.stats["misses"] += mb.host.num_misses
     ctx.stats["select_ms"] += mb.select_ms
     ctx.stats["hitmiss_ms"] += mb.place_ms
 
-
-def _words(data: torch.Tensor) -> torch.Tensor:
-    """1-D bytes as int64 words (zero bytes added up to a whole word), to travel with the placement."""
-    pad = -data.numel() % 8
-    return (torch.cat([data, data.new_zeros(pad)]) if pad else data).view(torch.int64)

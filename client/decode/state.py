@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvdrive.kernels import Kernels
+from kvdrive.kernels.window import LocalWindow
 from kvdrive.layout.geometry import Geometry
 from kvdrive_client.config import AttachConfig
 from kvdrive_client.device_cache import DeviceCache, HostPlacement, Placement
@@ -74,9 +75,7 @@ class LayerState:
 
     def __init__(self) -> None:
         self.prefill: tuple[torch.Tensor, torch.Tensor] | None = None  # K, V between update() and finish_prefill()
-        self.local_k: torch.Tensor | None = None  # [B, H, t - local_start, D]
-        self.local_v: torch.Tensor | None = None
-        self.local_start = 0
+        self.window: LocalWindow | None = None  # the local window: tokens [start, num_tokens), in a ring
         self.num_tokens = 0
         self.num_pages = 0  # complete pages: indexed and (to be) stored
         self.selector: Selector | None = None
@@ -98,14 +97,14 @@ class DeviceCounts:
         self.pending = False
         self._seen = [0] * len(self.NAMES)
 
-    def add(self, name: str, value: torch.Tensor) -> None:
-        self.values[self.NAMES.index(name)] += value
-        self.pending = True
-
-    def add_attended(self, kernels: Kernels, valid) -> None:
+    def add_attended(self, kernels: Kernels, valid, context: tuple[torch.Tensor, int, int] | None = None) -> None:
         """Count the real attended tokens of ``valid`` (the kernels' :meth:`~Kernels.attended_valid`),
-        before attention over it: the kernels may count while they attend."""
-        kernels.count_attended(valid, self.values, self.NAMES.index("attended_tokens"))
+        before attention over it: the kernels may count while they attend. With ``context``
+        (``(tokens, t, times)``), also ``times`` the real tokens among the first ``t`` of ``tokens``."""
+        if context is not None:
+            tokens, t, times = context
+            context = (tokens, t, self.NAMES.index("context_tokens"), times)
+        kernels.count_attended(valid, self.values, self.NAMES.index("attended_tokens"), context)
         self.pending = True
 
     def take(self) -> torch.Tensor | None:
@@ -197,3 +196,7 @@ class MicroBatch:
     def of(self, t: torch.Tensor) -> torch.Tensor:
         """``t``'s rows ``[lo, hi)`` (batch-first); ``t`` itself when they are all its rows (no op)."""
         return t if self.lo == 0 and self.hi == t.shape[0] else t[self.lo : self.hi]
+
+    def window(self, window: LocalWindow) -> LocalWindow:
+        """A local window's rows ``[lo, hi)``; the window itself when they are all its rows."""
+        return window if self.lo == 0 and self.hi == window.k.shape[0] else window.rows(self.lo, self.hi)
