@@ -34,7 +34,8 @@ class AttachConfig:
     page_size: tokens per page (the unit of selection, caching and storage).
     sink_tokens / local_tokens: always attended: the first tokens and the last ones.
     cache_multiplier: device cache per (layer, KV head) as a multiple of the step's
-        selection (the paper's xW); 0 keeps no cache (every selected page is fetched
+        selection (the paper's xW), never more than the pages before the local window
+        (at budget 1 each page once); 0 keeps no cache (every selected page is fetched
         every step); None calibrates it during the first decode steps (grown while
         fetching takes longer than the hit/miss evaluation). ``cache_bytes`` instead
         sets a total byte budget; ``head_multipliers`` (or a ``profile`` file written by

@@ -123,9 +123,10 @@ class Handle:
         Counts and byte totals (``hits``, ``misses``, ``bytes_fetched``, ``bytes_from_dram``,
         ``bytes_from_ssd``, ``bytes_put``, ...), milliseconds per stage summed over steps
         (``select_ms``, ``fetch_ms``, ``attention_ms``, ...), ratios (``hit_rate``,
-        ``attended_fraction``), the index and device-cache sizes, and under ``store`` the
-        daemon's counters. docs/stats.md lists every key with its unit. After
-        :meth:`detach` it returns the final figures.
+        ``attended_fraction``), the index's size, what the device cache reserves on the
+        compute device (``device_cache_bytes``, at most ``kv_bytes``: the context's K and
+        V), and under ``store`` the daemon's counters. docs/stats.md lists every key with
+        its unit. After :meth:`detach` it returns the final figures.
         """
         if self.active is not None:
             self.active.fold_counts()
@@ -140,6 +141,7 @@ class Handle:
         if self.active is not None:
             s["index_bytes"] = self.active.index_bytes()
             s["device_cache_bytes"] = self.active.cache_bytes()
+            s["kv_bytes"] = self.active.kv_bytes()
         # After detach() a store attach() started is gone: its last counters stand.
         s["store"] = self.store.stats().get("counters", {}) if self._attached or not self._owns_store else self._store_counters
         return s

@@ -275,7 +275,14 @@ class Session:
         return sum(ls.selector.index_bytes for ls in self.ctx.layers if ls.selector is not None)
 
     def cache_bytes(self) -> int:
+        """Bytes the device cache reserves on the compute device, all layers (its K and V slots)."""
         return sum(ls.cache.nbytes for ls in self.ctx.layers if ls.cache is not None)
+
+    def kv_bytes(self) -> int:
+        """Bytes of the context's K and V in the layers KVDrive serves, all rows (padding included)."""
+        sh = self.shape
+        per_token = 2 * sh.num_kv_heads * sh.head_dim * sh.dtype.itemsize * self.batch
+        return sum(ls.num_tokens for ls in self.ctx.layers) * per_token
 
     def close(self) -> None:
         if self._closed:
@@ -284,6 +291,7 @@ class Session:
         self.fold_counts()
         self.stats["index_bytes"] = self.index_bytes()
         self.stats["device_cache_bytes"] = self.cache_bytes()
+        self.stats["kv_bytes"] = self.kv_bytes()
         self.pipeline.close()
         self.io.close()
         if self.cfg.trace:
