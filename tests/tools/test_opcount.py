@@ -23,9 +23,12 @@ def _triton_interpreted() -> bool:
 # counted on CPU tensors): the placement's one copy to the host, which also carries the
 # figures counted on the device and the pages completed in the step.
 SYNC_BUDGET = {"reference": 1.0, "cpu": 1.0, **({"triton": 1.0} if _triton_interpreted() else {})}
-# Torch ops (Triton launches included) per layer in a step that completes no page, at most,
-# with the Triton kernels: what the decode path issues now, so that it only goes down.
-TRITON_STEADY_OPS = 32
+# Torch ops (Triton launches included) per layer with the Triton kernels, at most: in a step
+# that completes no page, in one that completes a page (it indexes and queues the page), and
+# over the 16 counted steps (one of them completes a page). On a GPU nearly each is a launch.
+TRITON_STEADY_OPS = 24
+TRITON_PAGE_OPS = 40
+TRITON_MEAN_OPS = 30
 
 
 def test_the_counter_sees_syncs_and_host_copies():
@@ -56,3 +59,4 @@ def test_decode_stays_within_its_sync_budget(daemon):
             assert r["ops_per_layer_step"] > r["syncs_per_layer_step"]
             if kernels == "triton":
                 assert r["launches_per_layer_step"] > 0 and r["steady"] <= TRITON_STEADY_OPS, r["ops"]
+                assert r["page"] <= TRITON_PAGE_OPS and r["ops_per_layer_step"] <= TRITON_MEAN_OPS, r["ops"]
