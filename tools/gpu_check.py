@@ -11,9 +11,9 @@ leaves unused goes to the ones after it):
    (name, compute capability, memory, multiprocessors, ``nvidia-smi``); the kernel set
    ``kvdrive.kernels.for_device("cuda")`` picks and every choice of ``KERNEL_CHOICES``;
    an embedded ``kvstored`` started and pinged; where each KVDrive package was imported from.
-2. ``gpu_tests`` (20%): ``pytest -q -m gpu tests`` in a subprocess, its time limit the
+2. ``gpu_tests`` (28%): ``pytest -q -m gpu tests`` in a subprocess, its time limit the
    stage's share; pass/fail counts, the tail in results.json, the whole output in ``pytest.log``.
-3. ``micro`` (20%): micro-benchmarks timed with CUDA events (median of repeats, L2 flushed
+3. ``micro`` (12%): micro-benchmarks timed with CUDA events (median of repeats, L2 flushed
    before each), every variant side by side in one run: (a) paged sparse attention at a
    Llama-3-8B decode shape (batch 4, 8 KV heads, 4 query heads per KV head, head dim 128,
    page 16, 128 selected pages of 512 cache slots, 64 local tokens, fp16), the torch
@@ -26,18 +26,21 @@ leaves unused goes to the ones after it):
    a shared-memory mapping (a memfd, as the client's buffers are) registered with
    ``cudaHostRegister``. The copies run first, and a CUDA error that breaks the device
    context skips the benchmarks after it (recorded).
-4. ``decode`` (52%): workload (b) of the decode benchmark (``kvdrive.tools.bench_decode``:
+4. ``launches`` (8%): ``kvdrive.tools.opcount`` on the device, Triton kernels then the
+   reference ones: torch ops, host syncs and, by the torch profiler, CUDA kernel launches
+   and copies per layer per decode step (steps that complete a page among them).
+5. ``decode`` (44%): workload (b) of the decode benchmark (``kvdrive.tools.bench_decode``:
    attention only, Llama-3-8B's layer shape, 8 layers, batch 4, synthetic queries of the
    workload's default locality) at 32K tokens, and at 128K if the time left allows, for
    dense attention with all KV in HBM, the ShadowKV-style baseline and KVDrive
    (``kvdrive+pipe``) on a DRAM tier that holds all KV and on DRAM+SSD (half of it),
-   then KVDrive with the Triton kernels where offered; tokens/s and bytes fetched per
-   step for every row.
-5. ``summary``: a plain-text report, printed last and saved as ``summary.txt``.
+   KVDrive with the Triton kernels (where offered) right after dense; tokens/s and bytes
+   fetched per step for every row.
+6. ``summary``: a plain-text report, printed last and saved as ``summary.txt``.
 
 Each stage catches its own errors (recorded, and the next stage runs) and
 ``results.json`` in ``--out`` is rewritten (a temporary file, then a rename) after every
-stage, so a run cut off still leaves what it measured. ``env``, ``micro`` and ``decode``
+stage, so a run cut off still leaves what it measured. ``env``, ``micro``, ``launches`` and ``decode``
 each run in a child process of their own (the hidden option ``--stage NAME``), so a
 CUDA fault or a hang there cannot take the later stages with it: a child still running
 10 s past its stage's share is killed and the stage recorded as ``timeout``, with the
@@ -799,6 +802,34 @@ class ResidentPrefill:
         return tuple(x.clone() for x in self._kv[layer])
 
 
+def stage_launches(ctx: Context, data: dict) -> None:
+    """Torch ops, host syncs and CUDA kernel launches per layer per decode step (opcount on the device)."""
+    from kvdrive.tools import opcount  # noqa: PLC0415
+    from kvdrive_client import connect  # noqa: PLC0415
+
+    device = _stage_device(ctx)
+    data.update(device=str(device), rows=[])
+    steps = 4 if ctx.dry_run else 18  # the 16th counted step completes a page
+    with connect(None) as store:
+        for kernels in ("triton", "reference") if device.type == "cuda" else ("reference",):
+            if ctx.left() < 10:
+                data["rows"].append({"kernels": kernels, "status": "skipped",
+                                     "reason": f"the stage's share ran out ({ctx.left():.0f} s left)"})
+                continue
+            t0 = time.perf_counter()
+            try:
+                r = opcount.count_decode(store, kernels, steps=steps, device=str(device))
+                row = {k: r[k] for k in ("kernels", "ops_per_layer_step", "steady", "page", "syncs_per_layer_step",
+                                         "launches_per_layer_step") if k in r}
+                row.update({k: v for k, v in r.items() if k.startswith("cuda_")}, status="ok")
+            except Exception as exc:  # noqa: BLE001 - a row's failure is recorded; the next row runs
+                row = {"kernels": kernels, "status": "error", "error": _error_text(exc),
+                       "traceback": _tail(traceback.format_exc(), 2000)}
+            row["seconds"] = round(time.perf_counter() - t0, 1)
+            data["rows"].append(row)
+            ctx.save()
+
+
 def decode_rows(kernel_choices: list[str], device_type: str) -> list[tuple[str, str, str]]:
     """(configuration, kernels, tier) in the order they run: each configuration's tiers back to
     back, as the decode benchmark runs them. The Triton rows, the kernels KVDrive picks on a
@@ -971,6 +1002,15 @@ def render_summary(results: dict) -> str:
                              _f(r.get("gb_per_s"), ".1f"), _f(check, ".2e"),
                              ((r.get("reason") or r.get("error") or ok or "") + agree)[:90]])
         lines += _table(["benchmark", "variant", "status", "ms", "GB/s", "err vs ref", "note"], body)
+    launches = stages.get("launches", {}).get("data", {})
+    if launches:
+        lines += ["", f"launches per layer per decode step ({launches.get('device')}; opcount's model, batch 2):"]
+        body = [[r.get("kernels", "?"), r.get("status", "?"), _f(r.get("ops_per_layer_step"), ".1f"),
+                 _f(r.get("steady"), ".1f"), _f(r.get("page"), ".1f"), _f(r.get("syncs_per_layer_step"), ".1f"),
+                 _f(r.get("cuda_launches_per_layer_step"), ".1f"), _f(r.get("cuda_copies_per_layer_step"), ".1f"),
+                 (r.get("reason") or r.get("error") or "")[:80]] for r in launches.get("rows", [])]
+        lines += _table(["kernels", "status", "torch ops", "no-page step", "page step", "host syncs",
+                         "CUDA launches", "copies", "note"], body)
     dec = stages.get("decode", {}).get("data", {})
     if dec:
         lines += ["", f"decode: workload (b), {dec.get('layers')} layers, batch {dec.get('batch')}, {dec.get('steps')} "
@@ -1030,8 +1070,9 @@ def stage_summary(ctx: Context, data: dict) -> None:
 STAGES = [
     Stage("env", 0.06, stage_env, isolated=True),
     Stage("gpu_tests", 0.28, stage_gpu_tests),  # 10 tests took 60-70 s on an H200, compiles included
-    Stage("micro", 0.14, stage_micro, isolated=True),
-    Stage("decode", 0.50, stage_decode, isolated=True),
+    Stage("micro", 0.12, stage_micro, isolated=True),
+    Stage("launches", 0.08, stage_launches, isolated=True),
+    Stage("decode", 0.44, stage_decode, isolated=True),
     Stage("summary", 0.02, stage_summary),
 ]
 

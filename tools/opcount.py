@@ -160,37 +160,44 @@ def _site() -> str:
 
 
 def count_decode(store, kernels: str = "reference", steps: int = 6, warmup: int = 2, batch: int = 2,
-                 layers: int = 2, sites: bool = False, **options) -> dict:
+                 layers: int = 2, sites: bool = False, device: str = "cpu", **options) -> dict:
     """Decode a small random model through SparseKV; the ops per layer and step, counted
     over ``steps`` steps after ``warmup`` uncounted ones (a prompt of 640 tokens, pages of
     16: the 16th counted step completes a page). ``steady``/``page``: the ops per layer of
-    the steps that complete no page / one (None when there were none)."""
+    the steps that complete no page / one (None when there were none). On a CUDA
+    ``device`` the torch profiler also counts the kernel launches and copies the host
+    issues (``cuda_launches_per_layer_step``, ``cuda_copies_per_layer_step``)."""
     from kvdrive_client.engine import ModelShape, SparseKV  # noqa: PLC0415
 
     g = torch.Generator().manual_seed(0)
     h, hq, d, t = 2, 4, 32, 640
-    kv = SparseKV(store, ModelShape(layers, h, hq, d, torch.float32), batch=batch, kernels=kernels,
+    kv = SparseKV(store, ModelShape(layers, h, hq, d, torch.float32), batch=batch, kernels=kernels, device=device,
                   pipeline=False, budget=0.125, **options)
     counter = OpCounter(sites=sites)
     per_step: dict[bool, list[int]] = {False: [], True: []}  # ops of each step, by whether it completed a page
+
+    def rand(*size):
+        return torch.randn(*size, generator=g).to(device)
+
+    cuda = torch.device(device).type == "cuda"
     try:
         for layer in range(layers):
-            kv.prefill(layer, torch.randn(batch, hq, t, d, generator=g), torch.randn(batch, h, t, d, generator=g),
-                       torch.randn(batch, h, t, d, generator=g))
-        with counter:
-            for step in range(warmup + steps):
+            kv.prefill(layer, rand(batch, hq, t, d), rand(batch, h, t, d), rand(batch, h, t, d))
+        for step in range(warmup):
+            for layer in range(layers):
+                kv.decode(layer, rand(batch, hq, d), rand(batch, h, d), rand(batch, h, d))
+        inputs = [[[rand(batch, n, d) for n in (hq, h, h)] for _ in range(layers)] for _ in range(steps)]
+        with _cuda_profile(cuda) as prof, counter:
+            for step in range(steps):
                 before, pages = counter.num_ops, kv.session.num_pages(0)
-                with counter.paused() if step < warmup else contextlib.nullcontext():
-                    for layer in range(layers):
-                        with counter.paused():
-                            q, k, v = (torch.randn(batch, n, d, generator=g) for n in (hq, h, h))
-                        kv.decode(layer, q, k, v)
-                if step >= warmup:
-                    per_step[kv.session.num_pages(0) > pages].append(counter.num_ops - before)
+                for layer in range(layers):
+                    kv.decode(layer, *inputs[step][layer])
+                per_step[kv.session.num_pages(0) > pages].append(counter.num_ops - before)
         stats = dict(kv.stats)
     finally:
         kv.close()
     per = steps * layers
+    cuda_counts = _cuda_counts(prof, per) if cuda else {}
 
     def mean(ops):
         return sum(ops) / (len(ops) * layers) if ops else None
@@ -202,7 +209,30 @@ def count_decode(store, kernels: str = "reference", steps: int = 6, warmup: int 
             "ops": {k: v / per for k, v in counter.ops.most_common()},
             "sites": {k: v / per for k, v in counter.by_site.most_common()},
             "top_ops": {k: v / per for k, v in counter.ops.most_common(12)}, "misses": stats["misses"],
-            "pages_flushed": stats.get("pages_flushed", 0)}
+            "pages_flushed": stats.get("pages_flushed", 0), **cuda_counts}
+
+
+# What the host calls to start work on a CUDA device, as the torch profiler names them.
+CUDA_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+CUDA_COPIES = ("cudaMemcpyAsync", "cudaMemcpy", "cudaMemsetAsync")
+
+
+@contextlib.contextmanager
+def _cuda_profile(on: bool):
+    if not on:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield prof
+    torch.cuda.synchronize()
+
+
+def _cuda_counts(prof, per: int) -> dict:
+    names = Counter(e.name for e in prof.events())
+    return {"cuda_launches_per_layer_step": sum(names[n] for n in CUDA_LAUNCHES) / per,
+            "cuda_copies_per_layer_step": sum(names[n] for n in CUDA_COPIES) / per}
 
 
 def _print(r: dict, top: int) -> None:
@@ -212,6 +242,9 @@ def _print(r: dict, top: int) -> None:
     print(f"kernels={r['kernels']}: {r['ops_per_layer_step']:.1f} torch ops ({r['launches_per_layer_step']:.1f} "
           f"Triton launches){split}, {r['syncs_per_layer_step']:.1f} host syncs per layer per decode step "
           f"({r['misses']} misses)")
+    if "cuda_launches_per_layer_step" in r:
+        print(f"    on the device: {r['cuda_launches_per_layer_step']:.1f} kernel launches and "
+              f"{r['cuda_copies_per_layer_step']:.1f} copies or memsets per layer per decode step (torch profiler)")
     for name, n in r["syncs"].items():
         print(f"    {name:32s} {n:6.2f}")
     for title, key in (("ops by name", "ops"), ("ops by site", "sites")):
@@ -229,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
                     "more include one that completes a page)")
     ap.add_argument("--top", type=int, default=0, help="also print the N most frequent ops by name")
     ap.add_argument("--sites", action="store_true", help="with --top, also the ops per site (file:function)")
+    ap.add_argument("--device", default="cpu", help="where the decode runs (cuda: the profiler also counts its kernel "
+                    "launches)")
     args = ap.parse_args(argv)
     if "triton" in args.kernels and "triton" not in sys.modules:
         # The counts are taken on CPU tensors: the Triton kernels run there under Triton's
@@ -238,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with connect(None) as store:  # a private embedded daemon
         for kernels in args.kernels:
-            _print(count_decode(store, kernels, steps=args.steps, sites=args.sites), args.top)
+            _print(count_decode(store, kernels, steps=args.steps, sites=args.sites, device=args.device), args.top)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import pytest
 from kvdrive.tools import gpu_check as gc
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGE_NAMES = ["env", "gpu_tests", "micro", "decode", "summary"]
+STAGE_NAMES = ["env", "gpu_tests", "micro", "launches", "decode", "summary"]
 FINAL = {"ok", "skipped", "failed", "error", "timeout"}
 
 
@@ -34,7 +34,7 @@ def test_dry_run_completes_on_the_cpu(tmp_path):
     # The nested pytest may meet another test module's collection error: its verdict is recorded either way.
     assert stages["gpu_tests"]["status"] in ("ok", "failed")
     assert "counts" in stages["gpu_tests"]["data"] and (out / gc.PYTEST_LOG).is_file()
-    for name in ("env", "micro", "decode", "summary"):
+    for name in ("env", "micro", "launches", "decode", "summary"):
         assert stages[name]["status"] == "ok", (name, stages[name], proc.stdout[-3000:], proc.stderr[-3000:])
     env = stages["env"]["data"]
     assert env["cuda_available"] is False and env["kvstored"]["status"] == "ok"
@@ -43,6 +43,9 @@ def test_dry_run_completes_on_the_cpu(tmp_path):
     assert micro["attention"]["variants"][0]["status"] == "ok"
     assert micro["attention"]["variants"][0]["max_abs_err"] < 1e-2
     assert micro["h2d_copy"]["status"] == "skipped"
+    launches = stages["launches"]["data"]["rows"]
+    assert [r["kernels"] for r in launches] == ["reference"] and launches[0]["status"] == "ok", launches
+    assert launches[0]["ops_per_layer_step"] > 0 and launches[0]["syncs_per_layer_step"] <= 1
     rows = stages["decode"]["data"]["rows"]
     ran = {(r["config"], r["tier"]) for r in rows if r["status"] == "ok"}
     assert {("dense", "-"), ("shadowkv", "dram"), ("shadowkv", "dram+ssd"), ("kvdrive+pipe", "dram"),
@@ -50,6 +53,7 @@ def test_dry_run_completes_on_the_cpu(tmp_path):
     assert all(r["tokens_per_s"] > 0 and "bytes_per_step" in r for r in rows if r["status"] == "ok" and r["config"] != "dense")
     summary = (out / gc.SUMMARY).read_text()
     assert "decode:" in summary and "kvdrive+pipe" in summary and "micro (cpu)" in summary
+    assert "launches per layer per decode step (cpu" in summary
     assert summary in proc.stdout  # printed last
     assert not list(out.glob("part-*.json")), "a stage's part file was left behind"
 
