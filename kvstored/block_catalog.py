@@ -15,7 +15,7 @@ import lmdb
 import msgpack
 
 from kvstored.catalog import (
-    BLOCKS_NAME, CRC, EXTENT_KEY, UID_KEY, Catalog, ExtentRecord, SeqRecord, _unpack_map, crc_of, unseal_many,
+    BLOCKS_NAME, CRC, EXTENT_KEY, UID_KEY, Catalog, ExtentRecord, SeqRecord, _unpack_map, crc_of, intact_records,
 )
 
 
@@ -79,15 +79,7 @@ def check_blocks(cat: Catalog, txn: lmdb.Transaction, by_uid: dict[int, SeqRecor
     claimed: set[tuple[int, int, int]] = set()
     slots: set[tuple[int, int]] = set()
     out = []
-    for (key, _), payload in zip(rows, unseal_many(rows)):
-        if payload is None:
-            problems.append(f"block record {key[:40]!r}: checksum mismatch")
-            continue
-        try:
-            rec = BlockRecord.decode(key, payload)
-        except (ValueError, TypeError) as exc:
-            problems.append(f"block record {key[:40]!r}: {exc}")
-            continue
+    for rec in intact_records(rows, BlockRecord.decode, lambda key: f"block record {key[:40]!r}", problems):
         ns = by_uid.get(rec.uid)
         if ns is None or ns.name != BLOCKS_NAME:
             problems.append(f"{rec.describe()} belongs to no known block namespace")

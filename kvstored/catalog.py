@@ -202,6 +202,21 @@ def unseal_many(rows: list[tuple[bytes, bytes]]) -> list[bytes | None]:
     ]
 
 
+def intact_records(rows: list[tuple[bytes, bytes]], decode, show, problems: list[str]):
+    """``decode(key, payload)`` of each sealed row that unseals and decodes, in order; each
+    row that does not adds a problem, named by ``show(key)``."""
+    for (key, _), payload in zip(rows, unseal_many(rows)):
+        if payload is None:
+            problems.append(f"{show(key)}: checksum mismatch")
+            continue
+        try:
+            rec = decode(key, payload)
+        except (ValueError, TypeError) as exc:
+            problems.append(f"{show(key)}: {exc}")
+            continue
+        yield rec
+
+
 def show_key(key: bytes) -> str:
     """A record key in words, for messages."""
     if key.startswith(b"n:") and len(key) >= 10:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import lmdb
 
 from kvstored.block_catalog import check_blocks
-from kvstored.catalog import UID_KEY, Catalog, Contents, ExtentRecord, SeqRecord, decode_seq, show_key, unseal_many
+from kvstored.catalog import UID_KEY, Catalog, Contents, ExtentRecord, SeqRecord, decode_seq, intact_records, show_key, unseal_many
 
 
 def check(cat: Catalog, txn: lmdb.Transaction, data_bytes: int | None) -> Contents:
@@ -67,18 +67,9 @@ def _check_extents(cat: Catalog, txn: lmdb.Transaction, by_uid: dict[int, SeqRec
                    problems: list[str]) -> tuple[list[ExtentRecord], int]:
     """The extent records that decode and fit their sequence and the data file, and how many records there are."""
     extents: list[ExtentRecord] = []
-    num_ext_records = 0
     rows = list(txn.cursor(db=cat.extents))
-    for (key, value), payload in zip(rows, unseal_many(rows)):
-        num_ext_records += 1
-        if payload is None:
-            problems.append(f"{show_key(key)}: checksum mismatch")
-            continue
-        try:
-            ext = ExtentRecord.decode(key, payload)
-        except (ValueError, TypeError) as exc:
-            problems.append(f"{show_key(key)}: {exc}")
-            continue
+    num_ext_records = len(rows)
+    for ext in intact_records(rows, ExtentRecord.decode, show_key, problems):
         seq = by_uid.get(ext.uid)
         if seq is None:
             problems.append(f"{ext.describe()} belongs to no known sequence")
