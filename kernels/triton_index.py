@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kvdrive.kernels import reference as ref
-from kvdrive.kernels.triton_kernels import WEIGHTS_BLOCK_D, _launch_lock, _pow2
+from kvdrive.kernels.triton_kernels import WEIGHTS_BLOCK_D, _launch_lock, _pow2, _row_channel
 
 
 @triton.jit
@@ -45,12 +45,7 @@ def _encode_kernel(
     row = tl.arange(0, BLOCK_ROWS)
     code = tl.zeros([BLOCK_S, BLOCK_ROWS], tl.int32)
     for j in tl.static_range(4):
-        # Channel j of each row: int8 rows hold one, int4 rows two, int2 rows four (as the low-rank weights).
-        chan4 = N8 + 2 * (row - ROWS8) + j
-        chan2 = N8 + N4 + 4 * (row - ROWS4) + j
-        chan = tl.where(row < ROWS8, row, tl.where(row < ROWS4, chan4, chan2))
-        ok = tl.where(row < ROWS8, j == 0, tl.where(row < ROWS4, (j < 2) & (chan4 < N8 + N4), chan2 < R))
-        ok = ok & (row < ROWS)
+        chan, ok = _row_channel(row, j, N8, N4, R, ROWS8, ROWS4, ROWS)
         z = tl.zeros([BLOCK_S, BLOCK_ROWS], tl.float32)
         for d0 in range(0, D, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)

@@ -481,6 +481,17 @@ def _no_pages(keys: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _row_channel(row, j, N8, N4, R, ROWS8, ROWS4, ROWS):
+    """Channel ``j`` of each packed code row, and whether the row holds one: int8 rows hold
+    one channel, int4 rows two, int2 rows four (the low-rank layout)."""
+    chan4 = N8 + 2 * (row - ROWS8) + j
+    chan2 = N8 + N4 + 4 * (row - ROWS4) + j
+    chan = tl.where(row < ROWS8, row, tl.where(row < ROWS4, chan4, chan2))
+    ok = tl.where(row < ROWS8, j == 0, tl.where(row < ROWS4, (j < 2) & (chan4 < N8 + N4), chan2 < R))
+    return chan, ok & (row < ROWS)
+
+
+@triton.jit
 def _code_rows_logits(logits, w_row, codes_row, sw_ab, sw_r, scd_r, t, tm, gm, r_first, r_last,
                       PER_ROW: tl.constexpr, ROW_CHUNK: tl.constexpr, PRECISION: tl.constexpr):
     """``logits`` plus the estimated logits of code rows ``[r_first, r_last)``, each holding
@@ -579,12 +590,7 @@ def _lowrank_weights_kernel(
     gm = g < G
     q_row = q_ptr + b * sq_b + h * sq_h + g[:, None] * sq_g
     for j in tl.static_range(4):
-        # Channel j of each row: int8 rows hold one, int4 rows two, int2 rows four.
-        chan4 = N8 + 2 * (row - ROWS8) + j
-        chan2 = N8 + N4 + 4 * (row - ROWS4) + j
-        chan = tl.where(row < ROWS8, row, tl.where(row < ROWS4, chan4, chan2))
-        ok = tl.where(row < ROWS8, j == 0, tl.where(row < ROWS4, (j < 2) & (chan4 < N8 + N4), chan2 < R))
-        ok = ok & (row < ROWS)
+        chan, ok = _row_channel(row, j, N8, N4, R, ROWS8, ROWS4, ROWS)
         proj = tl.zeros([BLOCK_G, BLOCK_ROWS], tl.float32)
         for d0 in range(0, D, BLOCK_D):  # a slice of the head dim at a time: no spills at D 128
             d = d0 + tl.arange(0, BLOCK_D)
