@@ -107,25 +107,16 @@ def test_triton_and_cpu_kernels_decode_a_tiny_model_alike(daemon, make_tiny, tri
     assert_alike(out, stats, TINY_LOGIT_TOL, triton_calls)
 
 
-@pytest.mark.parametrize("lengths", [[SMOLLM2_TOKENS], [SMOLLM2_TOKENS, SMOLLM2_TOKENS * 3 // 4]],
-                         ids=["batch1", "batch2-padded"])
-def test_triton_and_cpu_kernels_decode_smollm2_alike(smollm2_first_layers, license_ids, daemon, triton_calls, lengths):
-    model, _ = smollm2_first_layers
-    ids, mask = batch_from(license_ids, lengths, [3000, 9000][: len(lengths)])
-    out, stats = {}, {}
-    with daemon.client() as store:
-        for kernels in ("cpu", "triton"):
-            out[kernels], stats[kernels] = decode_with(kernels, model, store, ids, mask, budget=0.0625)
-    assert_alike(out, stats, SMOLLM2_LOGIT_TOL, triton_calls)
-    assert stats["triton"]["misses"] > 0
-
-
-# Gemma 3 270M: sliding-window layers stay the model's own; KVDrive serves its global layers.
-@pytest.mark.parametrize("lengths", [[GEMMA3_TOKENS], [GEMMA3_TOKENS, GEMMA3_TOKENS * 3 // 4]],
-                         ids=["batch1", "batch2-padded"])
-def test_triton_and_cpu_kernels_decode_gemma3_alike(gemma3, license_ids_gemma3, daemon, triton_calls, lengths):
-    model, _ = gemma3
-    ids, mask = batch_from(license_ids_gemma3, lengths, [3000, 9000][: len(lengths)])
+# SmolLM2 (8 of its layers) and Gemma 3 270M, whose sliding-window layers stay the model's
+# own while KVDrive serves its global layers: sparse selection on trained attention.
+@pytest.mark.parametrize("lengths", ["batch1", "batch2-padded"])
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_triton_and_cpu_kernels_decode_trained_models_alike(request, daemon, triton_calls, which, lengths):
+    (model, _), ids_of, n = ((request.getfixturevalue("smollm2_first_layers"), "license_ids", SMOLLM2_TOKENS)
+                             if which == "smollm2" else
+                             (request.getfixturevalue("gemma3"), "license_ids_gemma3", GEMMA3_TOKENS))
+    rows = [n] if lengths == "batch1" else [n, n * 3 // 4]
+    ids, mask = batch_from(request.getfixturevalue(ids_of), rows, [3000, 9000][: len(rows)])
     out, stats = {}, {}
     with daemon.client() as store:
         for kernels in ("cpu", "triton"):
