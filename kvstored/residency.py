@@ -8,16 +8,21 @@ if it ranks higher itself, or one of a user over its fair share while its own us
 under its share (dram_shares.py).
 
 The ranking lives in one min-heap per (owner, block size) of *runs*: a run is a group of
-blocks that were admitted or touched together with one importance and one tick, keyed by
-``(importance, tick)``. A put or get pushes one run per sequence and distinct importance,
-so the cost of keeping the order is O(log runs) per run pushed, whatever the number of
-stored sequences or resident blocks. A block touched again is pushed again with its new
-tick; its older record goes stale. Staleness is checked when a run is popped: a block
-counts only if it is still resident and its importance and last use are still the run's
-(ticks are never reused, so a block re-admitted later cannot match an old run). When the
-records a heap holds pass twice its resident blocks (plus a slack), the heap is compacted
-in place: every record checked, stale blocks dropped. So memory stays proportional to the
-resident blocks and every push pays O(1) amortised for compaction.
+blocks of one sequence that were admitted or touched together with one tick, each with its
+own importance, keyed by ``(lowest importance, tick)``. A put or get pushes one run per
+sequence and tick, whatever the importances of its blocks (a decode step's get names
+hundreds of pages of as many importances; a run per importance cost it ~10 ms of Python),
+so the cost of keeping the order is O(log runs) per put or get, whatever the number of
+stored sequences or resident blocks. A run's key is a lower bound of its blocks' ranks:
+when it is popped, the blocks of the lowest importance are the lowest-ranked residents,
+and the rest go back under their own lowest importance, so the order is exact and the
+splitting is paid only by what eviction reaches. A block touched again is pushed again
+with its new tick; its older record goes stale. Staleness is checked when a run is
+popped: a block counts only if it is still resident and its importance and last use are
+still the run's (ticks are never reused, so a block re-admitted later cannot match an old
+run). When the records a heap holds pass twice its resident blocks (plus a slack), the
+heap is compacted in place: every record checked, stale blocks dropped. So memory stays
+proportional to the resident blocks and every push pays O(1) amortised for compaction.
 
 Eviction pops runs from the bottom of the owner's heap and takes their blocks while the
 candidates (by descending importance) still outrank them: at most one resident per
@@ -48,14 +53,19 @@ COMPACT_SLACK = 4096  # records a heap may hold beyond twice its resident blocks
 @dataclass
 class _Run:
     """Blocks ``(layers[i], heads[i], pages[i])`` of sequence ``uid`` that had importance
-    ``importance`` and last use ``tick`` when recorded."""
+    ``importance[i]`` and last use ``tick`` when recorded."""
 
     uid: int
-    importance: float
+    importance: np.ndarray  # float32, one per block
     tick: int
     layers: np.ndarray
     heads: np.ndarray
     pages: np.ndarray
+
+    @property
+    def key(self) -> float:
+        """The run's rank in its heap: its lowest importance (no block ranks below it)."""
+        return float(self.importance.min())
 
     def live(self, index: BlockIndex) -> tuple[SeqEntry | None, np.ndarray]:
         """The run's entry and, per block, whether it is resident with the run's rank still."""
@@ -66,11 +76,11 @@ class _Run:
         ok = (cols >= 0) & (cols < entry.capacity)
         lay, hed, col = self.layers[ok], self.heads[ok], cols[ok]
         ok[ok] = ((entry.dram_off[lay, hed, col] >= 0) & (entry.last_use[lay, hed, col] == self.tick)
-                  & (entry.importance[lay, hed, col] == self.importance))
+                  & (entry.importance[lay, hed, col] == self.importance[ok]))
         return entry, ok
 
     def keep(self, mask: np.ndarray) -> _Run:
-        return _Run(self.uid, self.importance, self.tick, self.layers[mask], self.heads[mask], self.pages[mask])
+        return _Run(self.uid, self.importance[mask], self.tick, self.layers[mask], self.heads[mask], self.pages[mask])
 
 
 class _Heap:
@@ -82,13 +92,14 @@ class _Heap:
         self.resident = 0  # blocks of this owner and size in the tier
 
     def push(self, run: _Run, seq: int) -> None:
-        heapq.heappush(self.items, (run.importance, run.tick, seq, run))
+        heapq.heappush(self.items, (run.key, run.tick, seq, run))
         self.records += len(run.pages)
 
-    def pop(self) -> _Run:
-        run = heapq.heappop(self.items)[3]
+    def pop(self) -> tuple[float, _Run]:
+        """The lowest run and the key it was ranked by (at most its lowest importance now)."""
+        key, _, _, run = heapq.heappop(self.items)
         self.records -= len(run.pages)
-        return run
+        return key, run
 
 
 class Residency:
@@ -118,16 +129,14 @@ class Residency:
         if not len(lay):
             return
         heap = self._heap(entry)
-        imp, use = entry.importance[lay, hed, cols], entry.last_use[lay, hed, cols]
-        if (imp == imp[0]).all() and (use == use[0]).all():
-            groups = [np.arange(len(imp))]  # the usual case: one put or get, one hint
+        imp, use = entry.importance[lay, hed, cols].astype(np.float32), entry.last_use[lay, hed, cols]
+        if (use == use[0]).all():
+            groups = [slice(None)]  # the usual case: one put or get, one tick
         else:
-            keys = np.stack([imp.astype(np.float64), use.astype(np.float64)])
-            _, inverse = np.unique(keys, axis=1, return_inverse=True)
-            order = np.argsort(inverse, kind="stable")
-            groups = np.split(order, np.flatnonzero(np.diff(inverse[order])) + 1)
+            order = np.argsort(use, kind="stable")
+            groups = np.split(order, np.flatnonzero(np.diff(use[order])) + 1)
         for g in groups:
-            heap.push(_Run(entry.uid, float(imp[g[0]]), int(use[g[0]]), lay[g].astype(np.int32),
+            heap.push(_Run(entry.uid, imp[g], int(use[g][0]), lay[g].astype(np.int32),
                            hed[g].astype(np.int32), pag[g].astype(np.int64)), next(self._seq))
         if heap.records > 2 * heap.resident + COMPACT_SLACK:
             self._compact(heap)
@@ -239,18 +248,26 @@ class Residency:
         freed: list[np.ndarray] = []
         count = 0
         while heap is not None and heap.items and count < want:
-            run = heap.pop()
+            popped, run = heap.pop()
             entry, ok = run.live(self.index)
             if not ok.any():
                 continue
             run = run.keep(ok)
+            if run.key > popped:  # its lowest blocks went stale: it ranks higher now
+                heap.push(run, next(self._seq))
+                continue
+            # The run's lowest importance ranks below every other record; its higher ones go back.
+            low = run.importance == popped
+            if not low.all():
+                heap.push(run.keep(~low), next(self._seq))
+                run = run.keep(low)
             cols = entry.columns(run.pages)
             lin = np.ravel_multi_index((run.layers, run.heads, cols), entry.dram_off.shape)
             _, first = np.unique(lin, return_index=True)  # a block recorded twice in one run goes once
             if len(first) < len(lin):
                 run, cols = run.keep(np.isin(np.arange(len(lin)), first)), cols[np.sort(first)]
             # Candidates from position count on, descending: those above the run's rank win.
-            beats = int(np.count_nonzero(cand_importance[count:] >= run.importance))
+            beats = int(np.count_nonzero(cand_importance[count:] >= popped))
             take = min(len(run.pages), beats, want - count)
             if take < len(run.pages):
                 heap.push(run.keep(np.arange(len(run.pages)) >= take), next(self._seq))
