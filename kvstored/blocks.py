@@ -34,11 +34,9 @@ import logging
 from collections import Counter, OrderedDict
 import numpy as np
 
-from kvdrive.layout import align_up
 from kvdrive.protocol.blocks import block_geometry
 from kvstored.block_catalog import BlockRecord, add_blocks, delete_blocks
 from kvstored.catalog import BLOCKS_NAME, Catalog, Contents, ExtentRecord
-from kvstored.checksum import block_crcs
 from kvstored.config import DaemonConfig, format_size
 from kvstored.copy import address_tags
 from kvstored.footprint import check_put_bytes
@@ -260,25 +258,18 @@ class Blocks:
         entry, parts, part_bytes = table.entry, table.parts, table.entry.geometry.block_bytes
         growth = self.puts.plan_growth(entry, slots)
         self.space.check_room("put")
-        n, ext_bytes = len(new), align_up(part_bytes)
+        n = len(new)
         lay = np.tile(np.arange(parts, dtype=np.int64), n)
         hed = np.zeros(n * parts, np.int64)
         pag = np.repeat(slots, parts)
         src = (np.repeat([i for _, i in new], parts) * req.block_bytes + lay * part_bytes + req.offset).astype(np.int64)
-        stage_offs = np.arange(n * parts, dtype=np.int64) * ext_bytes
-        # On a failure the staging map is left to the garbage collector, as the put path does:
-        # views of it in the traceback's frames would make unmapping it raise.
-        staging_map, staging = self.puts.staging.take(n * parts * ext_bytes)
-        with self.gate.reading():  # an unregister of the source waits for this copy (put_path.py)
-            session.buffers.lookup(req.buf)
-            mb.read_blocks(src, staging, stage_offs, part_bytes)
-        crc = block_crcs(staging, stage_offs, part_bytes) ^ address_tags(entry.uid, lay, hed, pag)
-        offsets = self.puts.place(staging, n * parts, ext_bytes)
+        wrote = self.puts.write_blocks(mb, session, req.buf, src, part_bytes, entry.owner)
+        offsets = wrote.offsets
+        crc = wrote.crc ^ address_tags(entry.uid, lay, hed, pag)
         try:
             self.index.grow(entry, growth)
         except MemoryError:
-            for off in offsets:
-                self.space.ssd.allocator.free(off, ext_bytes)
+            self.puts.unwrite(wrote)
             raise ProtocolError(ErrorCode.FULL, f"no memory for the block index of {entry.ns}: lower --index-max to "
                                                 f"what this host can hold, or delete blocks") from None
         records, blocks = [], []
@@ -295,11 +286,11 @@ class Blocks:
             table.pending[key] = int(slots[j])
         self.counters["block_puts"] += 1
         return PreparedPut(
-            entry, records, [(off, part_bytes) for off in offsets], staging, staging_map, stage_offs, lay, hed, pag,
-            np.zeros(n * parts, np.float32), crc, np.asarray(offsets, np.int64), slots, pool=self.puts.staging,
-            on_commit=lambda txn: add_blocks(self.catalog, txn, blocks),
+            entry, records, [(off, part_bytes) for off in offsets], wrote.staging, wrote.staging_map, wrote.src_offs,
+            lay, hed, pag, np.zeros(n * parts, np.float32), crc, np.asarray(offsets, np.int64), slots,
+            pool=self.puts.staging, on_commit=lambda txn: add_blocks(self.catalog, txn, blocks),
             on_publish=lambda: self._published(table, blocks), on_abort=lambda: self._aborted(table, blocks),
-            reply=reply,
+            reply=reply, dram_slots=wrote.dram_slots,
         )
 
     def _published(self, table: BlockTable, blocks: list[BlockRecord]) -> None:

@@ -27,7 +27,14 @@ proportional to the resident blocks and every push pays O(1) amortised for compa
 Eviction pops runs from the bottom of the owner's heap and takes their blocks while the
 candidates (by descending importance) still outrank them: at most one resident per
 candidate, the same pairing as a full sort of the residents would give.
-All methods but :meth:`admit` expect the index lock held.
+A put of new blocks written straight from a client's buffer (put_path.py) takes its
+slots before its write (:meth:`Residency.reserve`), copies the blocks in beside the
+write (:meth:`Residency.fill`) and maps them once its commit is done
+(:meth:`Residency.publish_reserved`): the copy then costs the put no time of its own.
+Slots reserved are nobody's to read until then, and go back if the put fails
+(:meth:`Residency.release_reserved`).
+All methods but :meth:`admit` and those four (which take it where they need it) expect the
+index lock held.
 """
 
 from __future__ import annotations
@@ -205,6 +212,37 @@ class Residency:
             good = (block_crcs(self.dram.arena, slots, bb) ^ tags) == expect_crc[sel]
             self._counters["dram_admit_refused"] += int((~good).sum())
         self._publish(entry, layers, heads, pages, sel, slots, good, expect_crc)
+
+    def reserve(self, owner: int, bb: int, count: int) -> np.ndarray:
+        """Slots for up to ``count`` new blocks of ``bb`` bytes of ``owner``, of the lowest
+        importance (a put's engine blocks): free ones, then residents they displace (as
+        :meth:`admit` with ``replace``). Not inside the gate: displaced slots are freed
+        once no reader holds it."""
+        if not self.dram.capacity or not count:
+            return np.zeros(0, np.int64)
+        with self.index.lock:
+            slots = self.dram.allocate(bb, count)
+            if len(slots) < count and self._displace(owner, bb, np.zeros(count - len(slots), np.float32)):
+                slots = np.concatenate([slots, self.dram.allocate(bb, count - len(slots))])
+        return slots
+
+    def fill(self, src: np.ndarray, src_offs: np.ndarray, slots: np.ndarray, bb: int) -> np.ndarray:
+        """Copy the blocks at ``src_offs[:len(slots)]`` into reserved ``slots``; the CRC-32Cs of
+        those copies (any thread: the slots are the caller's alone)."""
+        gather_scatter(src, src_offs[: len(slots)], self.dram.arena, slots, bb)
+        return block_crcs(self.dram.arena, slots, bb)
+
+    def publish_reserved(self, entry, layers, heads, pages, slots, expect_crc) -> None:
+        """Map the blocks filled into reserved ``slots`` (the first ``len(slots)`` of the
+        arrays), now that their put is published with the checksums ``expect_crc``."""
+        k = len(slots)
+        if k:
+            self._publish(entry, layers[:k], heads[:k], pages[:k], np.arange(k), slots, np.ones(k, bool),
+                          expect_crc[:k])
+
+    def release_reserved(self, bb: int, slots: np.ndarray) -> None:
+        """Give back reserved slots of a put that failed (no reader saw them)."""
+        self.dram.release(bb, slots)
 
     def _publish(self, entry, layers, heads, pages, sel, slots, good, expect_crc) -> None:
         """Map the admitted copies that are still wanted; free the others' slots (no reader saw them)."""

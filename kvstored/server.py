@@ -43,7 +43,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-import numpy as np
 import zmq
 
 from kvstored import cuda_ipc
@@ -431,7 +430,7 @@ class Server:
                     else:  # None: every block is stored, or being stored by this group; answered with it
                         p = self.store.blocks.prepare_put(req, session) or _NothingToWrite(len(req.keys))
                     prepared.append((ident, req_id, p, t0))
-                    group_bytes += p.staging.nbytes
+                    group_bytes += p.nbytes
                 except ProtocolError as exc:
                     self._send([ident, *self._error(req_id, exc.code, str(exc))])
                 except Exception as exc:
@@ -517,7 +516,7 @@ class _NothingToWrite:
 
     def __init__(self, num_keys: int) -> None:
         self.reply = {"stored": 0, "present": num_keys}
-        self.staging = np.zeros(0, np.uint8)
+        self.nbytes = 0
 
 
 def _check_deadline(env: Envelope) -> None:

@@ -102,26 +102,32 @@ class SsdTier(Tier):
         for start, nbytes in parked:
             self.allocator.free(start, nbytes)
 
-    def place(self, staging: np.ndarray, count: int, ext_bytes: int) -> list[int]:
+    def place(self, source: np.ndarray, count: int, ext_bytes: int, src_offs: np.ndarray | None = None) -> list[int]:
         """Allocate ``count`` extents of ``ext_bytes`` and write extent i from
-        ``staging[i * ext_bytes:]``; their offsets. A run that fails with ENOSPC is parked
-        and written elsewhere; one past the data file's end (new space, which no other
-        range can replace) is not. Raises SpaceError when the tier is full,
+        ``source[src_offs[i]:]`` (by default ``source[i * ext_bytes:]``: a staging copy);
+        their offsets. With the data file opened O_DIRECT the source offsets, and the
+        source's address, are multiples of the I/O alignment. A run that fails with
+        ENOSPC is parked and written elsewhere; one past the data file's end (new space,
+        which no other range can replace) is not. Raises SpaceError when the tier is full,
         :class:`DiskFullError` when every free range was tried, OSError for other write
         errors; nothing stays allocated when it raises."""
         self.apply_frees()
         tail = self.allocator.end  # offsets from here on grow the file
+        src = [i * ext_bytes for i in range(count)] if src_offs is None else [int(o) for o in src_offs]
         offsets: list[int] = []
         try:
             while len(offsets) < count:
                 offsets.append(self.allocator.allocate(ext_bytes))
             i = 0
             while i < count:
-                j = i + 1  # extents allocated back to back become one write
-                while j < count and offsets[j] == offsets[j - 1] + ext_bytes:
+                j = i + 1  # extents back to back both in the file and in the source become one write
+                while j < count and offsets[j] == offsets[j - 1] + ext_bytes and src[j] == src[j - 1] + ext_bytes:
                     j += 1
+                data = source[src[i] : src[i] + (j - i) * ext_bytes]
+                if len(data) != (j - i) * ext_bytes:
+                    raise ValueError(f"extents {i} to {j} lie past the end of their {len(source)} B source")
                 try:
-                    self.write(offsets[i], staging[i * ext_bytes : j * ext_bytes])
+                    self.write(offsets[i], data)
                 except OSError as exc:
                     if exc.errno not in NO_SPACE or offsets[i] >= tail:
                         raise

@@ -1,8 +1,9 @@
 """Staging buffers for puts, kept for reuse.
 
-A put copies its blocks out of the client's buffer into an anonymous staging mapping
-(checksummed and written to the data file from there, then copied into the DRAM tier
-after the commit). A fresh mapping costs a page fault per 4 KiB on its first touch,
+A put of a sequence's blocks (and of engine blocks the data file cannot take as they
+lie in the client's buffer: see put_path.py) copies them out of the client's buffer into
+an anonymous staging mapping (checksummed and written to the data file from there, then
+copied into the DRAM tier after the commit). A fresh mapping costs a page fault per 4 KiB on its first touch,
 which made that copy run at about 1 GB/s, a third of a 2 MiB put's time in the daemon;
 a mapping used before copies at memcpy speed. The pool keeps released mappings, in
 power-of-two size classes from 1 MiB, up to ``max_bytes`` in all.

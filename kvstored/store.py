@@ -230,7 +230,7 @@ class Store:
         """Close what is open (all of it once the store opened; what there is after a failed open)."""
         puts = self.__dict__.pop("puts", None)
         if puts is not None:
-            puts.staging.close()
+            puts.close()
         for name in ("engine", "catalog", "ssd", "dram"):
             part = self.__dict__.pop(name, None)
             if part is not None:
