@@ -173,6 +173,9 @@ class CpuKernels(Kernels):
     def lowrank_select(self, query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, layout):
         return cpu.lowrank_select(query, qproj, scale, scaling, codes, valid, selectable, k, page_size, cached, layout)
 
+    def lowrank_choose(self, query, index, selectable, k, sink, cached):
+        return cpu.lowrank_choose(query, index, selectable, k, sink, cached)
+
     def lowrank_scores(self, query, qproj, scale, scaling, codes, valid, num_pages, page_size, layout):
         return cpu.lowrank_scores(query, qproj, scale, scaling, codes, valid, num_pages, page_size, layout)
 

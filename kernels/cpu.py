@@ -559,18 +559,23 @@ def _lowrank_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, cf
                 f3[t] = np.float32(x >> np.int32(6))
         okt = ok[t0:t1]
         for g in range(g_n):
-            lg = logits[g, t0:t1]
-            lg[:] = 0.0
-            r0 = 0
-            while r0 + 8 <= r_n:
+            logits[g, t0:t1] = 0.0
+        # Channels eight at a time, every query head in turn while they are in L1 (each
+        # head's logit adds them in the same order as one head at a time would).
+        r0 = 0
+        while r0 + 8 <= r_n:
+            c0, c1, c2, c3 = cf[r0], cf[r0 + 1], cf[r0 + 2], cf[r0 + 3]
+            c4, c5, c6, c7 = cf[r0 + 4], cf[r0 + 5], cf[r0 + 6], cf[r0 + 7]
+            for g in range(g_n):
+                lg = logits[g, t0:t1]
                 w0, w1, w2, w3 = w[g, r0], w[g, r0 + 1], w[g, r0 + 2], w[g, r0 + 3]
                 w4, w5, w6, w7 = w[g, r0 + 4], w[g, r0 + 5], w[g, r0 + 6], w[g, r0 + 7]
-                c0, c1, c2, c3 = cf[r0], cf[r0 + 1], cf[r0 + 2], cf[r0 + 3]
-                c4, c5, c6, c7 = cf[r0 + 4], cf[r0 + 5], cf[r0 + 6], cf[r0 + 7]
                 for t in range(n):
                     lg[t] += (w0 * c0[t] + w1 * c1[t] + w2 * c2[t] + w3 * c3[t]
                               + w4 * c4[t] + w5 * c5[t] + w6 * c6[t] + w7 * c7[t])
-                r0 += 8
+            r0 += 8
+        for g in range(g_n):
+            lg = logits[g, t0:t1]
             for r in range(r0, r_n):
                 wr = w[g, r]
                 cr = cf[r]
@@ -638,53 +643,74 @@ def _lowrank_scores(query, qproj, scale, scaling, codes, wide, narrow, valid, p_
 
 
 @numba.njit(nogil=True, cache=True)
-def _lowrank_select(query, qproj, scale, scaling, codes, wide, narrow, valid, selectable, k, p_n, s_n, out_pages,
-                    out_scores, cached, cached_scores, w, logits, cf, top, score, cand):  # pragma: no cover - compiled
-    """Scratch (:func:`_lowrank_work`): ``w`` ``[G, R]``, ``logits`` ``[G, >= P*S]``, ``cf`` ``[R + 4, _TILE]``,
-    ``top`` ``[G]``, ``score`` and ``cand`` ``[>= P]``."""
+def _lowrank_top(score, sel, k, p_n, pages, mass, cand):  # pragma: no cover - compiled
+    """The ``k`` pages of ``sel`` with the highest ``score`` (their masses), best first, into
+    ``pages`` and ``mass``; returns how many there are (fewer where fewer are selectable).
+
+    The k-th largest by partition, then the pages above it and as many equal to it as fit,
+    in page order, then a stable sort of those k: equal scores keep the lower page first.
+    (An insertion into a sorted list costs up to k moves a page where scores rise with
+    position, as they often do.) ``cand``: scratch ``[>= p_n]``.
+    """
+    m = 0
+    for p in range(p_n):
+        if sel[p]:
+            cand[m] = score[p]
+            m += 1
+    n = 0
+    if m > 0 and k > 0:
+        cut = max(m - k, 0)
+        kth = np.partition(cand[:m], cut)[cut]
+        for p in range(p_n):
+            if sel[p] and score[p] > kth:
+                pages[n] = p
+                n += 1
+        for p in range(p_n):
+            if n == k or n == m:
+                break
+            if sel[p] and score[p] == kth:
+                pages[n] = p
+                n += 1
+        for i in range(n):  # insertion sort of the k, stable
+            p = pages[i]
+            v = score[p]
+            j = i
+            while j > 0 and v > mass[j - 1]:
+                mass[j] = mass[j - 1]
+                pages[j] = pages[j - 1]
+                j -= 1
+            mass[j] = v
+            pages[j] = p
+    return n
+
+
+@numba.njit(nogil=True, cache=True)
+def _lowrank_select(query, qproj, scale, scaling, codes, wide, narrow, valid, selectable, k, p_n, s_n, sink, unscored,
+                    out_pages, out_scores, cached, cached_scores, w, logits, cf, top, score, cand):  # pragma: no cover - compiled
+    """Per (row, head): ``out_pages`` ``[B, H, s + k]`` is the row's ``sink`` pages ``[B, s]`` then its
+    top ``k`` by mass (:func:`_lowrank_top`; their log masses in ``out_scores`` ``[B, H, k]``, the
+    log taken for those only). With ``unscored`` a pick scored -inf, and each of the ``k`` a
+    row with fewer selectable pages lacks, is -1; without, the lacking ones are unselectable
+    pages scored -inf (``s`` must then be 0).
+    Scratch (:func:`_lowrank_work`): ``w`` ``[G, R]``, ``logits`` ``[G, >= P*S]``, ``cf``
+    ``[R + 4, _TILE]``, ``top`` ``[G]``, ``score`` and ``cand`` ``[>= P]``."""
+    s = sink.shape[1]
     for b in range(query.shape[0]):
         for h in range(query.shape[1]):
             _lowrank_weights(query, qproj, scale, scaling, b, h, w)
             _lowrank_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, cf, top, score)
-            # Top k by mass (the log only for the pages returned). The k-th largest by
-            # partition, then the pages above it and as many equal to it as fit, in page
-            # order, then a stable sort of those k: equal scores keep the lower page first.
-            # (An insertion into a sorted list costs up to k moves a page where scores rise
-            # with position, as they often do.)
-            m = 0
-            for p in range(p_n):
-                if selectable[b, p]:
-                    cand[m] = score[p]
-                    m += 1
-            n = 0
-            if m > 0 and k > 0:
-                cut = max(m - k, 0)
-                kth = np.partition(cand[:m], cut)[cut]
-                for p in range(p_n):
-                    if selectable[b, p] and score[p] > kth:
-                        out_pages[b, h, n] = p
-                        n += 1
-                for p in range(p_n):
-                    if n == k or n == m:
-                        break
-                    if selectable[b, p] and score[p] == kth:
-                        out_pages[b, h, n] = p
-                        n += 1
-                for i in range(n):  # insertion sort of the k, stable
-                    p = out_pages[b, h, i]
-                    v = score[p]
-                    j = i
-                    while j > 0 and v > out_scores[b, h, j - 1]:
-                        out_scores[b, h, j] = out_scores[b, h, j - 1]
-                        out_pages[b, h, j] = out_pages[b, h, j - 1]
-                        j -= 1
-                    out_scores[b, h, j] = v
-                    out_pages[b, h, j] = p
+            row = out_pages[b, h]
+            for i in range(s):
+                row[i] = sink[b, i]
+            picks, picked = row[s:], out_scores[b, h]
+            n = _lowrank_top(score, selectable[b], k, p_n, picks, picked, cand)
             for i in range(n):
-                out_scores[b, h, i] = _log_mass(out_scores[b, h, i])
-            for i in range(n, k):  # fewer selectable pages than k: unselectable ones, scored -inf
-                out_pages[b, h, i] = _nth_unused(out_pages, b, h, i, p_n)
-                out_scores[b, h, i] = -np.inf
+                picked[i] = _log_mass(picked[i])
+                if unscored and picked[i] == -np.inf:
+                    picks[i] = -1
+            for i in range(n, k):  # fewer selectable pages than k
+                picks[i] = -1 if unscored else _nth_unused(out_pages, b, h, i, p_n)
+                picked[i] = -np.inf
             for i in range(cached.shape[2]):
                 p = cached[b, h, i]
                 cached_scores[b, h, i] = -np.inf if p < 0 or p >= p_n else _log_mass(score[p])
@@ -846,24 +872,64 @@ def lowrank_select(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
     ``k`` selectable pages the rest are unselectable ones scored -inf. Threads as
     :func:`lowrank_scores`.
     """
+    arrays = (_projection(qproj), scale.numpy(), codes.numpy(), valid.numpy())
+    sink = np.empty((query.shape[0], 0), np.int64)
+    pages, scores, cached_scores = _select(query, arrays, scaling, selectable, k, page_size, sink, False, cached,
+                                           layout)
+    return torch.from_numpy(pages), torch.from_numpy(scores), cached_scores
+
+
+def lowrank_choose(query: torch.Tensor, index, selectable: torch.Tensor, k: int, sink: torch.Tensor,
+                   cached: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:meth:`kvdrive.kernels.backends.Kernels.lowrank_choose` in one compiled call: each row's
+    ``sink`` pages, then :func:`lowrank_select`'s pages with -1 for those without a score.
+
+    The kernel writes the sink and the -1s itself, where the reference concatenates and
+    masks in torch, and the index's arrays are viewed once (:func:`_index_arrays`): a
+    decode step calls this once per layer, after the model's forward pass has pushed
+    torch's dispatch code and these arrays out of the caches, so each torch op left out
+    saves several times its warm cost."""
+    chosen, _, cached_scores = _select(query, _index_arrays(index), index.scaling, selectable, k, index.page_size,
+                                       np.ascontiguousarray(sink.numpy(), np.int64), True, cached, index.layout)
+    return torch.from_numpy(chosen), cached_scores
+
+
+def _index_arrays(index) -> tuple[np.ndarray, ...]:
+    """A low-rank index's (qproj, scale, codes, valid) as the kernels take them, kept on the index
+    while its tensors are the same objects (pages added in place show through the views; an
+    index that grew has new tensors, and a view of some rows, :meth:`Selector.rows`, its own)."""
+    tensors = (index.qproj, index.scale, index.codes, index.valid)
+    kept = getattr(index, "_cpu_arrays", None)
+    if kept is None or any(a is not b for a, b in zip(kept[0], tensors)):
+        kept = (tensors, (_projection(index.qproj), index.scale.numpy(), index.codes.numpy(), index.valid.numpy()))
+        index._cpu_arrays = kept
+    return kept[1]
+
+
+def _select(query: torch.Tensor, arrays: tuple[np.ndarray, ...], scaling: float, selectable: torch.Tensor, k: int,
+            page_size: int, sink: np.ndarray, unscored: bool, cached: torch.Tensor | None, layout: ref.SketchLayout,
+            ) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None]:
+    """:func:`_lowrank_select` over ``arrays`` (:func:`_index_arrays`): (pages ``[B, H, s + k]``, their
+    scores ``[B, H, k]``, the cached pages' scores or None)."""
     num_pages = selectable.shape[1]
     k = min(k, num_pages)
     b, h = query.shape[:2]
-    pages = np.empty((b, h, k), np.int64)
+    qp, sc, cd, ok = arrays
+    pages = np.empty((b, h, sink.shape[1] + k), np.int64)
     scores = np.empty((b, h, k), np.float32)
     cached_np = _NO_CACHED if cached is None else cached.numpy()
     cached_scores = np.empty(cached_np.shape, np.float32)
-    q, qp, sc, cd, ok, sel = _f32(query), _projection(qproj), scale.numpy(), codes.numpy(), valid.numpy(), selectable.numpy()
-    (wide, narrow), scaling = _layout(qproj, layout), np.float32(scaling)
+    q, sel = _f32(query), selectable.numpy()
+    (wide, narrow), scaling = _layout(qp, layout), np.float32(scaling)
 
     def part(bs, hs):  # without cached pages, the empty arrays slice to empty arrays
-        q_, qp_, sc_, cd_, ok_, sel_, pages_, scores_, cached_, cached_scores_ = _cut(
-            (q, qp, sc, cd, ok, sel, pages, scores, cached_np, cached_scores), bs, hs, rows_only=(4, 5))
-        _lowrank_select(q_, qp_, sc_, scaling, cd_, wide, narrow, ok_, sel_, k, num_pages, page_size, pages_, scores_, cached_,
-                        cached_scores_, *_lowrank_work(q.shape[2], qp.shape[3], num_pages, page_size))
+        q_, qp_, sc_, cd_, ok_, sel_, sink_, pages_, scores_, cached_, cached_scores_ = _cut(
+            (q, qp, sc, cd, ok, sel, sink, pages, scores, cached_np, cached_scores), bs, hs, rows_only=(4, 5, 6))
+        _lowrank_select(q_, qp_, sc_, scaling, cd_, wide, narrow, ok_, sel_, k, num_pages, page_size, sink_, unscored,
+                        pages_, scores_, cached_, cached_scores_, *_lowrank_work(q.shape[2], qp.shape[3], num_pages, page_size))
 
     _in_parts(b, h, num_pages * page_size * q.shape[2], part)
-    return torch.from_numpy(pages), torch.from_numpy(scores), None if cached is None else torch.from_numpy(cached_scores)
+    return pages, scores, None if cached is None else torch.from_numpy(cached_scores)
 
 
 # ---------------------------------------------------------------- device-cache placement

@@ -3,13 +3,17 @@ argument checks, and the torch threading context a decode step runs under."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
-from kvdrive.kernels import cpu
+from kvdrive.kernels import cpu, for_device
+from kvdrive.kernels.backends import Kernels
+from kvdrive_client.selectors import IndexKind, make_selector
 
-from kernel_cases import lowrank_case, random_slots
+from kernel_cases import EMPTY_ROW, FEW_SELECTABLE_ROW, NONE_SELECTABLE_ROW, lowrank_case, random_slots
 
 
 @pytest.fixture
@@ -96,6 +100,65 @@ def test_lowrank_scratch_left_from_an_earlier_call_never_reaches_a_result(thread
     assert cpu._work.lowrank is scratch  # the poisoned scratch was the one used
     for a, b in zip(fresh, again):
         assert torch.equal(a, b)
+
+
+def _as_index(case):
+    """What :func:`cpu.lowrank_choose` reads of a low-rank index, for a kernel case."""
+    return SimpleNamespace(qproj=case.qproj, scale=case.scale, scaling=case.scaling, codes=case.codes, valid=case.valid,
+                           page_size=case.page_size, layout=case.layout)
+
+
+@pytest.mark.parametrize("k", [7, 0, 45])  # 45: more than the 40 pages
+@pytest.mark.parametrize("seed", [4, 0, 9])  # the fused logit pass, and the tiled one
+def test_lowrank_choose_is_the_select_with_the_sink_before_and_unscored_pages_as_none(seed, k):
+    """One compiled call gives exactly what the torch composition of :func:`cpu.lowrank_select` gives
+    (Kernels.lowrank_choose): sink pages first, -1 for picks without a score (rows with fewer
+    selectable pages than k, rows with nothing valid), and the same cached pages' scores."""
+    c = lowrank_case(seed)
+    b, h = c.codes.shape[:2]
+    g = torch.Generator().manual_seed(seed)
+    selectable = torch.rand(b, c.num_pages, generator=g) > 0.3
+    selectable[FEW_SELECTABLE_ROW] = False
+    selectable[FEW_SELECTABLE_ROW, [5, 17, 30]] = True
+    selectable[NONE_SELECTABLE_ROW] = False
+    sink = torch.tensor([[0, 1], [3, -1], [0, 1], [0, 1]])
+    cpu_kernels = for_device("cpu", "cpu")
+    for cached in (torch.randint(-1, c.num_pages + 2, (b, h, 5), generator=g), None):
+        expect = Kernels.lowrank_choose(cpu_kernels, c.query, _as_index(c), selectable, k, sink, cached)
+        got = cpu.lowrank_choose(c.query, _as_index(c), selectable, k, sink, cached)
+        assert torch.equal(got[0], expect[0]) and got[0].dtype == torch.int64
+        assert (got[1] is None) == (cached is None) and (cached is None or torch.equal(got[1], expect[1]))
+        if k:
+            assert (got[0][NONE_SELECTABLE_ROW, :, 2:] == -1).all() and (got[0][EMPTY_ROW, :, 2:] == -1).all()
+            assert (got[0][FEW_SELECTABLE_ROW, :, 5:] == -1).all() and (got[0][FEW_SELECTABLE_ROW, :, 2:5] >= 0).all()
+
+
+def test_lowrank_choose_follows_an_index_through_pages_added_in_place_and_growth():
+    """The index's arrays are viewed once and kept: a page added in place shows through them, and an
+    index that grew (new tensors) or a view of some of its rows is viewed afresh."""
+    g = torch.Generator().manual_seed(3)
+    b, h, d, s = 2, 2, 64, 16
+    index = make_selector(IndexKind.LOWRANK, s, 0.125, kernels=for_device("cpu", "cpu"))
+    index.build(torch.randn(b, h, 20 * s, d, generator=g), torch.ones(b, 20 * s, dtype=torch.bool))
+    sink = torch.zeros(b, 1, dtype=torch.int64)
+
+    def check(index, query):
+        selectable = torch.ones(query.shape[0], index.num_pages, dtype=torch.bool)
+        got, _ = index.choose(query, selectable, 4, sink[: query.shape[0]], None)
+        fresh = Kernels.lowrank_choose(index.kernels(query), query, index, selectable, 4, sink[: query.shape[0]], None)
+        assert torch.equal(got, fresh[0])
+        return got
+
+    codes = index.codes
+    for step in range(80):  # past the spare capacity: the index grows once
+        query = torch.randn(b, h, 3, d, generator=g)
+        chosen = check(index, query)
+        keys = query[:, :, :1].expand(b, h, s, d) * 4  # a page the next query heads favour
+        index.add_page(keys.contiguous(), torch.ones(b, s, dtype=torch.bool))
+        if step % 7 == 0:
+            check(index.rows(1, 2), query[1:])
+    assert index.codes is not codes  # it grew
+    assert chosen.shape == (b, h, 5)
 
 
 def test_sparse_attention_refuses_a_short_valid_mask():
