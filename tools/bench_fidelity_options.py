@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="lowrank: the sketch's leading channels kept int8 (default: attach()'s, head dim / 64)")
     p.add_argument("--int2-channels", type=int, default=None, metavar="N",
                    help="lowrank: the sketch's trailing channels kept int2, the others int4 (default: attach()'s, "
-                        "12/64 of the head dim, or none with --rank)")
+                        "12/64 of the head dim (13/64 from 256 on), or none with --rank)")
     p.add_argument("--text", type=Path, default=None, metavar="FILE",
                    help="UTF-8 text to read instead of the common licenses")
     p.add_argument("--corpus", nargs="?", const="", default=None, metavar="DIR",

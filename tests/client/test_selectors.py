@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvdrive.kernels.reference import SketchLayout
+from kvdrive_client.config import AttachConfig
 from kvdrive_client.selectors import (HierarchicalIndex, IndexKind, LowRankIndex, MeanKeyIndex, OracleSelector,
                                      QuestIndex, make_selector)
 
@@ -113,6 +114,18 @@ def test_a_sketch_layout_refuses_bad_counts_and_narrows_to_the_head_dim():
     sel = LowRankIndex(S, D**-0.5, SketchLayout(D + 8, 4, 4))  # past the int2 channels, int4 ones go
     sel.build(keys, torch.ones(B, P * S, dtype=torch.bool), query[:, :, :, None])
     assert (sel.layout.rank, sel.layout.int8, sel.layout.int4, sel.layout.int2) == (D, 4, D - 4, 0)
+
+
+@pytest.mark.parametrize("head_dim, layout, kv_heads", [(64, SketchLayout(27, 1, 12), 3), (128, SketchLayout(54, 2, 24), 8),
+                                                        (256, SketchLayout(108, 4, 52), 1)],
+                         ids=["SmolLM2", "Llama 3", "Gemma 3"])
+def test_the_default_sketch_stays_within_a_twentieth_of_an_fp16_kv_at_16k(head_dim, layout, kv_heads):
+    """Codes, one validity byte a token per row and the two fp16 projections per KV head:
+    at 16K tokens at most 0.05 of the fp16 K+V (with 12/64 int2 channels Gemma 3's 256 took 0.0506)."""
+    assert AttachConfig().lowrank_layout(head_dim) == layout
+    t = 16384
+    index = kv_heads * (layout.rows * t + 2 * head_dim * layout.rank * 2 + layout.rank * 4) + t
+    assert index <= 0.05 * kv_heads * t * 2 * head_dim * 2
 
 
 @pytest.mark.parametrize("int2", [0, 4], ids=["int4 tail", "int4 then int2 tail"])
