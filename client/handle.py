@@ -95,17 +95,22 @@ class Handle:
         mask = kwargs.get("attention_mask")
         t = ids.shape[1]
         s = self.cfg.page_size
-        # At least the last prompt token must run through the model to give the first logits.
-        pages = (t - 1) // s
+        # Pages end where the prompt does (SessionView.prompt_shift): page 0 starts with `shift`
+        # tokens of KVDrive's padding, so a stored page holds other tokens under another
+        # shift, and the name says which. At least the last prompt token must run through
+        # the model to give the first logits: the last page is not taken from the store.
+        shift = session.prompt_shift(t)
+        pages = (t - 1 + shift) // s
+        tokens = max(0, pages * s - shift)  # the prompt's tokens on those pages
         names = []
         for row in range(ids.shape[0]):
             h = hashlib.sha256(self._fingerprint())
-            h.update(f"{s}:{self.shape.dtype}".encode())
-            h.update(ids[row, : pages * s].cpu().numpy().astype("int64").tobytes())
+            h.update(f"{s}:{self.shape.dtype}:shift {shift}".encode())
+            h.update(ids[row, :tokens].cpu().numpy().astype("int64").tobytes())
             if mask is not None:
-                h.update(mask[row, : pages * s].cpu().numpy().astype("int8").tobytes())
+                h.update(mask[row, :tokens].cpu().numpy().astype("int8").tobytes())
             names.append("prefix-" + h.hexdigest()[:40])
-        session.try_restore(names, pages)
+        session.try_restore(names, pages, shift)
 
     def new_cache(self, batch: int) -> KVDriveCache:
         """A cache for one batch; pass it as ``cache=`` to the model and ``close()`` it after."""

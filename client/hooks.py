@@ -26,6 +26,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
+import torch
 from transformers import AttentionInterface, Cache
 from transformers.cache_utils import CacheLayerMixin, DynamicSlidingWindowLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -66,10 +67,10 @@ class _Layer(CacheLayerMixin):
         return self.session.update(key_states, value_states, self.idx)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.session.seq_length(self.idx) + query_length, 0
+        return self.session.model_length(self.idx) + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.session.seq_length(self.idx)
+        return self.session.model_length(self.idx)
 
     def get_max_length(self) -> int:
         return -1
@@ -114,11 +115,37 @@ def _kvdrive_attention(module, query, key, value, attention_mask, **kwargs):
     _updated.pending = None
     session, layer = pending[0], pending[1]
     if session.prefill_pending(layer):
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        out = _prefill_attention(module, query, key, value, attention_mask, **kwargs)
         session.finish_prefill(layer, query, attention_mask)
         return out
     out = session.decode_attention(layer, query, attention_mask)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _prefill_attention(module, query, key, value, attention_mask, **kwargs):
+    """The model's dense prefill attention; a left-padded batch's row by row over each row's
+    own tokens, the call it makes alone (its padding's outputs are zeros, never read).
+
+    A row's keys and queries then come out of every KVDrive layer as they do alone, not
+    merely close: the low-rank index fitted to them (an eigendecomposition) can turn the
+    last bits of a batched softmax into another choice of pages."""
+    b, _, t, _ = query.shape
+    if b == 1 or attention_mask is None or attention_mask.dim() != 4 or key.shape[2] != t:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    row = attention_mask[:, 0, -1]
+    valid = row if row.dtype == torch.bool else row == 0
+    pad = t - valid.sum(dim=1)
+    left_padded = torch.arange(t, device=valid.device)[None, :] >= pad[:, None]
+    pads = pad.tolist()
+    if not any(pads) or not torch.equal(valid, left_padded):  # no padding, or not only before the prompt
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out = query.new_zeros(b, t, query.shape[1], value.shape[3])
+    for r, p in enumerate(pads):
+        if p < t:
+            o, _ = sdpa_attention_forward(module, query[r : r + 1, :, p:], key[r : r + 1, :, p:],
+                                          value[r : r + 1, :, p:], None, **kwargs)
+            out[r, p:] = o[0]
+    return out, None
 
 
 AttentionInterface.register(ATTN_NAME, _kvdrive_attention)

@@ -58,31 +58,54 @@ class LowRankIndex(Selector):
     def _fit(self, keys: torch.Tensor, valid: torch.Tensor, query: torch.Tensor | None) -> None:
         b, h, t, d = keys.shape
         r = min(self.requested.rank, d)
-        eye = torch.eye(d, dtype=torch.float32, device=keys.device).expand(b, h, d, d)
-        a = a_inv = eye
-        if query is not None and query.shape[3] > 0:
-            q = query.float()
-            qv = valid[:, t - q.shape[3] :].to(q.dtype)[:, None, None, :, None]  # the queries sit at the last positions
-            count = (qv.sum(dim=(2, 3)) * q.shape[2]).clamp_min(1.0)  # [B, 1, 1]
-            c = torch.einsum("bhgqd,bhgqe->bhde", q * qv, q) / count[..., None]
-            ev, vec = torch.linalg.eigh(c)
-            ev = ev.clamp_min(self.RIDGE * ev[..., -1:].clamp_min(1e-12))
-            a = vec @ torch.diag_embed(ev.sqrt()) @ vec.transpose(-1, -2)
-            a_inv = vec @ torch.diag_embed(ev.rsqrt()) @ vec.transpose(-1, -2)
-        stride = max(1, t // self.FIT_TOKENS)
-        k = keys[:, :, ::stride].float() * valid[:, None, ::stride, None]
-        gram = a.transpose(-1, -2) @ (k.transpose(-1, -2) @ k) @ a
-        _, vec = torch.linalg.eigh(gram + 1e-6 * eye)  # ascending: the last columns lead
-        top = vec[..., -r:].flip(-1)
+        # Row by row, each over its own tokens: its keys from its first page holding a real
+        # token on (the padding before it left out), evenly strided by its own length, and its
+        # real queries. The fit is an eigendecomposition, which can turn the last bit of a sum
+        # into another basis: the same ops on the same tensors make a row's fit the one it
+        # gets alone, whatever the rows beside it.
+        first = valid.int().argmax(dim=1).tolist() if t else [0] * b
+        q_at = t - (query.shape[3] if query is not None else 0)  # the queries sit at the last positions
+        kproj, qproj = [], []
+        for row in range(b):
+            start = first[row] // self.page_size * self.page_size
+            stride = max(1, (t - start) // self.FIT_TOKENS)
+            q = None
+            if query is not None and q_at < t:
+                q0 = max(q_at, first[row])
+                q = (query[row, :, :, q0 - q_at :], valid[row, q0:])
+            k = keys[row, :, start::stride].float() * valid[row, start::stride, None]
+            kp, qp = self._fit_row(k, q, r)
+            kproj.append(kp)
+            qproj.append(qp)
         # fp16: it only projects keys, once each (prefill and every new page alike), into integer codes.
-        self.kproj = (a @ top).to(torch.float16).contiguous()  # [B, H, D, R]
+        self.kproj = torch.stack(kproj).to(torch.float16).contiguous()  # [B, H, D, R]
         # fp16 too: its rounding (1e-3) is far below the codes'; every kernel widens it itself, a few KiB a call.
-        self.qproj = (a_inv @ top).to(torch.float16).contiguous()
+        self.qproj = torch.stack(qproj).to(torch.float16).contiguous()
         # A head dim below the rank keeps the first r channels: it drops int2 ones first, then int4.
         req = self.requested
         n8 = min(req.int8, r)
         n4 = min(req.int4, r - n8)
         self.layout = ref.SketchLayout(r, n8, r - n8 - n4)
+
+    def _fit_row(self, keys: torch.Tensor, query: tuple[torch.Tensor, torch.Tensor] | None,
+                 r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row's projections ``[H, D, R]`` for keys and queries, from its keys ``[H, N, D]``
+        (float32, padding zeroed) and its queries ``[H, G, Q, D]`` with their mask ``[Q]``."""
+        h, _, d = keys.shape
+        eye = torch.eye(d, dtype=torch.float32, device=keys.device).expand(h, d, d)
+        a = a_inv = eye
+        if query is not None:
+            q, qv = query[0].float(), query[1].to(torch.float32)[None, None, :, None]
+            count = (qv.sum() * q.shape[1]).clamp_min(1.0)
+            c = torch.einsum("hgqd,hgqe->hde", q * qv, q) / count
+            ev, vec = torch.linalg.eigh(c)
+            ev = ev.clamp_min(self.RIDGE * ev[..., -1:].clamp_min(1e-12))
+            a = vec @ torch.diag_embed(ev.sqrt()) @ vec.transpose(-1, -2)
+            a_inv = vec @ torch.diag_embed(ev.rsqrt()) @ vec.transpose(-1, -2)
+        gram = a.transpose(-1, -2) @ (keys.transpose(-1, -2) @ keys) @ a
+        _, vec = torch.linalg.eigh(gram + 1e-6 * eye)  # ascending: the last columns lead
+        top = vec[..., -r:].flip(-1)
+        return a @ top, a_inv @ top
 
     def _quantize(self, z: torch.Tensor) -> torch.Tensor:
         """Sketches ``[B, H, T, R]`` -> channel-major code rows ``[B, H, rows, T]`` (``self.layout``)."""

@@ -1,8 +1,12 @@
 """One generation's KV state: prefill into the store, sparse decode out of it.
 
 A :class:`Session` covers a batch of sequences (left-padded to one length) from
-prefill to the end of decode. It orchestrates the stages of
-:mod:`kvdrive_client.decode`; per layer it keeps, on the compute device, the local
+prefill to the end of decode. Pages are cut from the end of the prompt: KVDrive puts
+``shift`` padding tokens before it, so that its length is a whole number of pages.
+A row's pages then hold the same tokens of its prompt whatever the padding before
+it, batched or alone, and every row completes a page on the same decode steps.
+
+It orchestrates the stages of :mod:`kvdrive_client.decode`; per layer it keeps, on the compute device, the local
 window (the last ``local_tokens`` tokens, from a page boundary on), a
 :class:`~kvdrive_client.device_cache.DeviceCache` of pages and a
 :class:`~kvdrive_client.selectors.Selector` over every complete page.
@@ -30,6 +34,7 @@ from kvdrive_client.decode.pipeline import Pipeline
 from kvdrive_client.decode.prefill import finish_layer
 from kvdrive_client.decode.state import Context, LayerState, ModelShape, Observer, StepPlan
 from kvdrive_client.decode.tuning import START_MULTIPLIER, Tuning
+from kvdrive_client.decode.view import SessionView
 from kvdrive_client.store import StoreClient
 from kvdrive_client.timeline import Timeline
 
@@ -38,7 +43,9 @@ __all__ = ["ModelShape", "Observer", "Session"]
 log = logging.getLogger(__name__)
 
 
-class Session:
+class Session(SessionView):
+    """One batch's KV state from prefill to the end of decode (see the module)."""
+
     def __init__(self, cfg: AttachConfig, shape: ModelShape, store: StoreClient, batch: int, device: torch.device,
                  stats: Counter) -> None:
         kernels = for_device(device, cfg.kernels)
@@ -50,81 +57,12 @@ class Session:
         self.pipeline = Pipeline(self.ctx, self.io)
         self.tuning = Tuning(self.ctx)
         self.plan: StepPlan | None = None
-        self.valid: torch.Tensor | None = None  # [B, >= tokens]: which tokens are real (not padding)
+        self.valid: torch.Tensor | None = None  # [B, >= tokens]: which tokens are real (not padding, not the shift)
+        self.shift = 0  # padding tokens before the model's: the prompt ends on a page boundary
         self._step_start = 0.0
         self._closed = False
         if cfg.overlap_fetch and not kernels.attends_in_parts:
             log.info("overlap_fetch: the %s kernels attend in one pass, after each fetch lands", kernels.name)
-
-    # ------------------------------------------------------------ what tools read
-
-    @property
-    def cfg(self) -> AttachConfig:
-        return self.ctx.cfg
-
-    @property
-    def shape(self) -> ModelShape:
-        return self.ctx.shape
-
-    @property
-    def batch(self) -> int:
-        return self.ctx.batch
-
-    @property
-    def stats(self) -> Counter:
-        return self.ctx.stats
-
-    @property
-    def kernels(self):
-        return self.ctx.kernels
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one stored block: one page of one (layer, KV head), K and V."""
-        return self.io.block_bytes
-
-    @property
-    def step(self) -> int:
-        return self.ctx.step
-
-    @property
-    def micro_batch(self) -> int:
-        return self.tuning.micro_batch
-
-    @property
-    def calibration(self) -> str | None:
-        """What warm-up calibration chose, once it has (also logged)."""
-        return self.tuning.calibration
-
-    @property
-    def cache_multiplier(self) -> float:
-        """Device cache per (layer, KV head) as a multiple of a step's selection (calibrated or given)."""
-        return self.ctx.multiplier
-
-    def fold_counts(self) -> Counter:
-        """The stats, with the figures still on the device added (a copy to the host)."""
-        self.ctx.counts.fold(self.stats)
-        return self.stats
-
-    def add_observer(self, observer: Observer) -> None:
-        """Call ``observer``'s hooks from now on (a measurement tool's view of prefill and decode)."""
-        self.ctx.observers.append(observer)
-
-    def remove_observer(self, observer: Observer) -> None:
-        self.ctx.observers.remove(observer)
-
-    def num_pages(self, layer: int) -> int:
-        """Complete pages of a layer: indexed and (to be) stored."""
-        return self.ctx.layers[layer].num_pages
-
-    def local_window(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """A layer's local window: K and V ``[B, H, L, D]`` and the position of its first token."""
-        window = self.ctx.layers[layer].window
-        return *window.linear(), window.start
-
-    def cache(self, layer: int):
-        """A layer's device cache (None before its prefill)."""
-        return self.ctx.layers[layer].cache
 
     def prefill_pending(self, layer: int) -> bool:
         """Whether a layer holds prefill K/V waiting for :meth:`finish_prefill`."""
@@ -133,7 +71,13 @@ class Session:
     # ------------------------------------------------------------ transformers Cache hooks
 
     def seq_length(self, layer: int = 0) -> int:
+        """Tokens in a layer's context, the ``shift`` included: positions of keys, pages and ``valid``."""
         return self.ctx.layers[layer].num_tokens
+
+    def model_length(self, layer: int = 0) -> int:
+        """The model's tokens in a layer (the ``shift`` left out): what transformers counts."""
+        n = self.ctx.layers[layer].num_tokens
+        return n - self.shift if n else 0
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         ls = self.ctx.layers[layer]
@@ -141,11 +85,15 @@ class Session:
         if ls.selector is None:
             if ls.prefill is not None:
                 raise RuntimeError("KVDrive prefill runs once per session")
-            if self.io.restored:
+            if self.io.restored:  # the stored prefix holds the shift already
                 past_k, past_v = self.io.load_prefix(layer)
-                key, value = torch.cat([past_k, key], dim=2), torch.cat([past_v, value], dim=2)
-            ls.prefill = (key, value)
-            ls.num_tokens = key.shape[2]
+                keys, values = torch.cat([past_k, key], dim=2), torch.cat([past_v, value], dim=2)
+                key, value = keys[:, :, self.shift :], values[:, :, self.shift :]
+            else:
+                self.shift = planning.prompt_shift(q_len, self.cfg.page_size)
+                keys, values = planning.pad_front(key, self.shift), planning.pad_front(value, self.shift)
+            ls.prefill = (keys, values)
+            ls.num_tokens = keys.shape[2]
             self.stats["prefill_tokens"] += q_len * (layer == 0)
             return key, value
         if q_len != 1:
@@ -169,20 +117,25 @@ class Session:
     def finish_prefill(self, layer: int, query: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Index, store and cache one layer after its dense prefill attention ran."""
         keys, values = self.ctx.layers[layer].prefill
-        for ob in self.ctx.observers:
-            ob.on_prefill_layer(layer, keys, values, query, mask)
-        self.valid = planning.valid_from_mask(self.ctx, mask, keys.shape[2])
+        for ob in self.ctx.observers:  # what the model handed over, without the shift
+            ob.on_prefill_layer(layer, keys[:, :, self.shift :], values[:, :, self.shift :], query, mask)
+        self.valid = planning.shifted(planning.valid_from_mask(self.ctx, mask, keys.shape[2] - self.shift), self.shift)
         if layer == 0:
             # Left padding: a row's sink starts at its first page holding a real token.
-            self.ctx.first_page = self.valid.int().argmax(dim=1) // self.cfg.page_size
+            first = self.valid.int().argmax(dim=1) // self.cfg.page_size
+            self.ctx.first_page, self.ctx.first_pages = first, first.tolist()
             self.io.create_sequences()
         # Small ops (the index's eigendecompositions, k-means, the importance scores): split
         # across threads, each waits for its second thread on a busy host (measured: 16x slower).
         with self.decode_threads():
             finish_layer(self.ctx, self.io, layer, query, self.valid)
 
-    def try_restore(self, names: list[str], prefix_pages: int) -> bool:
-        """Use the stored prefix pages of every row, if all are there; else store them at prefill."""
+    def try_restore(self, names: list[str], prefix_pages: int, shift: int = 0) -> bool:
+        """Use the stored prefix pages of every row, if all are there; else store them at prefill.
+
+        ``shift``: :meth:`prompt_shift` of the prompt; the stored pages begin with it, so
+        a prefix is only the same one for a prompt of the same shift (the names say so)."""
+        self.shift = shift
         if not self.io.try_restore(names, prefix_pages):
             return False
         for ls in self.ctx.layers:
@@ -206,12 +159,14 @@ class Session:
         """
         sh = self.shape
         q = query[:, :, 0].reshape(query.shape[0], sh.num_kv_heads, sh.group, sh.head_dim)
-        out = self.decode_query(layer, q, lambda: planning.valid_from_mask(self.ctx, mask, self.ctx.layers[0].num_tokens))
+        out = self.decode_query(layer, q, lambda: planning.shifted(
+            planning.valid_from_mask(self.ctx, mask, self.model_length(0)), self.shift))
         return out.reshape(query.shape[0], sh.num_q_heads, 1, sh.head_dim)
 
     def decode_query(self, layer: int, query: torch.Tensor, valid: Callable[[], torch.Tensor]) -> torch.Tensor:
         """:meth:`decode_attention` for queries grouped by KV head, ``[B, H, G, D]`` in and out;
-        ``valid()`` gives the step's real tokens ``[B, t]`` (called at the first layer only)."""
+        ``valid()`` gives the step's real tokens ``[B, t]``, the ``shift`` included (called at the first
+        layer only)."""
         with torch.no_grad(), self.decode_threads():
             t_start = time.perf_counter()
             if layer == 0:
@@ -271,19 +226,6 @@ class Session:
 
     # ------------------------------------------------------------ end
 
-    def index_bytes(self) -> int:
-        return sum(ls.selector.index_bytes for ls in self.ctx.layers if ls.selector is not None)
-
-    def cache_bytes(self) -> int:
-        """Bytes the device cache reserves on the compute device, all layers (its K and V slots)."""
-        return sum(ls.cache.nbytes for ls in self.ctx.layers if ls.cache is not None)
-
-    def kv_bytes(self) -> int:
-        """Bytes of the context's K and V in the layers KVDrive serves, all rows (padding included)."""
-        sh = self.shape
-        per_token = 2 * sh.num_kv_heads * sh.head_dim * sh.dtype.itemsize * self.batch
-        return sum(ls.num_tokens for ls in self.ctx.layers) * per_token
-
     def close(self) -> None:
         if self._closed:
             return
@@ -296,3 +238,4 @@ class Session:
         self.io.close()
         if self.cfg.trace:
             log.info("decode timeline written to %s", self.ctx.timeline.save(self.cfg.trace))
+

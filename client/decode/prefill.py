@@ -52,13 +52,15 @@ def _seed_cache(ctx: Context, ls: LayerState, keys, values, score: torch.Tensor,
     start = ctx.first_page[:, None]
     in_sink = (page[None, :] >= start) & (page[None, :] < start + sink)  # a row's sink: its first real pages
     score.masked_fill_(in_sink[:, None, :], float("inf"))  # sink pages always sit in the cache
-    pages = score.topk(n, dim=2).indices
+    score.masked_fill_((page[None, :] < start)[:, None, :], ref.NEG_INF)  # padding pages never do
+    top, pages = score.topk(n, dim=2)
     b, h, t, d = keys.shape
     s = ctx.cfg.page_size
     kp = keys[:, :, : first_local * s].reshape(b, h, first_local, s, d)
     vp = values[:, :, : first_local * s].reshape(b, h, first_local, s, d)
     idx = pages[..., None, None].expand(-1, -1, -1, s, d)
     k_seed, v_seed = kp.gather(2, idx), vp.gather(2, idx)
+    pages = pages.masked_fill(top == ref.NEG_INF, -1)  # a short row's slots past its pages stay empty
     if ls.cache.head_capacity is not None:  # each head seeds as many pages as its own window holds
         beyond = torch.arange(n, device=pages.device)[None, :] >= ls.cache.head_capacity[:, None]
         pages = pages.masked_fill(beyond[None], -1)

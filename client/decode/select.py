@@ -25,9 +25,12 @@ def choose(ctx: Context, plan: StepPlan, layer: int, mb: MicroBatch) -> None:
     if not plan.k:
         chosen = sink[:, None, :].expand(mb.rows, ctx.shape.num_kv_heads, plan.sink)
     else:
-        # A row with fewer selectable pages than k (padding) gets -1: nothing there.
+        # A row with fewer selectable pages than k (padding) gets -1: nothing there; so do
+        # its picks past its own k (best first: the ones kept are its own top k).
         chosen, slot_scores = selector.choose(mb.query, mb.of(plan.selectable), plan.k, sink,
                                               cached if lookahead else None)
+        if plan.beyond is not None:
+            chosen[:, :, plan.sink :].masked_fill_(mb.of(plan.beyond)[:, None, :], -1)
         if ctx.observers:
             t_ob = time.perf_counter()
             for ob in ctx.observers:

@@ -47,7 +47,9 @@ class ModelShape:
 class Observer:
     """Hooks for measurement tools (fidelity, cache traces); the defaults do nothing.
 
-    Keys are post-RoPE, ``[B, H, T, D]``; ``valid`` marks real (unpadded) tokens.
+    Keys are post-RoPE, ``[B, H, T, D]``; ``valid`` marks real (unpadded) tokens. Pages and
+    positions count the session's ``shift`` padding tokens first (pages end where the prompt
+    does); :meth:`on_prefill_layer` alone gets the model's tokens as it handed them over.
     Register one with :meth:`kvdrive_client.session.Session.add_observer`.
     """
 
@@ -145,6 +147,7 @@ class Context:
     step: int = 0
     counts: DeviceCounts | None = None
     first_page: torch.Tensor | None = None  # [B] each row's first page holding a real token (left padding)
+    first_pages: list[int] | None = None  # first_page on the host
 
     def __post_init__(self) -> None:
         self.counts = DeviceCounts(self.device)
@@ -160,10 +163,11 @@ class StepPlan:
     num_pages: int  # complete pages, the ones this step completes included
     first_local: int  # first page of the local window
     sink: int  # sink pages, always attended
-    k: int  # pages selected per (row, KV head) besides the sink
+    k: int  # pages selected per (row, KV head) besides the sink: the largest row's k
     selectable: torch.Tensor | None  # [B, num_pages]: pages the step may choose (None when k == 0)
     groups: list[tuple[int, int]]  # micro-batches: row ranges [lo, hi)
     sink_pages: torch.Tensor | None = None  # [B, sink]: each row's first real pages (-1: none)
+    beyond: torch.Tensor | None = None  # [B, k] bool: past the row's own k (None: no row's k is below k)
 
     @property
     def attends_pages(self) -> bool:

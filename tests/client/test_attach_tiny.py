@@ -76,9 +76,10 @@ def test_pages_completed_during_decode_are_stored_and_selectable(daemon, make_ti
         seqs = store.list("flush")
         handle.detach()
         assert len(seqs) == 1
-        # 130 + 70 tokens: pages 0..11 complete (page 12 still open), every layer of each stored.
-        assert seqs[0]["complete_pages"] == (130 + 70 - 1) // 16
-        assert stats["pages_flushed"] == seqs[0]["complete_pages"] - 130 // 16
+        # 14 tokens of KVDrive's padding, 130 + 69 decoded: pages 0..12 complete (page 13 still
+        # open), every layer of each stored; pages 0..8 at prefill.
+        assert seqs[0]["complete_pages"] == (14 + 130 + 70 - 1) // 16
+        assert stats["pages_flushed"] == seqs[0]["complete_pages"] - (14 + 130) // 16
     ref = generate(model, ids, mask, new=70)
     assert torch.equal(out.sequences, ref.sequences)
 
@@ -137,10 +138,11 @@ def test_caches_of_two_handles_on_one_model_decode_in_turn_as_each_alone(daemon,
     assert model.config._attn_implementation != "kvdrive"
 
 
-@pytest.mark.parametrize("budget_tokens, pages", [(16, 1), (17, 2), (64, 4), (10_000, 13)])
+@pytest.mark.parametrize("budget_tokens, pages", [(16, 1), (17, 2), (64, 4), (10_000, 14)])
 def test_budget_tokens_selects_a_fixed_count_of_pages(daemon, make_tiny, budget_tokens, pages):
-    """The decode step's 301 tokens: the local window from page 14 on (77 tokens), 1 sink page,
-    13 selectable pages between them."""
+    """The decode step's 301 tokens after KVDrive's 4 of padding (pages end where the prompt
+    does): the local window from page 15 on (65 tokens), 1 sink page (its 12 real tokens),
+    14 selectable pages between them."""
     model = make_tiny("llama")
     ids, mask = left_padded([300])
     with daemon.client() as store:
@@ -149,7 +151,7 @@ def test_budget_tokens_selects_a_fixed_count_of_pages(daemon, make_tiny, budget_
         stats = handle.stats()
         handle.detach()
     per_step = stats["attended_tokens"] / (stats["steps"] * model.config.num_hidden_layers * model.config.num_key_value_heads)
-    assert per_step == 16 + pages * 16 + 77
+    assert per_step == 12 + pages * 16 + 65
 
 
 def test_unsupported_model_is_refused_with_a_reason():

@@ -117,6 +117,8 @@ def test_each_segment_of_a_layer_compiles_whole(daemon, monkeypatch, batch):
         try:
             kv.prefill(0, *(torch.randn(batch, n, 256 - 3, shape.head_dim, generator=g) for n in (2, 1, 1)))
             step()  # the first step sizes what later ones reuse
+            for _ in range(kv.session.cfg.page_size - 3):  # pages end where the prompt does
+                step()
             rec = Recorder(monkeypatch)
             for completes_page in (False, True):  # the second step completes a page
                 step()

@@ -64,6 +64,11 @@ class Decode:
         one.steps = [[tuple(x[r : r + 1] for x in qkv) for qkv in step] for step in self.steps]
         return one
 
+    @property
+    def shift(self) -> int:
+        """KVDrive's padding before the prompt: its pages end where the prompt does."""
+        return -self.T % S
+
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token's K and V of a layer, prompt then decode: ``[B, H, T + steps, D]``."""
         _, k, v = self.prefill[layer]
@@ -72,8 +77,8 @@ class Decode:
         return torch.cat([k, *dk], dim=2), torch.cat([v, *dv], dim=2)
 
     def block(self, layer: int, row: int, head: int, page: int) -> bytes:
-        """The bytes the store should hold for a page: its K, then its V."""
-        k, v = self.kv(layer)
+        """The bytes the store should hold for a page: its K, then its V (the shift's tokens zeros)."""
+        k, v = (torch.cat([x.new_zeros(*x.shape[:2], self.shift, D), x], dim=2) for x in self.kv(layer))
         at = slice(page * S, (page + 1) * S)
         return torch.stack([k[row, head, at], v[row, head, at]]).contiguous().numpy().tobytes()
 
@@ -81,8 +86,8 @@ class Decode:
             **options) -> Result:
         kv = SparseKV(store, SHAPE, batch=self.B, **options)
         clock = store.now if isinstance(store, FakeStore) else (lambda: 0)
-        restored = kv.session.try_restore(*restore) if restore else False
-        cut = restore[1] * S if restored else 0
+        restored = kv.session.try_restore(*restore, kv.session.prompt_shift(self.T)) if restore else False
+        cut = restore[1] * S - self.shift if restored else 0
         for layer in range(L):
             q, k, v = self.prefill[layer]
             kv.prefill(layer, q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], None if cut else self.valid)
@@ -119,14 +124,15 @@ def fetched(store: FakeStore, since: int = 0) -> Counter:
 
 
 def test_every_complete_prefill_page_is_put_once_byte_exact():
-    d = Decode(B=2, T=200, pads=(0, 37))  # 12 complete pages and 8 tokens; row 1's first 37 are padding
+    # 13 complete pages: 8 tokens of KVDrive's padding, then the 200 (row 1's first 37 are padding too)
+    d = Decode(B=2, T=200, pads=(0, 37))
     store = FakeStore()
     d.run(store, steps=0, keep=True)
-    pages = 200 // S
+    pages = (200 + d.shift) // S
     for row in range(2):
         seq = seq_of(store, row)
         blocks = store.sequence_blocks(seq)
-        # Every (layer, head, page) of the complete pages, padding pages included; not the partial page.
+        # Every (layer, head, page) of the complete pages, padding pages included.
         assert set(blocks) == {(layer, h, p) for layer in range(L) for h in range(H) for p in range(pages)}
         for (layer, h, p), data in blocks.items():
             assert data == d.block(layer, row, h, p), (row, layer, h, p)
@@ -138,18 +144,18 @@ def test_every_complete_prefill_page_is_put_once_byte_exact():
     # The padding pages of row 1 carry no importance: no real token is in them.
     padded = seq_of(store, 1).uid
     assert all(store.importance[(padded, layer, h, p)] == 0 for layer in range(L) for h in range(H) for p in (0, 1))
-    assert store.importance[(padded, 0, 0, 2)] > 0  # page 2 holds tokens 37..47
+    assert store.importance[(padded, 0, 0, 2)] > 0  # page 2 holds tokens 37..39
 
 
 def test_a_page_completed_while_decoding_is_put_once_after_every_layer_and_before_it_is_fetched():
-    # Prompt 200 tokens (pages 0..11 and 8 tokens); decode 40 tokens completes pages 12, 13, 14 at
-    # steps 7, 23 and 39. local_tokens=16 makes a page selectable one page after it completes;
-    # budget 1.0 with no cache (cache_multiplier=0) fetches every selectable page every step.
-    d = Decode(B=2, T=200, steps=40, pads=(0, 21))
+    # Prompt 200 tokens after 8 of KVDrive's padding (pages 0..12); decode 48 tokens completes pages
+    # 13, 14, 15 at steps 15, 31 and 47. local_tokens=16 makes a page selectable one page after it
+    # completes; budget 1.0 with no cache (cache_multiplier=0) fetches every selectable page every step.
+    d = Decode(B=2, T=200, steps=48, pads=(0, 21))
     store = FakeStore()
     res = d.run(store, keep=True, budget=1.0, cache_multiplier=0, local_tokens=16, pipeline=False)
     assert res.stats["pages_flushed"] == 3
-    for page, step in ((12, 7), (13, 23), (14, 39)):
+    for page, step in ((13, 15), (14, 31), (15, 47)):
         for row in range(2):
             seq = seq_of(store, row)
             puts = [r for r in store.put_log if r.uid == seq.uid and page in r.pages]
@@ -164,7 +170,7 @@ def test_a_page_completed_while_decoding_is_put_once_after_every_layer_and_befor
                     assert store.blocks[(seq.uid, layer, h, page)] == d.block(layer, row, h, page)
             gets = [rec.event for rec in store.get_log if ((rec.uids == seq.uid) & (rec.blocks[:, 2] == page)).any()]
             assert all(e > put.event for e in gets)
-            if page < 14:  # page 14 completes on the last step: never selectable
+            if page < 15:  # page 15 completes on the last step: never selectable
                 assert gets, (page, row)
 
 
@@ -172,19 +178,20 @@ def test_a_page_completed_while_decoding_is_put_once_after_every_layer_and_befor
 
 
 def test_a_cache_that_holds_every_page_fetches_each_page_once_and_then_stops():
-    # budget 1.0 at cache_multiplier 4: the cache holds every page. Prefill seeds pages 0..7 (the local
-    # window holds the last 64 tokens); pages 8, 9, 10 leave the local window at steps 7, 23 and 39.
-    d = Decode(B=2, T=200, steps=40)
+    # budget 1.0 at cache_multiplier 4: the cache holds every page. Prefill (200 tokens after 8 of
+    # KVDrive's padding) seeds pages 0..8 (the local window holds the last 64 tokens); pages 9, 10, 11
+    # leave the local window at steps 15, 31 and 47.
+    d = Decode(B=2, T=200, steps=48)
     store = FakeStore()
     res = d.run(store, keep=True, budget=1.0, cache_multiplier=4, pipeline=False)
     seen = fetched(store)
     assert seen and max(seen.values()) == 1  # no block fetched twice
-    assert {page for (_, _, _, page) in seen} == {8, 9, 10}
+    assert {page for (_, _, _, page) in seen} == {9, 10, 11}
     assert len(seen) == 3 * 2 * L * H == res.stats["misses"]
     # Gets happen only in the steps where a page leaves the local window.
     steps_with_gets = {step for (step, _), (lo, hi) in res.marks.items()
                        if any(lo < rec.event < hi for rec in store.get_log)}
-    assert steps_with_gets == {7, 23, 39}
+    assert steps_with_gets == {15, 31, 47}
     assert res.stats["hits"] > 10 * res.stats["misses"]
 
     # The same decode without a cache fetches every selected page every step.
@@ -327,6 +334,19 @@ def test_a_left_padded_row_selects_like_the_row_alone(index):
     torch.testing.assert_close(batch.outs[:, :, 1], alone.outs[:, :, 0], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("index", ["lowrank", "meankey", "quest", "oracle"])
+def test_a_left_padded_row_decodes_like_the_row_alone_at_a_sparse_budget(index):
+    # Padding that is no whole number of pages, rows of three lengths: each row's pages, its k
+    # (1, 3 and 2 pages of 6.25%) and its index fit are its own, as when it runs alone.
+    d = Decode(B=3, T=600, steps=24, pads=(480, 0, 250))
+    opts = dict(index=index, budget=0.0625, pipeline=True, micro_batch=2)
+    batch = d.run(FakeStore(), **opts)
+    assert batch.stats["attended_tokens"] < 0.5 * batch.stats["context_tokens"]
+    for row in range(3):
+        alone = d.row(row).run(FakeStore(), **opts)
+        torch.testing.assert_close(batch.outs[:, :, row], alone.outs[:, :, 0], atol=1e-6, rtol=1e-6)
+
+
 def test_a_left_padded_row_keeps_its_first_real_tokens_as_sink():
     d = Decode(B=2, T=256, steps=20, pads=(0, 64))
     opts = dict(index="oracle", budget_tokens=48, sink_tokens=16, pipeline=False)
@@ -344,7 +364,8 @@ def _dense(q, k, v, valid):
 
 @pytest.mark.parametrize("index", ["lowrank", "hierarchical", "meankey", "quest"])
 def test_a_prompt_shorter_than_a_page_decodes_exactly_at_full_budget(index):
-    d = Decode(B=1, T=5, steps=40)  # no complete page at prefill; pages 0 and 1 complete while decoding
+    # Page 0: 11 tokens of KVDrive's padding and the 5 of the prompt; pages 1 and 2 complete while decoding.
+    d = Decode(B=1, T=5, steps=40)
     store = FakeStore()
     res = d.run(store, budget=1.0, local_tokens=16, sink_tokens=16, index=index, pipeline=False, keep=True)
     for layer in range(L):
@@ -355,7 +376,7 @@ def test_a_prompt_shorter_than_a_page_decodes_exactly_at_full_budget(index):
             want = _dense(q, k[:, :, :t], v[:, :, :t], torch.ones(1, t, dtype=torch.bool))
             torch.testing.assert_close(res.outs[step, layer], want, atol=1e-5, rtol=1e-5)
     assert set(store.sequence_blocks(seq_of(store, 0))) == {(layer, h, p) for layer in range(L) for h in range(H)
-                                                            for p in (0, 1)}
+                                                            for p in (0, 1, 2)}
     assert res.stats["misses"] > 0  # page 0 was fetched after it left the local window
 
 

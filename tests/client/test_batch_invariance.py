@@ -1,0 +1,70 @@
+"""A row decodes the same in a left-padded batch as alone, at a sparse budget: its pages, its
+``k`` and its index fit are its own, whatever the lengths of the rows beside it."""
+
+import pytest
+import torch
+
+from kvdrive_client import attach
+from test_attach_tiny import generate
+from test_hybrid import hybrid
+
+NEW = 16
+BUDGET = 0.0625
+
+
+def padded(prompts):
+    """Prompts ``[n_i]`` left-padded to the longest: ids and mask ``[B, T]``."""
+    t = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), t, dtype=torch.long)
+    mask = torch.zeros(len(prompts), t, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, t - len(p) :] = p
+        mask[row, t - len(p) :] = 1
+    return ids, mask
+
+
+def assert_rows_as_alone(store, model, prompts, **options):
+    """Every row of the padded batch: greedy tokens identical, logits within 1e-4 of the row alone."""
+    handle = attach(model, store, budget=BUDGET, **options)
+    try:
+        batch = generate(model, *padded(prompts), new=NEW)
+        stats = handle.stats()
+        alone = [generate(model, *padded([p]), new=NEW) for p in prompts]
+    finally:
+        handle.detach()
+    assert stats["attended_fraction"] < 0.5  # pages were selected, not every one attended
+    t = batch.sequences.shape[1] - NEW
+    for row, (p, one) in enumerate(zip(prompts, alone)):
+        assert torch.equal(batch.sequences[row, t:], one.sequences[0, len(p) :]), f"row {row} ({len(p)} tokens)"
+        diff = max((b[row] - a[0]).abs().max().item() for b, a in zip(batch.logits, one.logits))
+        assert diff < 1e-4, f"row {row} ({len(p)} tokens): logits differ by {diff:.2e}"
+
+
+def test_smollm2_rows_decode_as_alone(smollm2, license_ids, daemon):
+    model, _ = smollm2
+    # Three remainders modulo the page size (16): pages cut over the padded batch would fall
+    # elsewhere in every row than its own; and two k (1, 2 and 1 pages at 6.25%), where the
+    # padded length would give every row 2. Short prompts: CI runs this on two cores, where
+    # the model's own prefill is most of the test's time.
+    prompts = [license_ids[3000 : 3000 + 150], license_ids[9000 : 9000 + 383], license_ids[15000 : 15000 + 250]]
+    with daemon.client() as store:
+        assert_rows_as_alone(store, model, prompts)
+
+
+@pytest.mark.parametrize("index", ["meankey", "quest"])
+def test_other_page_scores_decode_as_alone(daemon, make_tiny, index):
+    """Indexes that score each page on its own: the same pages, as alone."""
+    model = make_tiny("qwen2")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 512, (n,), generator=g) for n in (201, 530, 347)]
+    with daemon.client() as store:
+        assert_rows_as_alone(store, model, prompts, index=index, local_tokens=32)
+
+
+def test_hybrid_rows_decode_as_alone(daemon):
+    """Sliding-window layers beside KVDrive's global ones (Gemma 3's pattern, tiny)."""
+    model = hybrid("gemma3", ["sliding_attention"] * 2 + ["full_attention"])
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 512, (n,), generator=g) for n in (410, 1507, 905)]
+    with daemon.client() as store:
+        assert_rows_as_alone(store, model, prompts, local_tokens=32)
