@@ -19,6 +19,55 @@ import pytest
 if ctypes.util.find_library("cuda") is None and not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _interpret_device_calls_once_per_launch() -> None:
+    """Triton's interpreter patches the language modules a kernel sees at each launch, and
+    again at every call of a ``@triton.jit`` helper inside it, though those modules are
+    patched already; in kernels that call helpers in loops that repeated patching was a
+    quarter of an interpreted launch. Inside a launch, a helper call now patches only the
+    modules the launch has not (the helper runs exactly as before); outside one, as before."""
+    try:
+        from triton import language as tl  # noqa: PLC0415
+        from triton.runtime import interpreter  # noqa: PLC0415
+    except ImportError:
+        return
+    launch_call = getattr(interpreter.GridExecutor, "__call__", None)
+    device_call = getattr(interpreter.InterpretedFunction, "__call__", None)
+    if launch_call is None or device_call is None or not hasattr(interpreter, "_patch_lang"):
+        return
+    patched: list[set | None] = [None]  # ids of the modules the innermost launch has patched
+
+    def langs(fn) -> set:  # the modules _patch_lang(fn) patches
+        return {id(v) for v in fn.__globals__.values() if isinstance(v, type(tl)) and v in (tl, tl.core)}
+
+    def launch(self, *args, **kwargs):
+        outer, patched[0] = patched[0], langs(self.fn)
+        try:
+            return launch_call(self, *args, **kwargs)
+        finally:
+            patched[0] = outer
+
+    def call(self, *args, **kwargs):
+        done = patched[0]
+        if done is None:
+            return device_call(self, *args, **kwargs)
+        need = langs(self.fn)
+        if not need <= done:
+            interpreter._patch_lang(self.fn)
+            done |= need
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    interpreter.GridExecutor.__call__ = launch
+    interpreter.InterpretedFunction.__call__ = call
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpret_device_calls_once_per_launch()
+
 from kvdrive_client import StoreClient  # noqa: E402
 
 
