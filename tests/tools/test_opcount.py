@@ -25,7 +25,7 @@ def _triton_interpreted() -> bool:
 SYNC_BUDGET = {"reference": 1.0, "cpu": 1.0, **({"triton": 1.0} if _triton_interpreted() else {})}
 # Torch ops (Triton launches included) per layer with the Triton kernels, at most: in a step
 # that completes no page, in one that completes a page (it indexes and queues the page), and
-# over the 16 counted steps (one of them completes a page). On a GPU nearly each is a launch.
+# over the 14 counted steps (the last completes a page). On a GPU nearly each is a launch.
 TRITON_STEADY_OPS = 24
 TRITON_PAGE_OPS = 40
 TRITON_MEAN_OPS = 30
@@ -51,8 +51,9 @@ def test_the_counter_sees_syncs_and_host_copies():
 def test_decode_stays_within_its_sync_budget(daemon):
     with daemon.client() as store:
         for kernels, budget in SYNC_BUDGET.items():
-            # 16 counted steps after 2 warm-up ones: one of them completes a page (640 + 16 tokens).
-            r = count_decode(store, kernels, steps=16)
+            # 14 counted steps after 2 warm-up ones: the 16th step decoded completes the first page
+            # after the prompt's (as few steps as show one; the interpreted Triton launches are slow).
+            r = count_decode(store, kernels, steps=14)
             assert r["misses"] > 0 and r["pages_flushed"] == 1
             assert 0 < r["syncs_per_layer_step"] <= budget, (kernels, r["syncs"])
             assert set(r["syncs"]) == {"Tensor.cpu"}, r["syncs"]
