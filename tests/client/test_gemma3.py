@@ -6,9 +6,10 @@ from kvdrive_client import attach
 from kvdrive_client.models import license_text
 
 
-def test_real_gemma3_at_full_budget_is_token_identical_on_a_4k_prompt(gemma3, daemon):
+def test_real_gemma3_at_full_budget_is_token_identical_on_a_2k_prompt(gemma3, daemon):
     model, tok = gemma3
-    ids = tok(license_text(), return_tensors="pt").input_ids[:, :4096]
+    # Four times the sliding layers' 512-token window: the global layers attend far past it.
+    ids = tok(license_text(), return_tensors="pt").input_ids[:, :2048]
     mask = torch.ones_like(ids)
 
     def greedy():

@@ -30,7 +30,8 @@ def max_logit_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a.logits, b.logits))
 
 
-@pytest.mark.parametrize("lengths", [[2048], [2048, 1530, 1790]], ids=["batch1", "batch3-padded"])
+# The padded batch at half batch 1's length: what it adds is the rows' left padding.
+@pytest.mark.parametrize("lengths", [[2048], [1024, 765, 895]], ids=["batch1", "batch3-padded"])
 def test_full_budget_matches_transformers(smollm2, license_ids, daemon, lengths):
     model, _ = smollm2
     ids, mask = batch_from(license_ids, lengths, [3000, 9000, 15000][: len(lengths)])
