@@ -16,6 +16,7 @@ class SessionView:
     and ``tuning``), kept apart so that the session itself is the decode it runs."""
 
     ctx: Context
+    shift: int  # KVDrive's padding tokens before the prompt (see the session)
 
     @property
     def cfg(self) -> AttachConfig:
@@ -100,7 +101,8 @@ class SessionView:
         return sum(ls.cache.nbytes for ls in self.ctx.layers if ls.cache is not None)
 
     def kv_bytes(self) -> int:
-        """Bytes of the context's K and V in the layers KVDrive serves, all rows (padding included)."""
+        """Bytes of the context's K and V in the layers KVDrive serves, all rows (the model's
+        padding included, KVDrive's own ``shift`` before the prompt not)."""
         sh = self.shape
         per_token = 2 * sh.num_kv_heads * sh.head_dim * sh.dtype.itemsize * self.batch
-        return sum(ls.num_tokens for ls in self.ctx.layers) * per_token
+        return sum(max(0, ls.num_tokens - self.shift) for ls in self.ctx.layers) * per_token

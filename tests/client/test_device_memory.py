@@ -34,8 +34,10 @@ def test_at_budget_1_the_cache_reserves_the_pages_before_the_local_window_not_a_
     per_token = 2 * 2 * (128 // 4) * 4  # K and V, 2 KV heads of dim 32, float32
     rows_layers = len(lengths) * 2
     assert stats["kv_bytes"] == tokens * per_token * rows_layers
-    # x4 would be four times the pages: the cache holds every page before the local window, once.
-    before_local = (tokens - LOCAL) // PAGE * PAGE
+    # x4 would be four times the pages: the cache holds every page before the local window, once
+    # (pages end where the prompt does: KVDrive's own padding before it counts in the pages).
+    shift = -max(lengths) % PAGE
+    before_local = (tokens + shift - LOCAL) // PAGE * PAGE
     assert stats["device_cache_bytes"] == before_local * per_token * rows_layers
     assert stats["device_cache_bytes"] <= stats["kv_bytes"]
 
