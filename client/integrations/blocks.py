@@ -25,7 +25,11 @@ copied into one (stores) and out of one (loads), one memcpy each way, counted in
 ``staging_us``. Loads and stores go through lanes of their own
 (:mod:`~kvdrive_client.integrations.lanes`): each has its connections and staging
 regions, ``load_channels`` / ``store_channels`` calls of each kind run at once, and a
-load never waits for a store. Lookups have a connection of their own too.
+load never waits for a store. Lookups have a connection of their own too. Within a
+call, a channel's region is ``PIPELINE_DEPTH`` slots, each a request's: a store copies
+the next slot while the daemon writes the one before, a load copies one slot out while
+the daemon fills the next. A slot whose request's fate is unknown (a timeout, a daemon
+gone) is never reused: the channel gives its region up (:meth:`Channel.discard`).
 
 kvstored keeps a block as ``parts`` pieces (one up to 64 MiB, equal ones past that: a
 1 GiB block is 16 of 64 MiB, see kvdrive.protocol.blocks), written by one put, so a block
@@ -39,7 +43,7 @@ import logging
 import re
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence as Seq
 from typing import Any
 
@@ -52,12 +56,13 @@ from kvdrive.protocol.blocks import MAX_BLOCK_BYTES, MAX_PART_BYTES, block_geome
 from kvdrive_client.errors import ChecksumError, KVDriveError, NotFoundError, StoreUnavailableError
 from kvdrive_client.integrations.lanes import Channel, Lane
 from kvdrive_client.locate import DEFAULT, Default
-from kvdrive_client.store import StoreClient, connect
+from kvdrive_client.store import PendingGet, PendingPut, StoreClient, connect
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STAGING_BYTES = 64 << 20
 DELETE_WINDOW = 32  # deletes in flight at once
+PIPELINE_DEPTH = 2  # requests in flight per load or store call
 
 
 def _part(value: object) -> str:
@@ -104,8 +109,8 @@ class BlockStore:
     ``address``: the daemon (default: the one ``connect()`` finds); ``timeout``: per data
     request; ``lookup_timeout``: per lookup (engines ask on their scheduling path);
     ``retry_s``: how long an unavailable daemon is answered with misses before the next
-    try; ``staging_bytes``: each staging region (a call moves at most this much, or one
-    block, per request); ``load_channels`` / ``store_channels``: how many loads / stores
+    try; ``staging_bytes``: each staging region (``PIPELINE_DEPTH`` slots, each moving at
+    most its share of it, or one block, per request); ``load_channels`` / ``store_channels``: how many loads / stores
     run at once, each with a connection and a staging region of its own (made on first
     use). One store at a time is the default: stores are bound by the disk's durable
     write, and the CPU and memory bandwidth a second would take are the loads'.
@@ -123,8 +128,12 @@ class BlockStore:
         self.ns = namespace(engine, model, tenant, block_bytes, rank)
         self.address = address
         self.timeout, self.lookup_timeout, self.retry_s = timeout, lookup_timeout, retry_s
-        self.batch_blocks = max(1, min(staging_bytes // block_bytes, MAX_BLOCK_KEYS))
-        region = self.batch_blocks * block_bytes
+        # A channel's region holds ``depth`` slots of ``sub_blocks`` blocks, one per request in flight.
+        per_region = max(1, staging_bytes // block_bytes)
+        self.depth = max(1, min(PIPELINE_DEPTH, per_region))
+        self.sub_blocks = min(per_region // self.depth, MAX_BLOCK_KEYS)
+        self.slot_bytes = self.sub_blocks * block_bytes
+        region = self.depth * self.slot_bytes
         self.loads = Lane("load", load_channels, region, self._connect, client)
         self.stores = Lane("store", store_channels, region, self._connect, client)
         self.counters: Counter[str] = Counter()
@@ -220,9 +229,7 @@ class BlockStore:
                     elif k not in todo:
                         todo[k] = i
                 self._tally(stored_before=sum(done))
-                order = list(todo.values())
-                for start in range(0, len(order), self.batch_blocks):
-                    self._store_batch(ch, ks, sources, order[start: start + self.batch_blocks], done)
+                self._store_all(ch, ks, sources, list(todo.values()), done)
                 for i, k in enumerate(ks):  # a key given twice in one call
                     done[i] = done[i] or done[todo.get(k, i)]
         except (KVDriveError, OSError, ValueError) as exc:  # ValueError: a block of another size
@@ -230,25 +237,47 @@ class BlockStore:
         self._tally(store_s_us=int((time.perf_counter() - t0) * 1e6))
         return done
 
-    def _store_batch(self, ch: Channel, ks: list[bytes], sources: Seq[Buffer], batch: list[int],
-                     done: list[bool]) -> None:
-        """One ``block_put`` of ``batch``: stored whole, durable when it returns."""
+    def _store_all(self, ch: Channel, ks: list[bytes], sources: Seq[Buffer], order: list[int],
+                   done: list[bool]) -> None:
+        """Store blocks ``order`` in ``block_put`` s of ``sub_blocks``, up to ``depth`` in flight,
+        each from a slot of the staging region of its own: the copy of one overlaps the
+        daemon's write of the one before. Each is stored whole, durable when answered."""
+        inflight: deque = deque()
+        try:
+            for n, start in enumerate(range(0, len(order), self.sub_blocks)):
+                if len(inflight) == self.depth:  # the slot this one takes is the oldest's
+                    self._stored(inflight.popleft(), ks, done)
+                batch = order[start: start + self.sub_blocks]
+                inflight.append((self._store_batch(ch, ks, sources, batch, (n % self.depth) * self.slot_bytes), batch))
+            while inflight:
+                self._stored(inflight.popleft(), ks, done)
+        except BaseException:
+            if inflight:  # the daemon may still read their slots: the region is not used again
+                ch.discard()
+            raise
+
+    def _store_batch(self, ch: Channel, ks: list[bytes], sources: Seq[Buffer], batch: list[int], at: int) -> PendingPut:
+        """Copy ``batch`` into the staging region from ``at`` and start its ``block_put``."""
         bb, staging = self.block_bytes, ch.region
         t0 = time.perf_counter()
         for j, i in enumerate(batch):
-            at = j * bb
+            to = at + j * bb
             for part in _parts(sources[i], bb, "block"):
-                staging.array[at: at + part.nbytes] = part
-                at += part.nbytes
+                staging.array[to: to + part.nbytes] = part
+                to += part.nbytes
         self._tally(staging_us=int((time.perf_counter() - t0) * 1e6))
+        return ch.client.block_put_async(self.ns, bb, [ks[i] for i in batch], staging, offset=at)
+
+    def _stored(self, sent: tuple[PendingPut, list[int]], ks: list[bytes], done: list[bool]) -> None:
+        pending, batch = sent
         try:
-            r = ch.client.block_put_async(self.ns, bb, [ks[i] for i in batch], staging).wait()
+            r = pending.wait()
         except StoreUnavailableError:
             raise
         except KVDriveError as exc:  # these blocks only (a full store, say)
             self._failed("store", exc, len(batch))
             return
-        self._tally(blocks_stored=r["stored"], bytes_stored=r["stored"] * bb, stored_before=r["present"])
+        self._tally(blocks_stored=r["stored"], bytes_stored=r["stored"] * self.block_bytes, stored_before=r["present"])
         for i in batch:
             done[i] = True
 
@@ -265,9 +294,7 @@ class BlockStore:
         t0 = time.perf_counter()
         try:
             with self.loads.channel(self.timeout) as ch:
-                for start in range(0, len(ks), self.batch_blocks):
-                    batch = list(range(start, min(start + self.batch_blocks, len(ks))))
-                    self._load_batch(ch, ks, targets, got, batch)
+                self._load_all(ch, ks, targets, got)
         except NotFoundError:  # nothing stored in this namespace yet
             self._tally(load_missing=len(ks) - sum(got))
         except (KVDriveError, OSError, ValueError) as exc:  # ValueError: a target of another size
@@ -275,9 +302,31 @@ class BlockStore:
         self._tally(load_s_us=int((time.perf_counter() - t0) * 1e6))
         return got
 
-    def _load_batch(self, ch: Channel, ks: list[bytes], targets: Seq[Buffer], got: list[bool], batch: list[int]) -> None:
+    def _load_all(self, ch: Channel, ks: list[bytes], targets: Seq[Buffer], got: list[bool]) -> None:
+        """Load in ``block_get`` s of ``sub_blocks``, up to ``depth`` in flight, each into a slot
+        of the staging region of its own: the daemon fills one while this copies another out."""
+        inflight: deque = deque()
+        starts = range(0, len(ks), self.sub_blocks)
+        try:
+            for n, start in enumerate(starts):
+                if len(inflight) == self.depth:
+                    self._loaded(ch, inflight.popleft(), targets, got)
+                batch = list(range(start, min(start + self.sub_blocks, len(ks))))
+                at = (n % self.depth) * self.slot_bytes
+                inflight.append((ch.client.block_get_async(self.ns, [ks[i] for i in batch], ch.region, offset=at),
+                                 batch, at))
+            while inflight:
+                self._loaded(ch, inflight.popleft(), targets, got)
+        except BaseException:
+            if inflight:  # the daemon may still write their slots: the region is not used again
+                ch.discard()
+            raise
+
+    def _loaded(self, ch: Channel, sent: tuple[PendingGet, list[int], int], targets: Seq[Buffer],
+                got: list[bool]) -> None:
+        pending, batch, at = sent
         bb, staging = self.block_bytes, ch.region
-        r = ch.client.block_get_async(self.ns, [ks[i] for i in batch], staging).wait()
+        r = pending.wait()
         if r["damaged"]:
             self._failed("load", ChecksumError(f"{len(r['damaged'])} block(s) failed their checksum"),
                          len(r["damaged"]))
@@ -285,10 +334,10 @@ class BlockStore:
         self._tally(load_missing=len(batch) - len(ok) - len(r["damaged"]))
         t0 = time.perf_counter()
         for j in ok:
-            at = j * bb
+            frm = at + j * bb
             for part in _parts(targets[batch[j]], bb, "target"):
-                part[:] = staging.array[at: at + part.nbytes]
-                at += part.nbytes
+                part[:] = staging.array[frm: frm + part.nbytes]
+                frm += part.nbytes
             got[batch[j]] = True
         self._tally(staging_us=int((time.perf_counter() - t0) * 1e6), blocks_loaded=len(ok), bytes_loaded=len(ok) * bb)
 

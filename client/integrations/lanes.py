@@ -57,6 +57,15 @@ class Channel:
             self._region = self.client.register(self.region_bytes)
         return self._region
 
+    def discard(self) -> None:
+        """Give up this channel's connection and region after a request whose fate is unknown
+        (a timeout, a daemon gone): the daemon may still read or write that region, so it is
+        never used again; the next use makes new ones. The daemon drops the region with the
+        session (or at the unregister) only once no put or get of it still runs."""
+        log.info("a %d-byte staging region is given up: a request that uses it may still be running",
+                 self.region_bytes)
+        self.close()
+
     def close(self) -> None:
         if self._client is None:
             return
