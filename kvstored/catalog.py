@@ -36,6 +36,7 @@ import logging
 import os
 import secrets
 import struct
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,6 +272,9 @@ class Catalog:
         self._reserved = 0
         self.next_uid = self.next_extent = 1
         self._handed_out: set[int] = set()  # uids given to sequences not yet added
+        # Held through every write transaction and reserve change: the writer thread and the
+        # commit thread (kvstored/commits.py) both write, one at a time.
+        self.write_lock = threading.RLock()
         data_mdb = path / "data.mdb"
         try:
             meta = read_lmdb_meta(data_mdb)
@@ -434,7 +438,7 @@ class Catalog:
         """Bytes of data.mdb that LMDB's pages use (it never shrinks the file)."""
         return (self.env.info()["last_pgno"] + 1) * self.page_size
 
-    # ------------------------------------------------------------ writer only
+    # ------------------------------------------------------------ writer thread (its transactions and the commit thread's: under write_lock)
 
     def ensure_reserve(self) -> bool:
         """Keep disk space for deletes allocated in data.mdb ahead of LMDB's pages; False
@@ -443,6 +447,10 @@ class Catalog:
         LMDB never truncates its file, so blocks allocated here stay allocated until
         LMDB writes pages into them.
         """
+        with self.write_lock:
+            return self._ensure_reserve()
+
+    def _ensure_reserve(self) -> bool:
         used = self.used_bytes
         step = max(RESERVE_MIN_BYTES, used // RESERVE_SHARE)
         if self._reserved >= used + step:
@@ -464,14 +472,15 @@ class Catalog:
     @contextmanager
     def begin(self) -> Iterator[lmdb.Transaction]:
         """A write transaction that also rewrites the counts record; the counts roll back if it fails."""
-        saved = (self.num_seqs, self.num_extents, self.num_blocks)
-        try:
-            with self.env.begin(write=True) as txn:
-                yield txn
-                self._put_counts(txn)
-        except BaseException:
-            self.num_seqs, self.num_extents, self.num_blocks = saved
-            raise
+        with self.write_lock:
+            saved = (self.num_seqs, self.num_extents, self.num_blocks)
+            try:
+                with self.env.begin(write=True) as txn:
+                    yield txn
+                    self._put_counts(txn)
+            except BaseException:
+                self.num_seqs, self.num_extents, self.num_blocks = saved
+                raise
 
     def new_uid(self) -> int:
         """A uid for a new sequence: random in [1, UID_LIMIT), neither held by the catalog

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -515,3 +516,12 @@ def _parse_get(f: _Fields, header: dict, frames: list, max_bytes: int, max_block
         if seqs.min() < 0:
             raise ProtocolError(ErrorCode.OUT_OF_RANGE, "'seqs' holds a negative uid")
     return Get(f.int("seq", 0, 1 << 62), f.int("buf", 0, 1 << 31), f.int("offset", 0, 1 << 44), blocks, dst, seqs)
+
+
+def check_deadline(env: Envelope) -> None:
+    """Refuse a request whose deadline passed before it could start (it does not run)."""
+    if env.deadline is not None and time.time() > env.deadline:
+        raise ProtocolError(
+            ErrorCode.EXPIRED,
+            f"the request's deadline passed {time.time() - env.deadline:.3f} s before it could start; it did not run",
+        )

@@ -79,6 +79,8 @@ class PreparedPut:
     on_abort: Callable[[], None] | None = None
     reply: dict | None = None
     dram_slots: np.ndarray | None = None  # DRAM copies of the first blocks, made beside the write, to map
+    # The (uid, layer) keys under which the put's pages are listed as being written (PutPath._inflight).
+    inflight: tuple[tuple[int, int], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -168,14 +170,15 @@ class PutPath:
                 entry.uid, int(req.layers[li]), h, self.catalog.next_extent, offsets[k],
                 st.slot_pages[li, h].astype(np.int32), st.crc[li, h], st.cluster[li, h], st.importance[li, h],
             ))
-        for li in range(num_l):
-            self._inflight.setdefault((entry.uid, int(req.layers[li])), []).append(req.pages)
+        inflight = tuple((entry.uid, int(li)) for li in req.layers)
+        for key in inflight:
+            self._inflight.setdefault(key, []).append(req.pages)
         lay = np.broadcast_to(req.layers[:, None, None], st.slot_pages.shape)
         hed = np.broadcast_to(np.arange(num_h)[None, :, None], st.slot_pages.shape)
         return PreparedPut(
             entry, records, [(o, num_p * bb) for o in offsets], st.staging, st.staging_map, st.stage_offs.ravel(),
             lay.ravel().copy(), hed.ravel().copy(), st.slot_pages.ravel(), st.importance.ravel(), st.crc.ravel(),
-            ssd_off, req.pages, pool=self.staging,
+            ssd_off, req.pages, pool=self.staging, inflight=inflight,
         )
 
     def _check(self, req: Put, session: Session, entry: SeqEntry) -> MappedBuffer:
@@ -347,19 +350,29 @@ class PutPath:
             self._drop_reserved(p)
             if p.on_abort is not None:
                 p.on_abort()
+            self._forget_inflight(p)
             p.release()
-        self._inflight.clear()
 
     def commit(self, prepared: list[PreparedPut]) -> dict[int, ProtocolError]:
-        """Make prepared puts durable (one fdatasync, one LMDB commit), then visible.
+        """Make prepared puts durable, then visible (:meth:`make_durable`, then :meth:`publish`,
+        on this thread); a failure of the shared commit aborts them all and raises."""
+        try:
+            self.make_durable(prepared)
+        except BaseException as exc:
+            self.abort(prepared)
+            if isinstance(exc, ProtocolError):
+                self.counters["commits_failed"] += 1
+            raise
+        return self.publish(prepared)
 
-        A failure of the shared commit raises: ProtocolError(IO) for an I/O error, and
-        then no put of the group is durable. After the commit, publishing a put is
-        assignments into index arrays its prepare grew; should one fail all the same
-        (a bug), only that put is refused: the returned map holds its position.
-        """
+    def make_durable(self, prepared: list[PreparedPut]) -> None:
+        """One fdatasync of the data file (with ``--sync durable``), then one LMDB commit of the
+        group's extent and block records; ProtocolError(IO) for an I/O error, and then no
+        put of the group is durable (the caller aborts them). It touches only the data
+        file's descriptor and the catalog, so it may run on the commit thread while the
+        writer prepares the next group (kvstored/commits.py)."""
         if not prepared:
-            return {}
+            return
         try:
             if self.cfg.sync == SyncPolicy.DURABLE:
                 self.ssd.sync()
@@ -368,19 +381,20 @@ class PutPath:
                 for p in prepared:
                     if p.on_commit is not None:
                         p.on_commit(txn)
-        except BaseException as exc:
-            self.abort(prepared)
-            if isinstance(exc, (OSError, ProtocolError)):
-                self.counters["commits_failed"] += 1
-            if isinstance(exc, OSError):
-                raise ProtocolError(ErrorCode.IO, f"commit failed: {exc.__class__.__name__}: {exc}") from None
-            raise
-        self._inflight.clear()
+        except OSError as exc:
+            raise ProtocolError(ErrorCode.IO, f"commit failed: {exc.__class__.__name__}: {exc}") from None
+
+    def publish(self, prepared: list[PreparedPut]) -> dict[int, ProtocolError]:
+        """Make a durable group visible: its puts into the index, their blocks offered to the
+        DRAM tier. Publishing is assignments into index arrays each prepare grew; should one
+        fail all the same (a bug), only that put is refused: the returned map holds its
+        position."""
         self.counters["put_commits"] += 1
         self.space.keep_reserve()
         tick = next(self.clock)
         refused: dict[int, ProtocolError] = {}
         for i, p in enumerate(prepared):
+            self._forget_inflight(p)
             try:
                 self._publish(p, tick)
             except Exception as exc:
@@ -401,6 +415,16 @@ class PutPath:
                     self.counters["dram_admit_failed"] += 1
             p.release()
         return refused
+
+    def _forget_inflight(self, p: PreparedPut) -> None:
+        """The put's pages are no longer being written (published or aborted)."""
+        for key in p.inflight:
+            left = [a for a in self._inflight.get(key, ()) if a is not p.page_ids]
+            if left:
+                self._inflight[key] = left
+            else:
+                self._inflight.pop(key, None)
+        p.inflight = ()
 
     def _admit(self, p: PreparedPut) -> None:
         """Offer a published put's blocks to the DRAM tier: map the copies made beside its

@@ -7,10 +7,9 @@ of its own), from that user's connections one after another. So a user who flood
 daemon, on however many connections, delays only itself: another user waits at most
 one request of each busy user. A request is parsed (a bad one gets an error reply at
 once), its session token checked (kvstored/sessions.py) and its deadline; cheap ops
-are answered here, catalog changes and puts are queued for the single writer thread,
-which takes them in turn by user and session (kvstored/turns.py) and commits a group
-once its puts hold ``GROUP_BYTES``, so a small put waits behind a few MiB of another
-user's puts, not behind all it sent; gets go to a worker pool (a get of a few MiB
+are answered here, catalog changes and puts are queued for the single writer thread
+(kvstored/writer.py), which takes them in turn by user and session and commits them
+in groups; gets go to a worker pool (a get of a few MiB
 whose blocks are all in DRAM is served here: ``gets_inline`` counts them). Each connection has at most ``MAX_IN_FLIGHT`` requests
 handed to the writer or the pool at once, and at most ``MAX_QUEUED`` waiting; past
 that it gets ``busy`` replies. Workers and the writer send finished replies back over
@@ -33,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import signal
 import threading
 import time
@@ -47,17 +45,18 @@ import zmq
 
 from kvstored import cuda_ipc
 from kvstored.admission import RouterAdmission, peer_uid, raise_fd_limit
-from kvstored.config import DaemonConfig, SyncPolicy, check_private_dir
+from kvstored.config import DaemonConfig, check_private_dir
 from kvstored.protocol import (
     BlockDelete, BlockGet, BlockLookup, BlockPut, Create, Delete, Envelope, ErrorCode, Get, Hello, ListSeqs, Lookup, OpenSeq, ProtocolError, Put, Stats,
-    ErrorTally, error_reply, ok_reply, parse_request,
+    ErrorTally, check_deadline, error_reply, ok_reply, parse_request,
 )
 from kvstored.preflight import daemon_answers
 from kvstored.replies import Replies
 from kvstored.session_server import SessionServer
 from kvstored.sessions import Session, SessionTable
-from kvstored.store import PreparedPut, Store
+from kvstored.store import Store
 from kvstored.turns import FairQueue
+from kvstored.writer import Writer
 
 if TYPE_CHECKING:
     from kvstored.metrics import Metrics
@@ -66,10 +65,6 @@ log = logging.getLogger(__name__)
 
 _DONE = "inproc://kvstored-done"
 _STOP = object()
-# Puts gathered into one durable commit at most, and the bytes after which a group commits
-# (the puts of a group are acknowledged together, after its last write and its fsync).
-MAX_GROUP = 64
-GROUP_BYTES = 16 << 20
 # Gets of at most this many bytes, all in DRAM, are served on the main thread.
 INLINE_GET_BYTES = 8 << 20
 # Per connection: requests handed to the writer or the get pool and not yet answered,
@@ -108,7 +103,7 @@ class Server:
         self._pool = ThreadPoolExecutor(cfg.get_workers, thread_name_prefix="kvstored-get")
         self._push_lock = threading.Lock()
         self._push_sockets: list[zmq.Socket] = []
-        self._writer = threading.Thread(target=self._writer_loop, name="kvstored-writer", daemon=True)
+        self.writer = Writer(cfg, self.store, self._writes, self._send, self._error, self._run, self._observe_put)
         self._queues: dict[bytes, deque] = {}
         self._users: dict[bytes, int] = {}  # the uid of each connection with requests waiting (ipc)
         self._in_flight: Counter[bytes] = Counter()
@@ -152,7 +147,7 @@ class Server:
     def serve_forever(self) -> None:
         if self._session_server is None:
             self.bind()
-        self._writer.start()
+        self.writer.start()
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.done, zmq.POLLIN)
@@ -176,8 +171,7 @@ class Server:
         refused = self._refuse_not_started()
         log.info("shutting down: finishing started work, refused %d requests not started", refused)
         self._pool.shutdown(wait=True)
-        self._writes.put(None, None, _STOP)
-        self._writer.join()
+        self.writer.stop()
         self._drain_replies()
         # The worker threads have ended; their reply sockets close here.
         for sock in self._push_sockets:
@@ -303,7 +297,7 @@ class Server:
                 self.replies.send([ident, *ok_reply(req_id, **self._hello())])
                 return
             session = self.sessions.find(env.session, peer_uid(body))
-            _check_deadline(env)
+            check_deadline(env)
             if isinstance(req, Get):
                 if self.store.in_dram(req, session, INLINE_GET_BYTES):
                     # A DRAM-only get is a copy of a few MiB at most: served here, it saves
@@ -379,7 +373,7 @@ class Server:
              observe: Callable[[float], None] | None = None, t0: float = 0.0) -> None:
         req_id = env.req_id
         try:
-            _check_deadline(env)
+            check_deadline(env)
             reply = ok_reply(req_id, **fn())
             if observe is not None:
                 observe(time.perf_counter() - t0)
@@ -389,142 +383,6 @@ class Server:
         except Exception as exc:
             log.exception("internal error on request %s", req_id)
             self._send([ident, *self._error(req_id, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")])
-
-    def _writer_loop(self) -> None:
-        dirty_since: float | None = None
-        running = True
-        while running:
-            try:
-                first = self._writes.get(timeout=None if dirty_since is None else 1.0)
-            except queue.Empty:
-                first = None
-            wrote = first is not None and first is not _STOP
-            running = first is not _STOP and (first is None or self._write_group(first))
-            if self.cfg.sync == SyncPolicy.WRITE_BEHIND:
-                if wrote and dirty_since is None:
-                    dirty_since = time.monotonic()
-                if dirty_since is not None and (not running or not wrote or time.monotonic() - dirty_since >= 1.0):
-                    self.store.sync()
-                    dirty_since = None
-
-    def _write_group(self, item) -> bool:
-        """Write ``item`` and what follows it in the queue's turns, until the group holds
-        ``MAX_GROUP`` requests or ``GROUP_BYTES`` of puts or the queue is empty, then commit
-        it. Requests are taken one at a time, so one that arrives meanwhile takes its turn
-        in this group or the next. False if the queue said stop."""
-        prepared: list[tuple[bytes, int, PreparedPut | None, float]] = []
-        creates: list[tuple[bytes, Envelope, Session]] = []
-        taken, group_bytes = 0, 0
-        while item is not None and item is not _STOP:
-            ident, env, session, t0 = item
-            req_id, req = env.req_id, env.request
-            taken += 1
-            if isinstance(req, Create):
-                # Creates commit together (an engine creates a sequence per block, many at once).
-                creates.append((ident, env, session))
-            elif isinstance(req, (Put, BlockPut)):
-                try:
-                    _check_deadline(env)
-                    if isinstance(req, Put):
-                        p = self.store.prepare_put(req, session)
-                    else:  # None: every block is stored, or being stored by this group; answered with it
-                        p = self.store.blocks.prepare_put(req, session) or _NothingToWrite(len(req.keys))
-                    prepared.append((ident, req_id, p, t0))
-                    group_bytes += p.nbytes
-                except ProtocolError as exc:
-                    self._send([ident, *self._error(req_id, exc.code, str(exc))])
-                except Exception as exc:
-                    log.exception("internal error preparing put %s", req_id)
-                    self._send([ident, *self._error(req_id, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")])
-            else:
-                # A delete commits on its own, after the creates and puts gathered so far.
-                self._create_group(creates)
-                self._commit(prepared)
-                creates, prepared = [], []
-                delete = self.store.delete if isinstance(req, Delete) else self.store.blocks.delete
-                self._run(ident, env, lambda req=req, session=session, delete=delete: delete(req, session.uid))
-            if taken >= MAX_GROUP or group_bytes >= GROUP_BYTES:
-                break
-            try:
-                item = self._writes.get_nowait()
-            except queue.Empty:
-                item = None
-        self._create_group(creates)
-        self._commit(prepared)
-        return item is not _STOP
-
-    def _create_group(self, creates: list[tuple[bytes, Envelope, Session]]) -> None:
-        """Create the sequences of a batch's creates in one catalog commit, each told its own
-        result. A put names a sequence created before it was sent, so creates need not wait
-        for the puts around them; a delete commits both groups gathered before it first."""
-        live = []
-        for ident, env, session in creates:
-            try:
-                _check_deadline(env)
-                live.append((ident, env, session))
-            except ProtocolError as exc:
-                self._send([ident, *self._error(env.req_id, exc.code, str(exc))])
-        if not live:
-            return
-        try:
-            results = self.store.create_many([(env.request, session.uid) for _, env, session in live])
-        except Exception as exc:
-            log.exception("internal error creating %d sequences", len(live))
-            results = [ProtocolError(ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")] * len(live)
-        for (ident, env, _), result in zip(live, results):
-            if isinstance(result, ProtocolError):
-                self._send([ident, *self._error(env.req_id, result.code, str(result))])
-            else:
-                self._send([ident, *ok_reply(env.req_id, **result)])
-
-    def _commit(self, prepared: list[tuple[bytes, int, PreparedPut, float]]) -> None:
-        """Commit a write group; every put of it is told what became of it.
-
-        Only the shared commit (fsync, LMDB) fails the whole group, and then none of it is
-        durable; a put the store could not publish is refused alone.
-        """
-        if not prepared:
-            return
-        writes = [p for _, _, p, _ in prepared if isinstance(p, PreparedPut)]
-        try:
-            refused = {id(writes[i]): err for i, err in self.store.commit_puts(writes).items()}
-        except ProtocolError as exc:
-            log.error("commit of %d puts failed: %s", len(prepared), exc)
-            for ident, req_id, _, _ in prepared:
-                self._send([ident, *self._error(req_id, exc.code, str(exc))])
-            return
-        except Exception as exc:
-            log.exception("commit of %d puts failed", len(prepared))
-            for ident, req_id, _, _ in prepared:
-                self._send([ident, *self._error(req_id, ErrorCode.INTERNAL, f"commit failed: {exc.__class__.__name__}: {exc}")])
-            return
-        try:
-            self.store.enforce_quotas([p for p in writes if id(p) not in refused])
-        except Exception:  # the puts are durable and visible: an eviction that failed is retried at the next commit
-            log.exception("enforcing --quota after a commit failed")
-        for ident, req_id, p, t0 in prepared:
-            if id(p) in refused:
-                self._send([ident, *self._error(req_id, refused[id(p)].code, str(refused[id(p)]))])
-            else:
-                self._observe_put(time.perf_counter() - t0)
-                self._send([ident, *ok_reply(req_id, **(p.reply or {"blocks": len(p.pages)}))])
-
-
-class _NothingToWrite:
-    """A block put whose keys are all stored or being stored: answered after its group's
-    commit, which makes durable any of them that another put of the group writes."""
-
-    def __init__(self, num_keys: int) -> None:
-        self.reply = {"stored": 0, "present": num_keys}
-        self.nbytes = 0
-
-
-def _check_deadline(env: Envelope) -> None:
-    if env.deadline is not None and time.time() > env.deadline:
-        raise ProtocolError(
-            ErrorCode.EXPIRED,
-            f"the request's deadline passed {time.time() - env.deadline:.3f} s before it could start; it did not run",
-        )
 
 
 def _peek_id(body: list) -> int | None:

@@ -14,8 +14,10 @@
 
 Threading contract (the server keeps it):
 - :meth:`create`, :meth:`create_many`, :meth:`delete`, :meth:`prepare_put`,
-  :meth:`commit_puts` and the writes of ``blocks`` (``prepare_put``, ``delete``) run on
-  the single writer thread, which owns LMDB writes and the SSD allocator.
+  :meth:`commit_puts`, :meth:`publish_puts` and the writes of ``blocks`` (``prepare_put``,
+  ``delete``) run on the single writer thread, which owns the SSD allocator.
+- :meth:`make_durable` runs on the commit thread, one group at a time, while the writer
+  prepares the next (kvstored/commits.py); catalog writes take the catalog's lock.
 - :meth:`get`, :meth:`open`, :meth:`list`, :meth:`stats`, ``blocks.lookup`` and
   ``blocks.get`` run on any thread.
 
@@ -186,6 +188,12 @@ class Store:
 
     def commit_puts(self, prepared: list[PreparedPut]) -> dict[int, ProtocolError]:
         return self.puts.commit(prepared)
+
+    def make_durable(self, prepared: list[PreparedPut]) -> None:
+        self.puts.make_durable(prepared)
+
+    def publish_puts(self, prepared: list[PreparedPut]) -> dict[int, ProtocolError]:
+        return self.puts.publish(prepared)
 
     def sync(self) -> None:
         self.ssd.sync()
