@@ -63,8 +63,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "tier": Benchmark(
         "bench_tier",
         "the vLLM and SGLang adapters storing and loading Llama-3-8B-shaped blocks through kvstored's DRAM and SSD "
-        "tiers, as GB/s beside a memcpy and the disk's sequential read; a load's latency alone and during stores; "
-        "store throughput as ten times the DRAM tier fills",
+        "tiers (durable and write-behind), beside the engines' own backends (vLLM's fs tier, SGLang's file backend), "
+        "a memcpy and the disk's sequential read and durable write; a load's latency alone and during stores; store "
+        "throughput as ten times the DRAM tier fills",
     ),
     "flood": Benchmark(
         "bench_flood",

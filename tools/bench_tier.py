@@ -6,13 +6,31 @@ V, 16-bit: 2 MiB each. Through each adapter (vLLM's ``KVDriveTier``, SGLang's
 of 32 blocks polled through ``get_finished_jobs``, SGLang's ``batch_set_v1`` /
 ``batch_get_v1`` of 32 pages), ``--blocks`` blocks are stored and loaded back against a
 real kvstored in two set-ups: the DRAM tier holding every block, and the DRAM tier off
-(every load reads the SSD, O_DIRECT). Each adapter and tier gets a daemon of its own.
+(every load reads the SSD, O_DIRECT); and with the daemon's two ``--sync`` policies:
+durable (a store is acknowledged once on the SSD) and write-behind (acknowledged before
+the fsync, flushed within a second). Each adapter, tier and policy gets a daemon of its
+own.
+
+Beside them, the engine's own backend for the same blocks, driven the same way, its files
+under ``--dir`` too: vLLM's filesystem tier (``FileSystemTierManager``, built as vLLM's
+tiering spec builds it: 16 read and 16 write threads, a file per block, O_DIRECT where the
+directory takes it, no fsync) in jobs of 32 blocks polled through ``get_finished_jobs``,
+and SGLang's file backend (``HiCacheFile``, buffered writes, no fsync) through
+``batch_set`` / ``batch_get`` of 32 pages, as SGLang's cache controller drives a backend
+that is not zero-copy.
 
 Every figure is GB/s of block bytes, beside baselines measured in the same run: a plain
-memcpy of as many bytes here, sequential O_DIRECT reads of the daemon's own data file
+memcpy of as many bytes here, sequential O_DIRECT reads of each daemon's own data file
 (the disk's sequential read) and, for stores, as many bytes written sequentially with
-O_DIRECT and one fdatasync beside it (the disk's sequential durable write). Loaded bytes are checked against the stored
-bytes; a mismatch fails the run. Stores are durable (acknowledged once on the SSD).
+O_DIRECT and one fdatasync beside it (the disk's sequential durable write). That write
+is noisy on a virtual disk, so it is measured three times per daemon (before the
+stores, after them, after the loads): the ratios take the median, the table shows the
+range. Each disk measurement and each of the engines' own stores and loads starts after
+an untimed ``sync``, so that it does not pay for dirty pages that an earlier step left.
+Loaded bytes are checked against the stored bytes, the engines' own backends' too; a
+mismatch fails the run. The targets printed under the table: KVDrive's write-behind
+store at least the engine's own backend's store (neither fsyncs), and KVDrive's durable
+store at least 0.8x the disk's durable sequential write.
 
 That is ``--modes rate``; ``contention`` (on by default) and ``fill`` are in
 :mod:`kvdrive.tools.bench_tier_stress`: a cache-hit load's latency alone and during
@@ -30,10 +48,12 @@ import json
 import logging
 import mmap
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -52,24 +72,36 @@ DEFAULT_ROUNDS, QUICK_ROUNDS, LOADS_PER_ROUND = 10, 4, 10
 DEFAULT_FILL_DRAM, QUICK_FILL_DRAM = 256 << 20, 64 << 20
 ADAPTERS = ("vllm", "sglang")
 TIERS = ("dram", "ssd")
+SYNCS = ("durable", "write-behind")  # kvstored's --sync policies
+ENGINE_OWN = {"vllm": "vllm fs tier", "sglang": "sglang file"}  # each engine's own backend, as rows name it
+DISK_WRITES = 3  # the disk's durable sequential write, per daemon: before the stores, after them, after the loads
+WRITE_BEHIND_TARGET, DURABLE_TARGET = 1.0, 0.8  # vs the engine's own store; vs the disk's durable write
 
 
 @dataclass
 class Row:
     adapter: str
-    tier: str
+    tier: str  # dram, ssd; fs for the engines' own backends
     op: str
     blocks: int
     seconds: float
     gbps: float
     vs_memcpy: float
-    vs_disk_seq: float
-    vs_disk_write: float | None = None  # stores: against the disk's sequential durable write
+    vs_disk_seq: float | None  # None for the engines' own backends (no one data file to read back)
+    vs_disk_write: float | None = None  # KVDrive's stores: against the disk's sequential durable write (median)
+    backend: str = "kvdrive"  # or the engine's own (ENGINE_OWN)
+    sync: str = "durable"  # KVDrive: the daemon's --sync; the engines' own: none (they never fsync)
+    vs_engine: float | None = None  # KVDrive's stores and loads: against the engine's own backend's
+    gbps_min: float | None = None  # disk seq write: the lowest and highest of its DISK_WRITES measurements
+    gbps_max: float | None = None
 
 
 def _disk_seq_write(directory: Path, nbytes: int, io_bytes: int = BLOCK_BYTES) -> float:
     """GB/s of writing ``nbytes`` sequentially to a new file in ``directory``, O_DIRECT in
-    ``io_bytes`` writes, then fdatasync (what a durable store must at least wait for)."""
+    ``io_bytes`` writes, then fdatasync (what a durable store must at least wait for).
+    An untimed sync first, so that earlier writes' dirty pages are not flushed in its time."""
+    os.sync()
+    io_bytes = min(io_bytes, nbytes)  # small blocks: whole multiples of 64 KiB, still O_DIRECT-aligned
     path = directory / "bench-seq-write"
     buf = mmap.mmap(-1, io_bytes)  # page-aligned, as O_DIRECT needs
     buf.write(np.random.default_rng(1).bytes(io_bytes))
@@ -100,6 +132,24 @@ def _memcpy_gbps(src: np.ndarray, dst: np.ndarray, repeats: int = 3) -> float:
     return src.nbytes / statistics.median(times) / 1e9
 
 
+def _page_aligned(rows: int, width: int) -> np.ndarray:
+    """Zeroed ``rows`` x ``width`` bytes in an anonymous mapping: page-aligned, as vLLM's CPU
+    tier (a file mapping) is and as O_DIRECT from it needs."""
+    return np.frombuffer(mmap.mmap(-1, rows * width), dtype=np.uint8).reshape(rows, width)
+
+
+def _timed(step) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = step()
+    return time.perf_counter() - t0, out
+
+
+def _check_loaded(what: str, loaded: np.ndarray, rows: np.ndarray) -> None:
+    bad = int((loaded != rows).any(axis=1).sum())
+    if bad:
+        raise RuntimeError(f"{what} loaded {bad} of {len(rows)} blocks with other bytes")
+
+
 # ---------------------------------------------------------------- the two adapters, as their engines drive them
 
 
@@ -107,19 +157,23 @@ class VllmDriver:
     """vLLM's tiering manager's side: jobs of ``JOB_BLOCKS`` chunks, results polled."""
 
     def __init__(self, address: str, rows: np.ndarray, out: np.ndarray) -> None:
-        from kvdrive_client.integrations.vllm import KVDriveTier  # noqa: PLC0415 - needs vLLM on the path
-        from vllm.v1.kv_offload.base import ReqContext  # noqa: PLC0415
+        from vllm.v1.kv_offload.base import ReqContext  # noqa: PLC0415 - needs vLLM on the path
         from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: PLC0415
 
         self.n = len(rows)
         self._job, self._ctx = TransferJob, ReqContext(req_id="bench")
-        spec = SimpleNamespace(config=None)
         # Stores read the source rows; loads land in the second half of one CPU tier.
-        self.primary = np.concatenate([rows, out])
-        self.tier = KVDriveTier(spec, memoryview(self.primary), "KVDriveTier", address=address, model="llama-3-8b",
-                                timeout=600.0)
+        self.primary = _page_aligned(2 * self.n, rows.shape[1])
+        self.primary[: self.n] = rows
+        self.tier = self._make_tier(address, memoryview(self.primary))
         self.keys = [b"bench" + i.to_bytes(8, "little") for i in range(self.n)]
         self._next_job = 0
+
+    def _make_tier(self, address: str, view: memoryview):
+        from kvdrive_client.integrations.vllm import KVDriveTier  # noqa: PLC0415
+
+        return KVDriveTier(SimpleNamespace(config=None), view, "KVDriveTier", address=address, model="llama-3-8b",
+                           timeout=600.0)
 
     def submit(self, keys: list, chunk_ids: np.ndarray, promotion: bool) -> int:
         """Submit a load (``promotion``) or store job of ``keys`` to or from those CPU-tier
@@ -135,7 +189,8 @@ class VllmDriver:
         out = []
         for r in self.tier.get_finished_jobs():
             if not r.success:
-                raise RuntimeError(f"vLLM job {r.job_id} failed: {self.tier.stats()}")
+                detail = self.tier.stats() if hasattr(self.tier, "stats") else "see vLLM's log"
+                raise RuntimeError(f"vLLM job {r.job_id} failed: {detail}")
             out.append(r.job_id)
         return out
 
@@ -159,6 +214,91 @@ class VllmDriver:
         self.tier.shutdown()
 
 
+class VllmFsDriver(VllmDriver):
+    """The same jobs through vLLM's own filesystem tier, its files under the directory
+    given in place of an address."""
+
+    def _make_tier(self, address: str, view: memoryview):
+        _import_vllm_fs_tier()
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: PLC0415
+
+        return SecondaryTierFactory.create_secondary_tier({"type": "fs", "root_dir": address}, view,
+                                                          _vllm_spec(view.strides[0]))
+
+
+def _import_vllm_fs_tier() -> None:
+    """Import vLLM's fs tier. Its file mapper imports vLLM's canonical-layout module for
+    ``canonical_format_id`` alone, which it calls only where the canonical layout is on
+    (here it is off), and that module's packages import vLLM's whole config: a dozen
+    packages that the engine's install without dependencies leaves out. So the mapper is
+    imported with that one module stood in for by one whose function refuses to run."""
+    name = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping"
+    if "vllm.v1.kv_offload.file_mapper" in sys.modules or name in sys.modules:
+        return
+    stand_in = types.ModuleType(name)
+
+    def canonical_format_id(layout):
+        raise NotImplementedError("the bench's vLLM fs tier runs without the canonical layout")
+
+    stand_in.canonical_format_id = canonical_format_id
+    sys.modules[name] = stand_in
+    try:
+        import vllm.v1.kv_offload.file_mapper  # noqa: F401, PLC0415
+    finally:
+        del sys.modules[name]
+
+
+def _vllm_spec(block_bytes: int):
+    """vLLM's offloading spec for a Llama-3-8B on one GPU (its layers, 16-token blocks, one
+    block per chunk), as the connector builds it; the fs tier names its directory from it."""
+    from vllm.v1.kv_offload.base import OffloadingSpec  # noqa: PLC0415
+    from vllm.v1.kv_offload.config import (  # noqa: PLC0415
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    class Spec(OffloadingSpec):
+        def get_manager(self):
+            raise NotImplementedError
+
+        def get_worker(self, kv_caches):
+            raise NotImplementedError
+
+    layers = tuple(f"model.layers.{i}.self_attn.attn" for i in range(block_bytes // LAYER_BYTES))
+    return Spec(OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=BLOCK_TOKENS, layer_names=layers, group_id=0),),
+        worker_kv_bytes_per_block=block_bytes, enable_kv_cache_events=False, extra_config={}, engine_id="bench",
+        model=OffloadingModelConfig(name="meta-llama/Meta-Llama-3-8B", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=BLOCK_TOKENS, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                                          data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                                          is_parallelism_agnostic=True)))
+
+
+class FlatPages:
+    """For a host pool with SGLang's page_first layout (``PageFirstHostPool``): the three
+    methods SGLang's cache controller calls for a backend that is not zero-copy (its file
+    backend), as SGLang's MHA host pool has them for that layout: a page's K and V as one
+    flat copy, an empty flat page, and a flat page put back."""
+
+    def get_data_page(self, index, flat: bool = True):
+        page = self.kv_buffer[:, index: index + self.page_size]
+        return page.flatten() if flat else page
+
+    def get_dummy_flat_data_page(self):
+        import torch  # noqa: PLC0415
+
+        return torch.zeros((2, self.layer_num, self.page_size, self.head_num, self.head_dim),
+                           dtype=self.dtype).flatten()
+
+    def set_from_flat_data_page(self, index, data_page) -> None:
+        self.kv_buffer[:, index: index + self.page_size] = data_page.reshape(
+            2, self.page_size, self.layer_num, self.head_num, self.head_dim)
+
+
 class SglangDriver:
     """SGLang's cache controller's side: ``batch_set_v1`` / ``batch_get_v1`` of ``JOB_BLOCKS``
     pages, host indices into a host pool with SGLang's page_first layout."""
@@ -166,39 +306,50 @@ class SglangDriver:
     def __init__(self, address: str, rows: np.ndarray, out: np.ndarray) -> None:
         import torch  # noqa: PLC0415
         from kvdrive.tools.engines import PageFirstHostPool  # noqa: PLC0415
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: PLC0415
-        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: PLC0415
 
         self.n, self.torch, self.out = len(rows), torch, out
-        self.pool = PageFirstHostPool(self.n, BLOCK_TOKENS, rows.shape[1] // LAYER_BYTES, KV_HEADS, HEAD_DIM,
-                                      torch.bfloat16)
+        pool_class = type("HostPool", (FlatPages, PageFirstHostPool), {})
+        self.pool = pool_class(self.n, BLOCK_TOKENS, rows.shape[1] // LAYER_BYTES, KV_HEADS, HEAD_DIM, torch.bfloat16)
         half = rows.shape[1] // 2
         for i, row in enumerate(rows):  # page i holds block i's bytes: its K region, then its V region
             page = self.pool.page(i)
             for kv in (0, 1):
                 page[kv].view(torch.uint8).view(-1)[:] = torch.from_numpy(row[kv * half: (kv + 1) * half])
-        cfg = HiCacheStorageConfig(
-            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
-            enable_storage_metrics=False, is_page_first_layout=True, model_name="llama-3-8b",
-            extra_config={"backend_name": "kvdrive", "module_path": "kvdrive_client.integrations.sglang",
-                          "class_name": "KVDriveHiCacheStorage", "interface_v1": 1, "address": address,
-                          "timeout": 600.0})
-        self.backend = StorageBackendFactory.create_backend("dynamic", cfg, self.pool)
+        self.backend = self._make_backend(address)
         self.backend.register_mem_pool_host(self.pool)
         self.keys = [f"{i:064x}" for i in range(self.n)]
+
+    @staticmethod
+    def _config(extra: dict):
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: PLC0415 - needs SGLang
+
+        return HiCacheStorageConfig(
+            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+            enable_storage_metrics=False, is_page_first_layout=True, model_name="llama-3-8b", extra_config=extra)
+
+    def _make_backend(self, address: str):
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: PLC0415
+
+        return StorageBackendFactory.create_backend("dynamic", self._config(
+            {"backend_name": "kvdrive", "module_path": "kvdrive_client.integrations.sglang",
+             "class_name": "KVDriveHiCacheStorage", "interface_v1": 1, "address": address, "timeout": 600.0}),
+            self.pool)
 
     def _indices(self, start: int, end: int):
         return self.torch.arange(start * BLOCK_TOKENS, end * BLOCK_TOKENS, dtype=self.torch.int64)
 
+    def _detail(self) -> str:
+        return str(self.backend.stats()) if hasattr(self.backend, "stats") else "see SGLang's log"
+
     def put(self, keys: list, start: int, end: int) -> None:
         """``batch_set_v1`` of ``keys`` from host pages ``start`` to ``end``."""
         if not all(self.backend.batch_set_v1(keys, self._indices(start, end))):
-            raise RuntimeError(f"SGLang batch_set_v1 failed: {self.backend.stats()}")
+            raise RuntimeError(f"SGLang batch_set_v1 failed: {self._detail()}")
 
     def get(self, keys: list, start: int, end: int) -> None:
         """``batch_get_v1`` of ``keys`` into host pages ``start`` to ``end``."""
         if not all(self.backend.batch_get_v1(keys, self._indices(start, end))):
-            raise RuntimeError(f"SGLang batch_get_v1 failed: {self.backend.stats()}")
+            raise RuntimeError(f"SGLang batch_get_v1 failed: {self._detail()}")
 
     def store(self) -> None:
         for start in range(0, self.n, JOB_BLOCKS):
@@ -215,25 +366,55 @@ class SglangDriver:
         return self.out
 
     def close(self) -> None:
-        self.backend.close()
+        if hasattr(self.backend, "close"):  # as SGLang's cache controller closes a backend
+            self.backend.close()
+
+
+class SglangFileDriver(SglangDriver):
+    """The same pages through SGLang's own file backend, its files under the directory given
+    in place of an address, as SGLang's cache controller drives a backend that is not
+    zero-copy: ``batch_set`` of the pages' flat copies, ``batch_get`` into empty flat pages
+    then copied into the pool."""
+
+    def _make_backend(self, address: str):
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: PLC0415
+
+        return StorageBackendFactory.create_backend("file", self._config({"file_storage_path": address}), self.pool)
+
+    def put(self, keys: list, start: int, end: int) -> None:
+        idx = self._indices(start, end)
+        pages = [self.pool.get_data_page(idx[i * BLOCK_TOKENS]) for i in range(len(keys))]
+        if not self.backend.batch_set(keys, pages):
+            raise RuntimeError("SGLang's file backend: batch_set failed (see SGLang's log)")
+
+    def get(self, keys: list, start: int, end: int) -> None:
+        idx = self._indices(start, end)
+        pages = self.backend.batch_get(keys, [self.pool.get_dummy_flat_data_page() for _ in keys])
+        for i, page in enumerate(pages):
+            if page is None:
+                raise RuntimeError(f"SGLang's file backend: batch_get found no page for {keys[i]}")
+            self.pool.set_from_flat_data_page(idx[i * BLOCK_TOKENS], page)
 
 
 DRIVERS = {"vllm": VllmDriver, "sglang": SglangDriver}
+ENGINE_DRIVERS = {"vllm": VllmFsDriver, "sglang": SglangFileDriver}
 
 
 # ---------------------------------------------------------------- the run
 
 
-def measure(adapter: str, tier: str, rows: np.ndarray, root: Path, memcpy: float) -> list[Row]:
+def measure(adapter: str, tier: str, sync: str, rows: np.ndarray, root: Path, memcpy: float) -> list[Row]:
+    """Store and load ``rows`` through ``adapter`` against a daemon of its own with that
+    tier and --sync policy; its rows, and the disk's beside that daemon's directory."""
     from kvdrive.layout.format import DATA_FILE  # noqa: PLC0415
-    from kvdrive.tools.bench_store import SequentialReader  # noqa: PLC0415
+    from kvdrive.tools.bench_store import SEQ_IO_BYTES, SequentialReader  # noqa: PLC0415
     from kvdrive_client.embedded import EmbeddedDaemon  # noqa: PLC0415
 
     n, nbytes = len(rows), rows.nbytes
     dram = str(int(nbytes * 1.25) + (64 << 20)) if tier == "dram" else "0"
     daemon = EmbeddedDaemon(dram=dram, ssd_max=str(nbytes * 2 + (1 << 30)), root=root,
-                            extra_args=["--io-threads", "8", "--log-level", "WARNING"])
-    out = np.zeros_like(rows)
+                            extra_args=["--io-threads", "8", "--log-level", "WARNING", "--sync", sync])
+    out, writes = np.zeros_like(rows), []
     try:
         from kvdrive_client import StoreClient  # noqa: PLC0415
 
@@ -243,39 +424,70 @@ def measure(adapter: str, tier: str, rows: np.ndarray, root: Path, memcpy: float
         probe.close()
         driver = DRIVERS[adapter](daemon.address, rows, out)
         try:
-            t0 = time.perf_counter()
-            driver.store()
-            store_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            loaded = driver.load()
-            load_s = time.perf_counter() - t0
-            bad = int((loaded != rows).any(axis=1).sum())
-            if bad:
-                raise RuntimeError(f"{adapter} over the {tier} tier loaded {bad} of {n} blocks with other bytes")
+            writes.append(_disk_seq_write(daemon.root, nbytes))
+            store_s, _ = _timed(driver.store)
+            writes.append(_disk_seq_write(daemon.root, nbytes))
+            load_s, loaded = _timed(driver.load)
+            _check_loaded(f"{adapter} over the {tier} tier ({sync})", loaded, rows)
         finally:
             driver.close()
         if not direct:
             raise RuntimeError(f"{root} does not support O_DIRECT: SSD reads would hit the page cache")
-        reader = SequentialReader(daemon.root / "ssd" / DATA_FILE)
+        reader = SequentialReader(daemon.root / "ssd" / DATA_FILE, io_bytes=min(SEQ_IO_BYTES, nbytes))
         try:
             reads = [reader.read(0, nbytes) for _ in range(2)]
         finally:
             reader.close()
         disk = nbytes / min(reads) / 1e9
-        disk_write = _disk_seq_write(daemon.root, nbytes)
+        writes.append(_disk_seq_write(daemon.root, nbytes))
     finally:
         daemon.stop()
+    disk_write = statistics.median(writes)
     rows_out = []
     for op, secs in (("store", store_s), ("load", load_s)):
         gbps = nbytes / secs / 1e9
         rows_out.append(Row(adapter, tier, op, n, secs, gbps, gbps / memcpy, gbps / disk,
-                            gbps / disk_write if op == "store" else None))
-    _note(f"  {adapter} over the {tier} tier: store {rows_out[0].gbps:.2f} GB/s, load {rows_out[1].gbps:.2f} GB/s "
-          f"(disk sequential read {disk:.2f} GB/s, write {disk_write:.2f} GB/s)")
-    rows_out.append(Row(adapter, tier, "disk seq read", n, nbytes / disk / 1e9, disk, disk / memcpy, 1.0))
+                            gbps / disk_write if op == "store" else None, sync=sync))
+    _note(f"  {adapter} over the {tier} tier, {sync}: store {rows_out[0].gbps:.2f} GB/s, load {rows_out[1].gbps:.2f} "
+          f"GB/s (disk sequential read {disk:.2f} GB/s, write {disk_write:.2f} GB/s of "
+          f"{', '.join(f'{w:.2f}' for w in writes)})")
+    rows_out.append(Row(adapter, tier, "disk seq read", n, nbytes / disk / 1e9, disk, disk / memcpy, 1.0, sync=sync))
     rows_out.append(Row(adapter, tier, "disk seq write", n, nbytes / disk_write / 1e9, disk_write, disk_write / memcpy,
-                        disk_write / disk, 1.0))
+                        disk_write / disk, 1.0, sync=sync, gbps_min=min(writes), gbps_max=max(writes)))
     return rows_out
+
+
+def measure_engine(adapter: str, rows: np.ndarray, root: Path, memcpy: float) -> list[Row]:
+    """Store and load ``rows`` through the engine's own backend, driven as ``adapter``'s
+    driver drives ours, its files in a fresh directory under ``root`` (removed after)."""
+    where = Path(tempfile.mkdtemp(prefix=f"bench-tier-{adapter}-", dir=root))
+    n, nbytes, name = len(rows), rows.nbytes, ENGINE_OWN[adapter]
+    try:
+        driver = ENGINE_DRIVERS[adapter](str(where), rows, np.zeros_like(rows))
+        try:
+            os.sync()
+            store_s, _ = _timed(driver.store)
+            os.sync()
+            load_s, loaded = _timed(driver.load)
+            _check_loaded(name, loaded, rows)
+        finally:
+            driver.close()
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    rows_out = [Row(adapter, "fs", op, n, secs, nbytes / secs / 1e9, nbytes / secs / 1e9 / memcpy, None,
+                    backend=name, sync="none") for op, secs in (("store", store_s), ("load", load_s))]
+    _note(f"  {name}: store {rows_out[0].gbps:.2f} GB/s, load {rows_out[1].gbps:.2f} GB/s{_io_path(adapter)}")
+    return rows_out
+
+
+def _io_path(adapter: str) -> str:
+    """For vLLM's fs tier: which of its two I/O paths ran (its C extension is built against
+    CUDA and does not load on a host without it; the Python path writes the same files)."""
+    if adapter != "vllm":
+        return ""
+    from vllm.v1.kv_offload.tiering.fs import io  # noqa: PLC0415
+
+    return " (vLLM's C I/O path)" if io._HAS_FSIO_C else " (vLLM's Python I/O path: its C extension did not load)"
 
 
 def _size(text: str) -> int:
@@ -298,6 +510,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated, of " + ", ".join(ADAPTERS) + " (default both)")
     p.add_argument("--tiers", type=lambda s: s.split(","), default=list(TIERS),
                    help="comma-separated, of dram (every block in the DRAM tier), ssd (DRAM tier off) (default both)")
+    p.add_argument("--sync", type=lambda s: s.split(","), default=list(SYNCS),
+                   help="rate: comma-separated, the daemons' --sync policies, of durable (a store acknowledged once "
+                        "on the SSD), write-behind (acknowledged before the fsync, flushed within a second) "
+                        "(default both)")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="rate: leave out the engines' own backends (vLLM's fs tier, SGLang's file backend)")
     p.add_argument("--rounds", type=int, default=None,
                    help=f"contention: rounds of loads alone then during stores (default {DEFAULT_ROUNDS}, "
                         f"{QUICK_ROUNDS} with --quick)")
@@ -309,7 +527,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"layers per block: blocks of layers x {LAYER_BYTES >> 10} KiB (default {LAYERS}: "
                         f"{BLOCK_BYTES >> 20} MiB; 1 gives 64 KiB blocks)")
     p.add_argument("--dir", type=Path, default=None,
-                   help="where the daemons' directories go (default: the temp dir; it must take O_DIRECT)")
+                   help="where the daemons' directories and the engines' own backends' files go (default: the temp "
+                        "dir; it must take O_DIRECT)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the rows as JSON")
 
 
@@ -317,23 +536,24 @@ def run(args: argparse.Namespace) -> int:
     from kvdrive.tools import bench_tier_stress as stress  # noqa: PLC0415
     from kvdrive.tools.engines import put_on_path  # noqa: PLC0415
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     n = args.blocks or (QUICK_BLOCKS if args.quick else DEFAULT_BLOCKS)
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
     fill_dram = args.fill_dram or (QUICK_FILL_DRAM if args.quick else DEFAULT_FILL_DRAM)
     unknown = ([a for a in args.adapters if a not in ADAPTERS] + [t for t in args.tiers if t not in TIERS]
-               + [m for m in args.modes if m not in MODES])
+               + [s for s in args.sync if s not in SYNCS] + [m for m in args.modes if m not in MODES])
     if unknown or n < 1 or rounds < 1 or args.loads < 1 or args.layers < 1:
-        print(f"kvdrive-bench tier: unknown adapter, tier or mode {unknown}, or --blocks, --rounds, --loads or "
+        print(f"kvdrive-bench tier: unknown adapter, tier, sync or mode {unknown}, or --blocks, --rounds, --loads or "
               f"--layers below 1", file=sys.stderr)
         return 2
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for adapter in args.adapters:
         put_on_path(adapter)
     root = args.dir or Path(tempfile.gettempdir())
     block_bytes = LAYER_BYTES * args.layers
-    _note(f"tier: {n} blocks of {block_bytes >> 10} KiB (Llama-3-8B's 16 tokens, {args.layers} layers) per adapter: "
-          f"{n * block_bytes / 2**30:.2f} GiB")
-    made = max(n, 2 * JOB_BLOCKS) if {"contention", "fill"} & set(args.modes) else n  # the stress modes take 64
+    stressed = bool({"contention", "fill"} & set(args.modes))
+    made = max(n if "rate" in args.modes else 0, 2 * JOB_BLOCKS if stressed else 0)  # the stress modes take 64
+    _note(f"tier: {made} blocks of {block_bytes >> 10} KiB (Llama-3-8B's 16 tokens, {args.layers} layers) per "
+          f"adapter: {made * block_bytes / 2**30:.2f} GiB")
     rows = np.frombuffer(bytearray(np.random.default_rng(0).bytes(made * block_bytes)),
                          dtype=np.uint8).reshape(made, block_bytes)
     report: dict = {}
@@ -369,17 +589,66 @@ def _rates(args: argparse.Namespace, rows: np.ndarray, root: Path) -> dict:
     memcpy = _memcpy_gbps(rows, np.empty_like(rows))
     _note(f"  memcpy here: {memcpy:.2f} GB/s")
     out: list[Row] = []
-    for tier in args.tiers:
-        for adapter in args.adapters:
-            out += measure(adapter, tier, rows, root, memcpy)
-    header = ["adapter", "tier", "op", "blocks", "s", "GB/s", "vs memcpy", "vs disk seq read", "vs disk seq write"]
-    body = [[r.adapter, r.tier, r.op, str(r.blocks), f"{r.seconds:.2f}", f"{r.gbps:.2f}", f"{r.vs_memcpy:.3f}",
-             f"{r.vs_disk_seq:.3f}", "-" if r.vs_disk_write is None else f"{r.vs_disk_write:.3f}"] for r in out]
+    for adapter in args.adapters:
+        if not args.no_baselines:
+            out += measure_engine(adapter, rows, root, memcpy)
+        for tier in args.tiers:
+            for sync in args.sync:
+                out += measure(adapter, tier, sync, rows, root, memcpy)
+    _against_engine(out)
+    targets = _targets(out)
+    header = ("adapter", "backend", "tier", "op", "blocks", "s", "GB/s", "range GB/s", "vs memcpy", "vs disk seq read",
+              "vs disk seq write", "vs engine's own")
+    body = [(r.adapter, r.backend if r.backend != "kvdrive" else f"kvdrive {r.sync}", r.tier, r.op, str(r.blocks),
+             f"{r.seconds:.2f}", f"{r.gbps:.2f}", "-" if r.gbps_min is None else f"{r.gbps_min:.2f}-{r.gbps_max:.2f}",
+             f"{r.vs_memcpy:.3f}", _ratio(r.vs_disk_seq), _ratio(r.vs_disk_write), _ratio(r.vs_engine)) for r in out]
     print(f"{n} blocks of {rows.shape[1] >> 10} KiB (Llama-3-8B's 16-token block, {rows.shape[1] // LAYER_BYTES} "
-          f"layers) through each adapter; "
-          f"memcpy here {memcpy:.2f} GB/s; stores durable")
-    print("\n".join(text_table(tuple(header), [tuple(r) for r in body])))
-    print("vs disk seq read: against sequential O_DIRECT reads of that daemon's data file, measured after its loads; "
-          "vs disk seq write: stores against as many bytes written sequentially (O_DIRECT, 2 MiB writes, one "
-          "fdatasync) beside that daemon's directory")
-    return {"memcpy_gbps": memcpy, "rows": [asdict(r) for r in out]}
+          f"layers) through each adapter and through each engine's own backend; memcpy here {memcpy:.2f} GB/s")
+    print("\n".join(text_table(header, body)))
+    print("kvdrive durable / write-behind: the daemon's --sync (a store acknowledged once on the SSD / before the "
+          "fsync, flushed within a second); vllm fs tier, sglang file: the engines' own backends, files under --dir, "
+          "never fsynced")
+    print("vs disk seq read: against sequential O_DIRECT reads of that daemon's data file, measured after its loads")
+    print(f"disk seq write: as many bytes written sequentially (O_DIRECT, 2 MiB writes, one fdatasync) beside that "
+          f"daemon's directory, {DISK_WRITES} times (before the stores, after them, after the loads); GB/s and every "
+          f"ratio to it take the median, range GB/s is the lowest to the highest")
+    print("vs engine's own: against the same op through that engine's own backend")
+    for t in targets:
+        print(f"{t['what']}: {t['ratio']:.3f}x (target >= {t['target']:.1f}: {'met' if t['met'] else 'missed'})")
+    return {"memcpy_gbps": memcpy, "rows": [asdict(r) for r in out], "targets": targets}
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _against_engine(rows: list[Row]) -> None:
+    """Set each KVDrive store's and load's ``vs_engine``: against the same op through the
+    engine's own backend, where that ran."""
+    own = {(r.adapter, r.op): r.gbps for r in rows if r.backend != "kvdrive"}
+    for r in rows:
+        if r.backend == "kvdrive" and (r.adapter, r.op) in own:
+            r.vs_engine = r.gbps / own[r.adapter, r.op]
+
+
+def _targets(rows: list[Row]) -> list[dict]:
+    """The ratios the bench is judged by, per adapter and tier: the write-behind store
+    against the engine's own store, the durable store against the disk's durable write."""
+    found = []
+    for r in rows:
+        if r.backend != "kvdrive" or r.op != "store":
+            continue
+        if r.sync == "write-behind" and r.vs_engine is not None:
+            found.append({"adapter": r.adapter, "tier": r.tier, "sync": r.sync, "against": ENGINE_OWN[r.adapter],
+                          "ratio": r.vs_engine, "target": WRITE_BEHIND_TARGET,
+                          "what": f"{r.adapter} {r.tier} write-behind store / {ENGINE_OWN[r.adapter]} store"})
+        elif r.sync == "durable":
+            disk = next(d for d in rows if d.op == "disk seq write" and (d.adapter, d.tier, d.sync, d.backend) ==
+                        (r.adapter, r.tier, r.sync, r.backend))
+            found.append({"adapter": r.adapter, "tier": r.tier, "sync": r.sync, "against": "disk seq write",
+                          "ratio": r.vs_disk_write, "target": DURABLE_TARGET,
+                          "what": f"{r.adapter} {r.tier} durable store / disk seq write (median {disk.gbps:.2f} GB/s, "
+                                  f"range {disk.gbps_min:.2f}-{disk.gbps_max:.2f})"})
+    for t in found:
+        t["met"] = t["ratio"] >= t["target"]
+    return found

@@ -30,6 +30,7 @@ from kvdrive.tools.bench_tier import DRIVERS, JOB_BLOCKS, _note
 
 STORE_JOBS_IN_FLIGHT = 2  # vLLM: store jobs kept submitted during the "during stores" loads
 FILL_TIMES = 10  # the fill stores this many times the DRAM tier
+CONTENTION_DRAM_JOBS = 16  # the contention daemon's DRAM tier, in jobs of blocks
 
 
 @dataclass
@@ -161,7 +162,9 @@ def contention(adapter: str, rows: np.ndarray, root: Path, rounds: int, loads: i
     rows = rows[: 2 * JOB_BLOCKS]
     if len(rows) < 2 * JOB_BLOCKS:
         raise ValueError(f"loads during stores need {2 * JOB_BLOCKS} blocks, got {len(rows)}")
-    daemon = _daemon(root, dram=1 << 30, ssd_max=32 << 30)  # room for what stores write meanwhile
+    # Room for the warm job and what the stores write meanwhile: 1 GiB at 2 MiB blocks, and a
+    # DRAM tier to pre-fault no larger than that needs at smaller blocks.
+    daemon = _daemon(root, dram=CONTENTION_DRAM_JOBS * JOB_BLOCKS * rows.shape[1], ssd_max=32 << 30)
     out = np.zeros_like(rows)
     try:
         d = DRIVERS[adapter](daemon.address, rows, out)
