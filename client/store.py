@@ -76,6 +76,9 @@ class PendingPut(PendingGet):
 
 
 ZERO_COPY_MIN_BYTES = 256 << 10
+# A waiting thread holds the socket's lock while it polls, this long at most: another
+# thread's request on the same client waits at most this long to be sent (50 ms before).
+POLL_MS = 5
 # Ops that change nothing: retried once, on a new session, when the daemon no longer knew the old one.
 _SAFE_TO_RETRY = frozenset({Op.HELLO, Op.OPEN, Op.LIST, Op.LOOKUP, Op.STATS, Op.BLOCK_LOOKUP})
 
@@ -187,7 +190,7 @@ class StoreClient:
             while True:
                 with self._lock:
                     reply = self._replies.pop(req_id, None)
-                    if reply is None and self._sock.poll(50, zmq.POLLIN):
+                    if reply is None and self._sock.poll(POLL_MS, zmq.POLLIN):
                         try:
                             got = decode_reply(self._sock.recv())
                         except BadReplyError as exc:
