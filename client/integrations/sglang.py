@@ -38,12 +38,44 @@ or a damaged page is a miss (or a page not stored) and a log line, within about 
 ``stats()`` has the counters; ``get_stats()`` is SGLang's storage metrics (pages and GB/s
 of each prefetch and backup) when SGLang's metrics are on (``--enable-metrics``).
 
+Hybrid models (KV plus extra host pools: Mamba state, SWA KV, ...) use SGLang's v2
+interface beside it. Each host pool SGLang registers (``register_mem_host_pool_v2``; the
+KV pool is the anchor's, above) gets a block namespace of its own, made there: pages of
+that pool's size (``get_size_per_token() * page_size``), the pool's name in the namespace
+(``tp0of1.mamba.page_first.bfloat16+float32``), so pools never share a page. Mamba state
+is each TP rank's own even in an MLA model (``tpRofN``, stored and cleared by every rank,
+as SGLang's file backend keys it); the other pools follow the KV pool's shard (one copy in
+an MLA model, stored by the storage writer). ``batch_set_v2`` / ``batch_get_v2`` move each
+``PoolTransfer``'s pages (its ``keys``, page ``i`` at ``host_indices[i * page_size]`` of
+its pool) between the pool and its namespace, through the regions the pool reports
+(``get_page_buffer_meta``) or, where it reports none (a Mamba pool with slot side states),
+as flat page tensors (``get_data_page`` / ``set_from_flat_data_page``, ``-flat`` in the
+namespace); they return ``{pool name: [True per page done]}``, as SGLang's controller
+counts them (``count_pool_hits``). ``batch_exists_v2`` folds the pools' hit policies as
+SGLang's file and Mooncake backends do and returns a ``PoolTransferResult``:
+``ALL_PAGES``, each page up to the prefix; ``TRAILING_PAGES``, the last
+``len(transfer.keys)`` pages before it; the stop points every pool serves in
+``restorable_prefix_pages``, the longest in ``kv_hit_pages``. ``BLOCK_GROUPS`` (which
+SGLang 0.5.23 describes but none of its backends implements) neither gates the hit nor
+gets a verdict. A pool never registered, host indices that are not one page per key, a
+host pool that raises or a daemon that is down: misses (False, no hit), never an
+exception. ``clear()`` deletes every pool's namespace; ``pool_stats()`` has each pool's
+counters.
+
 Verified here: the backend against SGLang's real ``HiCacheStorage``, storage config and
 backend factory, driven with the cache controller's calls, against a real kvstored, on
 a host pool whose ``get_page_buffer_meta`` computes what SGLang's MHA host pool does for
-its ``page_first`` layout (tests/integrations). Not verified: an SGLang server on a GPU;
-the other layouts and MLA pools (handled alike, through the regions their host pools
-report). Not supported: the v2 interface of hybrid models' extra pools (Mamba, SWA).
+its ``page_first`` layout (tests/integrations). The v2 interface likewise, with SGLang's
+own ``PoolTransfer`` / ``PoolHitPolicy`` / ``PoolTransferResult``, on CPU stand-ins for a
+hybrid model's host pools (a KV pool, a Mamba state pool laid out as SGLang's
+``MambaPoolHost`` ``page_first``, with and without slot side states, an SWA pool):
+byte-exact round trips per pool, ``batch_exists_v2`` equal to SGLang's own file
+backend's on the same stored pages, misses, ``clear()`` (tests/integrations/test_sglang_v2.py).
+Not verified: an SGLang server on a GPU, or a real hybrid model served with it (SGLang's
+hybrid cache controller has not called it; its calls were scripted from its source); the
+other layouts and MLA pools (handled alike, through the regions their host pools
+report). Not supported: a logical KV anchor with no pages of its own (DeepSeek V4's),
+``BLOCK_GROUPS`` verdicts, storage metrics (``get_stats()``) of the v2 pools.
 """
 
 from __future__ import annotations
@@ -65,22 +97,50 @@ SGLANG_VERSION = "0.5.23"
 
 try:
     import torch
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+    from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig,
+                                                      HiCacheStorageExtraInfo, PoolHitPolicy, PoolName,
+                                                      PoolTransfer, PoolTransferResult)
 except ImportError as _exc:  # SGLang is not installed: the module imports, the backend does not exist
     _IMPORT_ERROR: ImportError | None = _exc
 else:
     _IMPORT_ERROR = None
 
 
-def _shard(cfg: Any) -> str:
-    """The share of each page this rank holds: its TP rank (MLA ranks all hold the same),
+def _shard(cfg: Any, tp_sharded: bool = False) -> str:
+    """The share of each page this rank holds: its TP rank (MLA ranks all hold the same,
+    unless ``tp_sharded``: a pool each rank holds its own share of whatever the model),
     pipeline stage and context-parallel rank."""
-    parts = ["mla" if cfg.is_mla_model else f"tp{cfg.tp_rank}of{cfg.tp_size}"]
+    parts = ["mla" if cfg.is_mla_model and not tp_sharded else f"tp{cfg.tp_rank}of{cfg.tp_size}"]
     if cfg.pp_size > 1:
         parts.append(f"pp{cfg.pp_rank}of{cfg.pp_size}")
     if cfg.attn_cp_size > 1:
         parts.append(f"cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}")
     return "-".join(parts)
+
+
+def _whole_pages(pool: Any, n: int, host_indices: Any) -> bool:
+    """Whether ``host_indices`` are ``n`` pages of ``pool`` (a log line where not)."""
+    got = 0 if host_indices is None else host_indices.numel()
+    if got != n * pool.page_size:
+        log.error("KVDrive storage: %d host indices for %d pages of %d tokens", got, n, pool.page_size)
+        return False
+    return True
+
+
+def _regions(pool: Any, page_bytes: int, n: int, host_indices: Any) -> list[list] | None:
+    """Per page of ``host_indices`` (``n`` pages), its regions in the host pool ``pool``
+    reports (writable buffers over them, in the pool's order), or None (and a log line)
+    where they are not ``n`` pages of ``page_bytes``."""
+    if not _whole_pages(pool, n, host_indices):
+        return None
+    ptrs, sizes = pool.get_page_buffer_meta(host_indices)
+    per = len(ptrs) // n
+    pages = [range(i * per, (i + 1) * per) for i in range(n)]
+    if not per or per * n != len(ptrs) or any(sum(sizes[j] for j in p) != page_bytes for p in pages):
+        log.error("KVDrive storage: the host pool's %d regions are not %d pages of %d bytes", len(ptrs), n,
+                  page_bytes)
+        return None
+    return [[(ctypes.c_uint8 * sizes[j]).from_address(ptrs[j]) for j in p] for p in pages]
 
 
 if _IMPORT_ERROR is None:
@@ -90,6 +150,24 @@ if _IMPORT_ERROR is None:
         if t.device.type != "cpu" or not t.is_contiguous():
             return None
         return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+    # Pools whose state each TP rank holds its own share of, even in an MLA model whose KV
+    # pages are one copy for every rank: SGLang's file backend keys these per TP rank, and
+    # its cache controller backs them up on every rank (``should_backup``).
+    TP_SHARDED_POOLS = frozenset({PoolName.MAMBA.value})
+
+    def _dtype_name(dtype: Any) -> str:
+        return str(dtype).removeprefix("torch.")
+
+    class _Pool:
+        """One host pool of the v2 interface and the block store of its pages.
+
+        ``regions``: pages move through the regions ``get_page_buffer_meta`` reports (else
+        as flat page tensors: ``get_data_page`` / ``set_from_flat_data_page``); ``shared``:
+        one copy for every TP rank (stored and deleted by the storage writer only)."""
+
+        def __init__(self, name: str, host: Any, store: BlockStore, regions: bool, shared: bool) -> None:
+            self.name, self.host, self.store, self.regions, self.shared = name, host, store, regions, shared
 
     class KVDriveHiCacheStorage(HiCacheStorage):
         """SGLang's HiCache storage in kvstored (see the module for the configuration).
@@ -115,8 +193,11 @@ if _IMPORT_ERROR is None:
                                     staging_bytes=int(opts.get("staging_bytes", 64 << 20)),
                                     load_channels=int(opts.get("load_channels", 2)),
                                     store_channels=int(opts.get("store_channels", 1)))
+            self.config = storage_config
             self.mem_pool_host = None
             self.store: BlockStore | None = None  # made once the page size is known
+            self.pools: dict[str, _Pool] = {}  # the v2 interface's other host pools, by pool name
+            self._warned: set[tuple[str, str]] = set()  # (what, pool name) logged once already
             self._make = threading.Lock()
             self._ops: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
                                           "backup_bandwidth": []}
@@ -127,8 +208,8 @@ if _IMPORT_ERROR is None:
             """Take SGLang's host pool: its pages (``get_size_per_token() * page_size`` bytes,
             in its layout and dtype) are this backend's blocks."""
             if getattr(mem_pool_host, "kv_buffer", None) is None:
-                raise ValueError(f"KVDriveHiCacheStorage stores one KV pool's pages; {type(mem_pool_host).__name__} "
-                                 f"holds none of its own (hybrid models are not supported)")
+                raise ValueError(f"KVDriveHiCacheStorage stores the KV pool's pages; {type(mem_pool_host).__name__} "
+                                 f"holds none of its own (a logical KV anchor, as DeepSeek V4's, is not supported)")
             super().register_mem_pool_host(mem_pool_host)
             page_bytes = mem_pool_host.get_size_per_token() * mem_pool_host.page_size
             if self.interface_v1:  # a layout the pool has no page regions for fails here, not at each call
@@ -179,19 +260,7 @@ if _IMPORT_ERROR is None:
             if pool is None or self.store is None:
                 log.error("KVDrive storage: no host pool registered; SGLang calls register_mem_pool_host first")
                 return None
-            if host_indices.numel() != len(keys) * pool.page_size:
-                log.error("KVDrive storage: %d host indices for %d pages of %d tokens", host_indices.numel(),
-                          len(keys), pool.page_size)
-                return None
-            ptrs, sizes = pool.get_page_buffer_meta(host_indices)
-            per = len(ptrs) // len(keys)
-            pages = [range(i * per, (i + 1) * per) for i in range(len(keys))]
-            if not per or per * len(keys) != len(ptrs) or any(sum(sizes[j] for j in p) != self.store.block_bytes
-                                                               for p in pages):
-                log.error("KVDrive storage: the host pool's %d regions are not %d pages of %d bytes", len(ptrs),
-                          len(keys), self.store.block_bytes)
-                return None
-            return [[(ctypes.c_uint8 * sizes[j]).from_address(ptrs[j]) for j in p] for p in pages]
+            return _regions(pool, self.store.block_bytes, len(keys), host_indices)
 
         def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
             """How many leading keys have their page stored (one lookup request)."""
@@ -222,6 +291,199 @@ if _IMPORT_ERROR is None:
             done = self.store.store(keys, regions)
             self._record("backup", sum(done), time.perf_counter() - t0)
             return done
+
+
+        # ------------------------------------------------------------ hybrid models' host pools (v2 interface)
+
+        def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+            """Take one host pool of a hybrid model (SGLang registers each entry of its host
+            pool group: the KV anchor, Mamba state, SWA KV, ...): its pages
+            (``get_size_per_token() * page_size`` bytes) get a block namespace of their own,
+            named by the pool, made here. The KV pool is the anchor's
+            (:meth:`register_mem_pool_host`). A pool registered again replaces the first.
+            Raises ValueError for a pool whose pages neither its regions nor flat page
+            tensors can move, or that kvstored cannot hold (as the anchor's registration does)."""
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+            name = str(host_pool_name)
+            if name == PoolName.KV.value:
+                if self.mem_pool_host is None:
+                    self.register_mem_pool_host(host_pool)
+                elif host_pool is not self.mem_pool_host:
+                    log.warning("KVDrive storage: a KV pool registered through v2 that is not the anchor "
+                                "register_mem_pool_host took; KV pages stay the anchor's")
+                return
+            page_bytes = host_pool.get_size_per_token() * host_pool.page_size
+            regions = self._has_regions(host_pool, page_bytes)
+            if not regions and not all(hasattr(host_pool, m) for m in ("get_data_page", "get_dummy_flat_data_page",
+                                                                         "set_from_flat_data_page")):
+                raise ValueError(f"KVDriveHiCacheStorage: host pool {name} ({type(host_pool).__name__}) reports no "
+                                 f"page regions of {page_bytes} bytes and has no flat pages")
+            dtypes = [_dtype_name(host_pool.dtype)]
+            other = getattr(host_pool, "temporal_dtype", None)  # a Mamba pool's SSM state
+            if other is not None and _dtype_name(other) != dtypes[0]:
+                dtypes.append(_dtype_name(other))
+            layout = str(getattr(host_pool, "layout", "unknown")) + ("" if regions else "-flat")
+            shared = name not in TP_SHARDED_POOLS
+            rank = f"{_shard(self.config, tp_sharded=not shared)}.{name}.{layout}.{'+'.join(dtypes)}"
+            store = self._new_store(page_bytes, rank)
+            with self._make:
+                old = self.pools.get(name)
+                self.pools[name] = _Pool(name, host_pool, store, regions, shared)
+                self._warned.discard(("unknown", name))
+            if old is not None:
+                old.store.close()
+
+        @staticmethod
+        def _has_regions(host_pool: Any, page_bytes: int) -> bool:
+            """Whether the pool reports a page's regions (``get_page_buffer_meta``), all
+            ``page_bytes`` of it: pages move through them, else as flat page tensors."""
+            try:
+                _, sizes = host_pool.get_page_buffer_meta(torch.arange(host_pool.page_size, dtype=torch.int64))
+            except Exception:  # noqa: BLE001 - no regions (Mamba slot side states, layer_first, ...)
+                return False
+            return bool(sizes) and sum(sizes) == page_bytes
+
+        def _pool(self, name: Any) -> _Pool | None:
+            """The registered pool of that name (the KV anchor for ``kv``); None, logged once
+            per name, for one never registered."""
+            key = str(name)
+            if key == PoolName.KV.value:
+                if self.store is None or self.mem_pool_host is None:
+                    return None
+                return _Pool(key, self.mem_pool_host, self.store, self.interface_v1, True)
+            pool = self.pools.get(key)
+            if pool is None and ("unknown", key) not in self._warned:
+                self._warned.add(("unknown", key))
+                log.error("KVDrive storage: no host pool %r registered (register_mem_host_pool_v2); its pages miss",
+                          key)
+            return pool
+
+        def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                            extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
+            """The usable prefix of ``keys`` (KV page hashes) where every pool of
+            ``pool_transfers`` must be there too, as SGLang's file and Mooncake backends fold it:
+            the KV pool's leading run of stored pages; then, per transfer in order, the prefix
+            lengths that pool can serve: ``ALL_PAGES``, each of its pages up to there (by the
+            same KV keys); ``TRAILING_PAGES``, the last ``len(transfer.keys)`` (at least 1)
+            pages before it. ``kv_hit_pages`` is the longest length every pool serves,
+            ``restorable_prefix_pages`` all of them, ``extra_pool_hit_pages`` each pool's own
+            boundary (KV's too; none for a pool with none). A ``BLOCK_GROUPS`` pool neither
+            gates the hit nor gets a boundary (SGLang 0.5.23 defines no backend semantics for
+            it). One lookup request per pool; never raises (a failure: no hit)."""
+            try:
+                return self._exists_v2(list(keys), list(pool_transfers or []))
+            except Exception:  # noqa: BLE001 - nothing raises into SGLang
+                log.exception("KVDrive storage: batch_exists_v2 failed; answered as no hit")
+                return PoolTransferResult(0, {}, [])
+
+        def _exists_v2(self, keys: list[str], transfers: list[PoolTransfer]) -> PoolTransferResult:
+            kv_pages = self.batch_exists(keys) if keys else 0
+            hits: dict = {PoolName.KV: kv_pages} if kv_pages else {}
+            restorable = list(range(1, kv_pages + 1))
+            for t in transfers:
+                if not restorable:
+                    break
+                if t.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
+                    if ("block_groups", str(t.name)) not in self._warned:
+                        self._warned.add(("block_groups", str(t.name)))
+                        log.warning("KVDrive storage: pool %s has hit policy BLOCK_GROUPS, which SGLang 0.5.23 "
+                                    "defines for no backend: it gets no verdict and does not gate the hit", t.name)
+                    continue
+                pool = self._pool(t.name)
+                there = pool.store.lookup(keys[:kv_pages]) if pool is not None else [False] * kv_pages
+                if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                    boundary = next((i for i, f in enumerate(there) if not f), kv_pages)
+                    serves = set(range(1, boundary + 1))
+                elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                    window = max(1, len(t.keys) if t.keys else 1)
+                    serves, run = set(), 0
+                    for length, found in enumerate(there, start=1):  # run: stored pages ending at this length
+                        run = run + 1 if found else 0
+                        if run >= min(window, length):
+                            serves.add(length)
+                    boundary = max(serves, default=0)
+                else:
+                    log.error("KVDrive storage: pool %s has hit policy %r; answered as no hit", t.name, t.hit_policy)
+                    serves, boundary = set(), 0
+                if boundary:
+                    hits[t.name] = boundary
+                restorable = [n for n in restorable if n in serves]
+            return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
+
+        def batch_get_v2(self, transfers: list[PoolTransfer],
+                         extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+            """Load each transfer's pages (``transfer.keys``, page ``i`` at
+            ``transfer.host_indices[i * page_size]`` of that pool) from its pool's namespace
+            into its host pool: per pool name, True for each page loaded. Never raises (a
+            failure: False)."""
+            return self._io_v2(transfers, self._get_pages)
+
+        def batch_set_v2(self, transfers: list[PoolTransfer],
+                         extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+            """Store each transfer's pages from its host pool in its pool's namespace: per
+            pool name, True for each page stored (now or before). A rank that is not a
+            storage writer stores only pools each rank holds its own share of (Mamba); the
+            others, one copy for every rank, are the writer's (True). Never raises."""
+            return self._io_v2(transfers, self._set_pages)
+
+        def _io_v2(self, transfers: list[PoolTransfer], move: Any) -> dict[str, list[bool]]:
+            results: dict = {}
+            for t in transfers or []:
+                keys = list(t.keys or [])
+                try:
+                    results[t.name] = move(t, keys) if keys else []
+                except Exception:  # noqa: BLE001 - nothing raises into SGLang
+                    log.exception("KVDrive storage: %s of %d page(s) of pool %s failed; treated as not done",
+                                  move.__name__.strip("_"), len(keys), t.name)
+                    results[t.name] = [False] * len(keys)
+            return results
+
+        def _set_pages(self, t: PoolTransfer, keys: list[str]) -> list[bool]:
+            pool = self._pool(t.name)
+            if pool is None:
+                return [False] * len(keys)
+            if pool.shared and not self.writer:
+                return [True] * len(keys)
+            bb = pool.store.block_bytes
+            if pool.regions:
+                sources = _regions(pool.host, bb, len(keys), t.host_indices)
+            elif _whole_pages(pool.host, len(keys), t.host_indices):
+                ps = pool.host.page_size
+                sources = [_bytes_of(pool.host.get_data_page(int(t.host_indices[i * ps]), flat=True).contiguous())
+                           for i in range(len(keys))]
+                if any(v is None or v.nbytes != bb for v in sources):
+                    log.error("KVDrive storage: pool %s's flat pages are not CPU pages of %d bytes", t.name, bb)
+                    sources = None
+            else:
+                sources = None
+            return [False] * len(keys) if sources is None else pool.store.store(keys, sources)
+
+        def _get_pages(self, t: PoolTransfer, keys: list[str]) -> list[bool]:
+            pool = self._pool(t.name)
+            if pool is None:
+                return [False] * len(keys)
+            bb = pool.store.block_bytes
+            if pool.regions:
+                targets = _regions(pool.host, bb, len(keys), t.host_indices)
+                return [False] * len(keys) if targets is None else pool.store.load(keys, targets)
+            if not _whole_pages(pool.host, len(keys), t.host_indices):
+                return [False] * len(keys)
+            pages = [pool.host.get_dummy_flat_data_page() for _ in keys]
+            views = [_bytes_of(page) for page in pages]
+            if any(v is None or v.nbytes != bb for v in views):
+                log.error("KVDrive storage: pool %s's flat pages are not CPU pages of %d bytes", t.name, bb)
+                return [False] * len(keys)
+            got = pool.store.load(keys, views)
+            ps = pool.host.page_size
+            for i, ok in enumerate(got):
+                if ok:
+                    try:
+                        pool.host.set_from_flat_data_page(int(t.host_indices[i * ps]), pages[i])
+                    except Exception:  # noqa: BLE001 - this page is a miss
+                        log.exception("KVDrive storage: pool %s took no page at host index %d", t.name,
+                                      int(t.host_indices[i * ps]))
+                        got[i] = False
+            return got
 
         # ------------------------------------------------------------ flat page tensors
 
@@ -287,14 +549,16 @@ if _IMPORT_ERROR is None:
         # ------------------------------------------------------------ the rest
 
         def clear(self) -> None:
-            """Delete the pages of this backend's namespace: what this user stored there (this
-            process, the other engines of its model, tenant and shard, or earlier runs), as
-            SGLang's file backend empties its directory. A rank that is not a storage writer
-            stored nothing and deletes nothing."""
-            if self.store is None or not self.writer:
-                return
-            deleted = self.store.delete_all()
-            log.info("KVDrive storage: clear() deleted %d page(s) of namespace %s", deleted, self.store.ns)
+            """Delete the pages of this backend's namespaces (the KV pool's and each v2 pool's):
+            what this user stored there (this process, the other engines of its model, tenant
+            and shard, or earlier runs), as SGLang's file backend empties its directory. A rank
+            that is not a storage writer deletes only the pools it stores its own share of
+            (Mamba state), not the one copy the writer keeps for every rank."""
+            stores = [self.store] if self.store is not None and self.writer else []
+            stores += [p.store for p in list(self.pools.values()) if self.writer or not p.shared]
+            for store in stores:
+                deleted = store.delete_all()
+                log.info("KVDrive storage: clear() deleted %d page(s) of namespace %s", deleted, store.ns)
 
         def get_stats(self) -> Any:
             """SGLang's ``StorageMetrics`` of the prefetches and backups since the last call
@@ -312,13 +576,19 @@ if _IMPORT_ERROR is None:
             return metrics
 
         def stats(self) -> dict:
-            """The block store's counters (see :meth:`BlockStore.stats`)."""
+            """The KV pool's block store's counters (see :meth:`BlockStore.stats`)."""
             return {} if self.store is None else self.store.stats()
 
+        def pool_stats(self) -> dict[str, dict]:
+            """Each v2 pool's block store's counters, by pool name."""
+            return {name: p.store.stats() for name, p in list(self.pools.items())}
+
         def close(self) -> None:
-            """Free kvstored's buffer and the connection; later calls are misses."""
+            """Free kvstored's buffers and the connections; later calls are misses."""
             if self.store is not None:
                 self.store.close()
+            for p in list(self.pools.values()):
+                p.store.close()
 
 else:
 
