@@ -447,8 +447,14 @@ class Catalog:
         LMDB never truncates its file, so blocks allocated here stay allocated until
         LMDB writes pages into them.
         """
+        if self._reserve_holds():  # most calls: no lock, so a put's prepare never waits for a commit here
+            return True
         with self.write_lock:
             return self._ensure_reserve()
+
+    def _reserve_holds(self) -> bool:
+        used = self.used_bytes
+        return self._reserved >= used + max(RESERVE_MIN_BYTES, used // RESERVE_SHARE)
 
     def _ensure_reserve(self) -> bool:
         used = self.used_bytes
