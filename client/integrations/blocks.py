@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 DEFAULT_STAGING_BYTES = 64 << 20
 DELETE_WINDOW = 32  # deletes in flight at once
 PIPELINE_DEPTH = 2  # requests in flight per load or store call
+LOAD_SLOT_BYTES = 16 << 20  # the most one block_get of a load moves (one block, if larger)
 
 
 def _part(value: object) -> str:
@@ -133,6 +134,9 @@ class BlockStore:
         self.depth = max(1, min(PIPELINE_DEPTH, per_region))
         self.sub_blocks = min(per_region // self.depth, MAX_BLOCK_KEYS)
         self.slot_bytes = self.sub_blocks * block_bytes
+        # Loads use smaller slots (within the same ones): the daemon fills the next while this
+        # copies one out, so the smaller the slot, the less of the two copies runs alone.
+        self.load_blocks = max(1, min(self.sub_blocks, LOAD_SLOT_BYTES // block_bytes))
         region = self.depth * self.slot_bytes
         self.loads = Lane("load", load_channels, region, self._connect, client)
         self.stores = Lane("store", store_channels, region, self._connect, client)
@@ -303,15 +307,15 @@ class BlockStore:
         return got
 
     def _load_all(self, ch: Channel, ks: list[bytes], targets: Seq[Buffer], got: list[bool]) -> None:
-        """Load in ``block_get`` s of ``sub_blocks``, up to ``depth`` in flight, each into a slot
+        """Load in ``block_get`` s of ``load_blocks``, up to ``depth`` in flight, each into a slot
         of the staging region of its own: the daemon fills one while this copies another out."""
         inflight: deque = deque()
-        starts = range(0, len(ks), self.sub_blocks)
+        starts = range(0, len(ks), self.load_blocks)
         try:
             for n, start in enumerate(starts):
                 if len(inflight) == self.depth:
                     self._loaded(ch, inflight.popleft(), targets, got)
-                batch = list(range(start, min(start + self.sub_blocks, len(ks))))
+                batch = list(range(start, min(start + self.load_blocks, len(ks))))
                 at = (n % self.depth) * self.slot_bytes
                 inflight.append((ch.client.block_get_async(self.ns, [ks[i] for i in batch], ch.region, offset=at),
                                  batch, at))
