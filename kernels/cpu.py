@@ -415,7 +415,6 @@ def _exp2_nonpos(x):  # pragma: no cover - compiled
 
 
 _PAGE16 = 16  # the common page size, given a loop of constant length
-_TILE = 256  # tokens per tile of the logit pass: the tile's float codes (R x 1 KiB) stay in L1 across query heads
 _LOG2E = np.float32(1.4426950408889634)
 # Logits here come from int8 codes and finite queries: never NaN (-inf marks padding), so
 # "no NaNs" is safe and lets the max reductions vectorise.
@@ -445,7 +444,7 @@ def _lowrank_weights(query, qproj, scale, scaling, b, h, w):  # pragma: no cover
 # every query head of a chunk of up to 4 takes its logit from them in the same loop
 # iteration, with the padding and the running max. No float tile is written and read
 # back per head. Narrow codes are sign-extended by a shift left and an arithmetic shift
-# right (two integer ops a channel, not four; the tiled pass below does the same). (At a
+# right (two integer ops a channel, not four; the passes below do the same). (At a
 # 7K context, one layer of SmolLM2, 3 KV heads of 3 query heads each, selected its top 28
 # pages in about 150 us here, against 195 with mask-and-xor unpacking and 220 for the
 # rank-22 all-int4 layout, tiled.)
@@ -497,14 +496,163 @@ def _compile_fused_logits(hc: int):
 _fused_logits_1, _fused_logits_2, _fused_logits_3, _fused_logits_4 = (_compile_fused_logits(hc) for hc in range(1, 5))
 
 
+# Other layouts: passes over a tile of tokens, each over a few code rows of one kind (4 int8
+# rows, 4 int4 rows or 2 int2 rows: 4, 8 or 8 channels) for up to 4 query heads at once.
+# Each pass widens its codes in registers by shifts of constant length and adds its
+# channels' share to the heads' sums in the tile, which stay in L1 between passes: the
+# int8 rows' in float32, the int4 and int2 rows' in int16 (:func:`_slot_weights`), 32
+# tokens a 512-bit instruction. A pass's weights come from slots: its kind's channels,
+# then zeros where the kind has no more rows (rows past the last are read again, times
+# zero). (At Gemma 3's rank-108 layout, 16K tokens and 4 query heads, a call chose its
+# pages in about 0.2 ms here, against 0.43 ms when a tile's codes were first widened to
+# floats in memory, 108 KiB a tile of 256 tokens, more than L1, then read back once per
+# head; with float32 passes throughout the logits took about 1.7 times as long as with
+# int16 ones.)
+_PASS_ROWS = {8: 4, 4: 4, 2: 2}  # code rows per pass, by bits per channel
+_PASS_ROWS8, _PASS_ROWS4, _PASS_ROWS2 = _PASS_ROWS[8], _PASS_ROWS[4], _PASS_ROWS[2]
+_PASS_TILE = 1024  # tokens per tile: 4 heads' logits (16 KiB) and int16 sums (8 KiB)
+_SLOT_SPARE = 18  # slots past the rank a layout may need: 3 + 7 + 7, and one
+
+
+def _pass_channels(bits: int) -> list[tuple[int, int, int]]:
+    """(row in the pass, left shift, arithmetic right shift) that widen each channel of a pass, in slot order."""
+    rows = range(_PASS_ROWS[bits])
+    if bits == 8:
+        return [(i, 24, 24) for i in rows]
+    per = 8 // bits  # channels a row holds, from its lowest bits up
+    return [(i, 32 - bits * (j + 1), 32 - bits) for i in rows for j in range(per)]
+
+
+def _pass_source(bits: int, hc: int) -> str:
+    """Source of ``_pass<bits>_<hc>(ws, g0, s0, c, r0, t0, t1, out)``: query heads ``g0 .. g0 + hc - 1``
+    add the channels of code rows ``r0 ..``, weights in slots ``s0 ..`` of ``ws``, for tokens
+    ``t0 .. t1 - 1``: int8 rows in float32 to ``out[:, t0:t1]`` (the logits), int4 and int2
+    rows in int16 to ``out[:, :t1 - t0]`` (:func:`_slot_weights`)."""
+    chans, heads = _pass_channels(bits), range(hc)
+    name = f"_pass{bits}_{hc}"
+    lines = [f"def {name}(ws, g0, s0, c, r0, t0, t1, out):", "    last = c.shape[0] - 1"]
+    lines += [f"    a{i} = c[min(r0 + {i}, last), t0:t1]" for i in range(_PASS_ROWS[bits])]
+    for j in heads:
+        lines.append(f"    l{j} = out[g0 + {j}, t0:t1]" if bits == 8 else f"    l{j} = out[g0 + {j}, : t1 - t0]")
+        lines += [f"    w{j}_{k} = ws[g0 + {j}, s0 + {k}]" if bits == 8 else f"    w{j}_{k} = np.int32(ws[g0 + {j}, s0 + {k}])"
+                  for k in range(len(chans))]
+    lines.append("    for t in range(t1 - t0):")
+    lines += [f"        y{i} = np.int32(a{i}[t])" for i in range(_PASS_ROWS[bits])]
+    for k, (i, left, right) in enumerate(chans):
+        widened = f"y{i}" if left == 24 and right == 24 else (
+            f"(y{i} >> np.int32({right - 24}))" if left == 24 else f"(np.int32(y{i} << np.int32({left})) >> np.int32({right}))")
+        lines.append(f"        x{k} = np.float32({widened})" if bits == 8 else f"        x{k} = np.int16({widened})")
+    for j in heads:
+        if bits == 8:
+            lines.append(f"        l{j}[t] += " + " + ".join(f"w{j}_{k} * x{k}" for k in range(len(chans))))
+        else:  # every partial sum fits in int16 (_slot_weights): the truncations wrap nothing
+            lines.append(f"        l{j}[t] = np.int16(l{j}[t] + " + " + ".join(f"np.int16(w{j}_{k} * x{k})" for k in range(len(chans))) + ")")
+    return "\n".join(lines) + "\n"
+
+
+def _compile_pass(bits: int, hc: int):
+    scope = {"np": np}
+    exec(compile(_pass_source(bits, hc), f"<kvdrive logit pass int{bits} x{hc}>", "exec"), scope)  # noqa: S102 - our own template
+    return numba.njit(nogil=True, fastmath=_LOWRANK_FASTMATH, error_model="numpy")(scope[f"_pass{bits}_{hc}"])
+
+
+_pass8_1, _pass8_2, _pass8_3, _pass8_4 = (_compile_pass(8, hc) for hc in range(1, 5))
+_pass4_1, _pass4_2, _pass4_3, _pass4_4 = (_compile_pass(4, hc) for hc in range(1, 5))
+_pass2_1, _pass2_2, _pass2_3, _pass2_4 = (_compile_pass(2, hc) for hc in range(1, 5))
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _pass_slots(r_n, wide, narrow):  # pragma: no cover - compiled
+    """(first int4 slot, first int2 slot, slots) of a layout: each kind's channels rounded up to whole passes."""
+    rows4 = (r_n - wide - narrow + 1) // 2
+    rows2 = (narrow + 3) // 4
+    s4 = -(-wide // _PASS_ROWS8) * _PASS_ROWS8
+    s2 = s4 + -(-rows4 // _PASS_ROWS4) * _PASS_ROWS4 * 2
+    return s4, s2, s2 + -(-rows2 // _PASS_ROWS2) * _PASS_ROWS2 * 4
+
+
+@numba.njit(nogil=True, cache=True)
+def _slot_weights(w, wide, narrow, ws, wq, inv):  # pragma: no cover - compiled
+    """``w`` ``[G, R]`` into the passes' slots (``[G, >= R + _SLOT_SPARE]``, zero where a pass has
+    no channel): the int8 channels' into ``ws`` as they are, the int4 and int2 ones' into ``wq``
+    as integers, ``w`` over ``inv[g]``, rounded.
+
+    ``inv[g]`` is set so that no sum of a head's int4 and int2 terms can leave int16 (int4
+    codes reach -8 and int2 ones -2; the rounding adds at most half a unit per channel): the
+    int16 passes (:func:`_pass_source`) then compute those sums exactly, on twice as many
+    tokens per vector instruction as float32. Rounding moves each weight by at most
+    ``inv[g] / 2``, 1/64000 of the largest int4 and int2 sum the head can reach at Gemma 3's
+    layout, so a logit by at most that times its codes' absolute sum; the rounding errors of
+    many weights mostly cancel (on random codes at rank 108 the page scores moved by 3e-4
+    on average). On Gemma 3 at 16K tokens the pages chosen were those of float32 weights
+    but for rare near-ties (recall of the attention mass 0.56807 against 0.56813).
+    """
+    g_n, r_n = w.shape
+    s4, s2, n = _pass_slots(r_n, wide, narrow)
+    end4 = r_n - narrow
+    room = np.float32(32767 - 8 * (end4 - wide) - 2 * narrow)  # int16's range less the roundings' worst case
+    for g in range(g_n):
+        ws[g, :n] = 0.0
+        wq[g, :n] = 0
+        for r in range(wide):
+            ws[g, r] = w[g, r]
+        bound = np.float32(0.0)
+        for r in range(wide, r_n):
+            bound += abs(w[g, r]) * (np.float32(8.0) if r < end4 else np.float32(2.0))
+        if bound == 0 or room <= 0:  # no int4 or int2 weight (room runs out past 3000 channels: never)
+            inv[g] = 0.0
+            continue
+        step = bound / room
+        inv[g] = step
+        for r in range(wide, end4):
+            wq[g, s4 + r - wide] = np.int16(np.round(w[g, r] / step))
+        for r in range(end4, r_n):
+            wq[g, s2 + r - end4] = np.int16(np.round(w[g, r] / step))
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _passes(ws, wq, g0, hc, c, wide, rows4, rows2, s4, s2, t0, t1, logits, acc):  # pragma: no cover - compiled
+    """Every pass of one tile for query heads ``g0 .. g0 + hc - 1`` (``hc`` <= 4): the int8 rows'
+    terms added to ``logits``, the int4 and int2 rows' to ``acc`` (:func:`_slot_weights`)."""
+    for r in range(0, wide, _PASS_ROWS8):
+        if hc == 4:
+            _pass8_4(ws, g0, r, c, r, t0, t1, logits)
+        elif hc == 3:
+            _pass8_3(ws, g0, r, c, r, t0, t1, logits)
+        elif hc == 2:
+            _pass8_2(ws, g0, r, c, r, t0, t1, logits)
+        else:
+            _pass8_1(ws, g0, r, c, r, t0, t1, logits)
+    for i in range(0, rows4, _PASS_ROWS4):
+        s, r = s4 + 2 * i, wide + i
+        if hc == 4:
+            _pass4_4(wq, g0, s, c, r, t0, t1, acc)
+        elif hc == 3:
+            _pass4_3(wq, g0, s, c, r, t0, t1, acc)
+        elif hc == 2:
+            _pass4_2(wq, g0, s, c, r, t0, t1, acc)
+        else:
+            _pass4_1(wq, g0, s, c, r, t0, t1, acc)
+    for i in range(0, rows2, _PASS_ROWS2):
+        s, r = s2 + 4 * i, wide + rows4 + i
+        if hc == 4:
+            _pass2_4(wq, g0, s, c, r, t0, t1, acc)
+        elif hc == 3:
+            _pass2_3(wq, g0, s, c, r, t0, t1, acc)
+        elif hc == 2:
+            _pass2_2(wq, g0, s, c, r, t0, t1, acc)
+        else:
+            _pass2_1(wq, g0, s, c, r, t0, t1, acc)
+
+
 @numba.njit(nogil=True, cache=True, fastmath=_LOWRANK_FASTMATH, error_model="numpy")
-def _lowrank_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, cf, top, out):  # pragma: no cover - compiled
+def _lowrank_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, ws, top, out):  # pragma: no cover - compiled
     """Estimated mass of pages [0, p_n) of (row b, head h) into ``out`` (callers take the log).
 
     ``w`` ``[G, R]``: base-2 logit weights (:func:`_lowrank_weights`). ``codes``: rows as
     :func:`reference.pack_lowrank_codes` lays them out, the first ``wide`` channels int8,
     the last ``narrow`` int2, the others int4. Scratch: ``logits`` ``[G, >= p_n*S]``,
-    ``cf`` ``[R + 4, _TILE]``, ``top`` ``[G]``.
+    ``ws`` ``[G, R + _SLOT_SPARE]``, ``top`` ``[G]``.
     """
     g_n, r_n = w.shape
     t_n = p_n * s_n
@@ -524,66 +672,38 @@ def _lowrank_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, cf
             else:
                 _fused_logits_1(w, g0, c, ok, t_n, logits, top)
             g0 += hc
-        first_tile = t_n  # nothing left for the tiled pass
+        first_tile = t_n  # nothing left for the passes below
+        rows4 = rows2 = s4 = s2 = 0
+        wq = acc = np.empty((0, 0), np.int16)
+        inv = top
     else:
         first_tile = 0
-    # Other layouts: estimated logits a tile at a time. Codes are channel-major, so every
-    # inner loop streams over tokens and vectorises; a tile's codes are widened to float
-    # once and read by every query head, eight channels per pass.
-    for t0 in range(first_tile, t_n, _TILE):
-        t1 = min(t_n, t0 + _TILE)
+        rows4 = (r_n - wide - narrow + 1) // 2
+        rows2 = (narrow + 3) // 4
+        s4, s2, _ = _pass_slots(r_n, wide, narrow)
+        wq = np.empty((g_n, r_n + _SLOT_SPARE), np.int16)
+        acc = np.empty((g_n, _PASS_TILE), np.int16)
+        inv = np.empty(g_n, np.float32)
+        _slot_weights(w, wide, narrow, ws, wq, inv)
+    # Other layouts: the logits a tile at a time, by passes over a few code rows each (see _PASS_ROWS).
+    for t0 in range(first_tile, t_n, _PASS_TILE):
+        t1 = min(t_n, t0 + _PASS_TILE)
         n = t1 - t0
-        for r in range(wide):
-            src = c[r, t0:t1]
-            dst = cf[r]
-            for t in range(n):
-                dst[t] = np.float32(src[t])
-        end4 = r_n - narrow
-        for r in range(wide, end4, 2):  # two int4 channels per row: low nibble, then high
-            src = c[wide + (r - wide) // 2, t0:t1]
-            lo = cf[r]
-            hi = cf[r + 1]  # when the last int4 channel has no pair, the first int2 one is rewritten below
-            for t in range(n):
-                x = np.int32(src[t])
-                lo[t] = np.float32(np.int32(x << np.int32(28)) >> np.int32(28))
-                hi[t] = np.float32(x >> np.int32(4))
-        row2 = wide + (end4 - wide + 1) // 2
-        for r in range(end4, r_n, 4):  # four int2 channels per row, from the lowest bits up (spare rows past r_n)
-            src = c[row2 + (r - end4) // 4, t0:t1]
-            f0, f1, f2, f3 = cf[r], cf[r + 1], cf[r + 2], cf[r + 3]
-            for t in range(n):
-                x = np.int32(src[t])
-                f0[t] = np.float32(np.int32(x << np.int32(30)) >> np.int32(30))
-                f1[t] = np.float32(np.int32(x << np.int32(28)) >> np.int32(30))
-                f2[t] = np.float32(np.int32(x << np.int32(26)) >> np.int32(30))
-                f3[t] = np.float32(x >> np.int32(6))
+        logits[:, t0:t1] = 0.0
+        acc[:, :n] = 0
+        g0 = 0
+        while g0 < g_n:
+            hc = min(4, g_n - g0)
+            _passes(ws, wq, g0, hc, c, wide, rows4, rows2, s4, s2, t0, t1, logits, acc)
+            g0 += hc
         okt = ok[t0:t1]
         for g in range(g_n):
-            logits[g, t0:t1] = 0.0
-        # Channels eight at a time, every query head in turn while they are in L1 (each
-        # head's logit adds them in the same order as one head at a time would).
-        r0 = 0
-        while r0 + 8 <= r_n:
-            c0, c1, c2, c3 = cf[r0], cf[r0 + 1], cf[r0 + 2], cf[r0 + 3]
-            c4, c5, c6, c7 = cf[r0 + 4], cf[r0 + 5], cf[r0 + 6], cf[r0 + 7]
-            for g in range(g_n):
-                lg = logits[g, t0:t1]
-                w0, w1, w2, w3 = w[g, r0], w[g, r0 + 1], w[g, r0 + 2], w[g, r0 + 3]
-                w4, w5, w6, w7 = w[g, r0 + 4], w[g, r0 + 5], w[g, r0 + 6], w[g, r0 + 7]
-                for t in range(n):
-                    lg[t] += (w0 * c0[t] + w1 * c1[t] + w2 * c2[t] + w3 * c3[t]
-                              + w4 * c4[t] + w5 * c5[t] + w6 * c6[t] + w7 * c7[t])
-            r0 += 8
-        for g in range(g_n):
             lg = logits[g, t0:t1]
-            for r in range(r0, r_n):
-                wr = w[g, r]
-                cr = cf[r]
-                for t in range(n):
-                    lg[t] += wr * cr[t]
+            iq = acc[g]
+            step = inv[g]
             m = top[g]
-            for t in range(n):  # padding to -inf and the running max, in one vectorised pass
-                v = lg[t] if okt[t] else np.float32(-np.inf)
+            for t in range(n):  # the int16 sums, padding to -inf and the running max, in one vectorised pass
+                v = lg[t] + np.float32(iq[t]) * step if okt[t] else np.float32(-np.inf)
                 lg[t] = v
                 m = _fmax(m, v)
             top[g] = m
@@ -632,12 +752,12 @@ def _log_mass(m):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True)
-def _lowrank_scores(query, qproj, scale, scaling, codes, wide, narrow, valid, p_n, s_n, out, w, logits, cf,
+def _lowrank_scores(query, qproj, scale, scaling, codes, wide, narrow, valid, p_n, s_n, out, w, logits, ws,
                     top):  # pragma: no cover - compiled
     for b in range(query.shape[0]):
         for h in range(query.shape[1]):
             _lowrank_weights(query, qproj, scale, scaling, b, h, w)
-            _lowrank_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, cf, top, out[b, h])
+            _lowrank_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, ws, top, out[b, h])
             for p in range(p_n):
                 out[b, h, p] = _log_mass(out[b, h, p])
 
@@ -686,19 +806,19 @@ def _lowrank_top(score, sel, k, p_n, pages, mass, cand):  # pragma: no cover - c
 
 @numba.njit(nogil=True, cache=True)
 def _lowrank_select(query, qproj, scale, scaling, codes, wide, narrow, valid, selectable, k, p_n, s_n, sink, unscored,
-                    out_pages, out_scores, cached, cached_scores, w, logits, cf, top, score, cand):  # pragma: no cover - compiled
+                    out_pages, out_scores, cached, cached_scores, w, logits, ws, top, score, cand):  # pragma: no cover - compiled
     """Per (row, head): ``out_pages`` ``[B, H, s + k]`` is the row's ``sink`` pages ``[B, s]`` then its
     top ``k`` by mass (:func:`_lowrank_top`; their log masses in ``out_scores`` ``[B, H, k]``, the
     log taken for those only). With ``unscored`` a pick scored -inf, and each of the ``k`` a
     row with fewer selectable pages lacks, is -1; without, the lacking ones are unselectable
     pages scored -inf (``s`` must then be 0).
-    Scratch (:func:`_lowrank_work`): ``w`` ``[G, R]``, ``logits`` ``[G, >= P*S]``, ``cf``
-    ``[R + 4, _TILE]``, ``top`` ``[G]``, ``score`` and ``cand`` ``[>= P]``."""
+    Scratch (:func:`_lowrank_work`): ``w`` ``[G, R]``, ``logits`` ``[G, >= P*S]``, ``ws``
+    ``[G, R + _SLOT_SPARE]``, ``top`` ``[G]``, ``score`` and ``cand`` ``[>= P]``."""
     s = sink.shape[1]
     for b in range(query.shape[0]):
         for h in range(query.shape[1]):
             _lowrank_weights(query, qproj, scale, scaling, b, h, w)
-            _lowrank_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, cf, top, score)
+            _lowrank_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, ws, top, score)
             row = out_pages[b, h]
             for i in range(s):
                 row[i] = sink[b, i]
@@ -797,7 +917,7 @@ _work = threading.local()
 
 
 def _lowrank_work(g_n: int, r_n: int, p_n: int, s_n: int) -> tuple[np.ndarray, ...]:
-    """The calling thread's scratch for the low-rank kernels (w, logits, cf, top, score, cand), kept between calls.
+    """The calling thread's scratch for the low-rank kernels (w, logits, ws, top, score, cand), kept between calls.
 
     Fresh scratch each call (about 100 KiB at a 7K context) page-faulted in on every
     call where the model's forward pass had handed freed memory back to the OS: tens
@@ -810,7 +930,7 @@ def _lowrank_work(g_n: int, r_n: int, p_n: int, s_n: int) -> tuple[np.ndarray, .
         if bufs is not None and bufs[0].shape == (g_n, r_n):
             t_cap, p_cap = max(t_cap, bufs[1].shape[1]), max(p_cap, bufs[4].shape[0])
         bufs = (np.empty((g_n, r_n), np.float32), np.empty((g_n, t_cap), np.float32),
-                np.empty((r_n + 4, _TILE), np.float32), np.empty(g_n, np.float32), np.empty(p_cap, np.float32),
+                np.empty((g_n, r_n + _SLOT_SPARE), np.float32), np.empty(g_n, np.float32), np.empty(p_cap, np.float32),
                 np.empty(p_cap, np.float32))
         _work.lowrank = bufs
     return bufs
@@ -844,7 +964,9 @@ def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
     Same arguments, except that ``codes`` are packed as :func:`reference.pack_lowrank_codes`
     lays them out for ``layout``, and that they and ``valid``
     ``[B, >= P*S]`` may have spare capacity past ``num_pages`` pages (no copy is made).
-    Returns float32 ``[B, H, P]``, within 1e-4 of the reference (the exponential is a polynomial).
+    Returns float32 ``[B, H, P]``, within 1e-4 of the reference (the exponential is a polynomial)
+    at the default layout of head dim 64; other layouts round their int4 and int2 weights to
+    int16 (:func:`_slot_weights`), within 3e-3 at Gemma 3's rank 108 on random codes.
     A large call runs in parts on up to :func:`kernel_threads` threads (:func:`_in_parts`).
     """
     out = np.empty((query.shape[0], query.shape[1], num_pages), np.float32)

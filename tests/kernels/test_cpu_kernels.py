@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvdrive.kernels import cpu, for_device
+from kvdrive.kernels import reference as ref
 from kvdrive.kernels.backends import Kernels
 from kvdrive_client.selectors import IndexKind, make_selector
 
@@ -77,7 +78,7 @@ def test_lowrank_split_across_threads_matches_one_call(monkeypatch, threads, row
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("seed", [4, 0])  # the fused logit pass, and the tiled one
+@pytest.mark.parametrize("seed", [4, 0])  # the fused logit pass, and the passes of other layouts
 def test_lowrank_scratch_left_from_an_earlier_call_never_reaches_a_result(threads, seed):
     """The low-rank kernels keep their scratch between calls: poisoned with NaN, the next
     call's results are the same as with fresh scratch."""
@@ -109,7 +110,7 @@ def _as_index(case):
 
 
 @pytest.mark.parametrize("k", [7, 0, 45])  # 45: more than the 40 pages
-@pytest.mark.parametrize("seed", [4, 0, 9])  # the fused logit pass, and the tiled one
+@pytest.mark.parametrize("seed", [4, 0, 9])  # the fused logit pass, and the passes of other layouts
 def test_lowrank_choose_is_the_select_with_the_sink_before_and_unscored_pages_as_none(seed, k):
     """One compiled call gives exactly what the torch composition of :func:`cpu.lowrank_select` gives
     (Kernels.lowrank_choose): sink pages first, -1 for picks without a score (rows with fewer
@@ -208,3 +209,55 @@ def test_cuda_transfer_copies_from_a_pinned_shared_buffer():
     t.before_reuse(0)
     assert out.device.type == "cuda" and out.cpu().tolist() == list(range(8))
     t.unregister(array)
+
+
+def _numpy_lowrank_scores(query, qproj, scale, scaling, values, valid, page_size):
+    """The low-rank page scores in float64 numpy: each query head's logits over every valid token,
+    softmax, summed per page and over the query heads, log."""
+    w = np.einsum("bhgd,bhdr->bhgr", query.astype(np.float64), qproj.astype(np.float64)) * scale[:, :, None] * scaling
+    logits = np.einsum("bhgr,bhrt->bhgt", w, values.astype(np.float64))
+    logits = np.where(valid[:, None, None, :], logits, -np.inf)
+    top = logits.max(axis=3, keepdims=True)
+    mass = np.exp(logits - np.where(np.isfinite(top), top, 0.0))
+    mass = mass / np.maximum(mass.sum(axis=3, keepdims=True), 1e-300)
+    b, h, g, t = mass.shape
+    pages = mass.reshape(b, h, g, t // page_size, page_size).sum(axis=(2, 4))
+    with np.errstate(divide="ignore"):
+        return np.log(pages), w
+
+
+# Gemma 3's default layout (head dim 256), head dim 128's, and odd ones: int4 rows with one channel, int2 rows short.
+@pytest.mark.parametrize("shape, page_size", [((108, 4, 52, 4), 16), ((54, 2, 24, 4), 16), ((14, 2, 7, 3), 24),
+                                              ((9, 1, 3, 5), 16), ((6, 0, 6, 2), 40)])
+def test_lowrank_scores_match_a_numpy_reference_within_the_int16_weights_bound(shape, page_size):
+    """Layouts other than the fused one score by passes with int16 weights for their int4 and
+    int2 channels: on random inputs over more than one tile of tokens, the page scores stay
+    within the bound that rounding those weights allows, against float64 numpy (pages of 16
+    tokens, and of sizes a tile holds no whole number of)."""
+    rng = np.random.default_rng(sum(shape))
+    R, wide, narrow, G = shape
+    layout = ref.SketchLayout(R, wide, narrow)
+    B, H, D, S = 2, 2, 48, page_size
+    P = 2 * cpu._PASS_TILE // S + 5
+    levels = layout.levels().numpy().astype(np.int64)[None, None, :, None]
+    values = rng.integers(-levels, np.where(levels == 127, 128, levels), (B, H, R, P * S)).astype(np.int8)
+    query = rng.standard_normal((B, H, G, D)).astype(np.float32)
+    qproj = (rng.standard_normal((B, H, D, R)) * 0.3).astype(np.float16)
+    scale = (rng.random((B, H, R)) * 0.05 + 1e-3).astype(np.float32)
+    valid = rng.random((B, P * S)) > 0.1
+    valid[1, : 3 * S] = False
+    scaling = 0.2
+    codes = ref.pack_lowrank_codes(torch.from_numpy(values), layout)
+    got = cpu.lowrank_scores(torch.from_numpy(query), torch.from_numpy(qproj), torch.from_numpy(scale), scaling, codes,
+                             torch.from_numpy(valid), P, S, layout).numpy()
+    expect, w = _numpy_lowrank_scores(query, qproj, scale, scaling, values, valid, S)
+    # Each int4/int2 weight moves by at most half its head's step (cpu._slot_weights), so each
+    # logit by at most half a step times the largest sum of |codes|; a page's log mass by twice that.
+    lv = levels[0, 0, wide:, 0]
+    step = (np.abs(w[..., wide:]) * lv).sum(axis=-1) / (32767 - lv.sum())
+    bound = 2 * (step / 2 * lv.sum()).max() + 1e-4
+    assert np.array_equal(np.isfinite(got), np.isfinite(expect))
+    fin = np.isfinite(expect)
+    err = np.abs(got[fin] - expect[fin])
+    assert err.max() <= bound
+    assert err.mean() <= 1e-3  # rounding errors of many weights mostly cancel: far below the worst case
