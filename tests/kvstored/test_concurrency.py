@@ -17,7 +17,7 @@ from kvstored.protocol import PROTOCOL_VERSION
 GEOM = Geometry(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16", page_size=16)
 BB = GEOM.block_bytes
 NUM_CLIENTS = 8
-DURATION_S = 30.0
+DURATION_S = 12.0  # each worker puts and reads many times over in it, and the churn cycles
 # Small enough that most of the data lives on the SSD only.
 DRAM = "2M"
 

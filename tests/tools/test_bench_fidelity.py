@@ -3,7 +3,6 @@
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -137,11 +136,28 @@ def test_compare_against_itself_and_against_another_distribution():
     assert dloss == pytest.approx(float(math.log(50) + torch.log_softmax(a, -1)[targets, targets].mean()))
 
 
-def test_quick_run_end_to_end(tmp_path):
+@pytest.fixture
+def bench_fidelity(capsys):
+    """``kvdrive-bench fidelity ARGV`` in this process (a child would import torch and transformers
+    again): its exit status, stdout and stderr. The bench sets torch's thread count (``--threads``,
+    default 1); the process's own is restored after it."""
+    threads = torch.get_num_threads()
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        try:
+            rc = bench.main(["fidelity", *argv])
+        finally:
+            torch.set_num_threads(threads)
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(["kvdrive-bench", "fidelity", *argv], rc, captured.out, captured.err)
+
+    return run
+
+
+def test_quick_run_end_to_end(tmp_path, bench_fidelity):
     out = tmp_path / "rows.json"
-    cmd = [sys.executable, "-m", "kvdrive.tools.bench", "fidelity", "--quick", "--context", "512", "--tokens", "4",
-           "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    proc = bench_fidelity("--quick", "--context", "512", "--tokens", "4", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
     rows = doc["fidelity"]
@@ -263,16 +279,14 @@ def test_a_corpus_run_judges_the_largest_index_and_the_median_selection_time():
     assert any("median 1.20x (windows 1.10x to 1.60x): PASS" in x for x in lines)
 
 
-def test_a_corpus_run_end_to_end(tmp_path):
+def test_a_corpus_run_end_to_end(tmp_path, bench_fidelity):
     texts, _ = corpus.default_corpus()
     kinds = sorted(texts)[:2]
     for k in kinds:
         (tmp_path / f"{k}.txt").write_text(texts[k][:20000])
     out = tmp_path / "rows.json"
-    cmd = [sys.executable, "-m", "kvdrive.tools.bench", "fidelity", "--corpus", str(tmp_path), "--context", "512",
-           "--tokens", "4", "--windows", "1", "--budget", "0.0625", "--selectors", "oracle", "lowrank",
-           "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    proc = bench_fidelity("--corpus", str(tmp_path), "--context", "512", "--tokens", "4", "--windows", "1",
+                          "--budget", "0.0625", "--selectors", "oracle", "lowrank", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
     assert [(r["text_kind"], r["text_window"], r["selector"]) for r in doc["fidelity"]] == [

@@ -22,8 +22,11 @@ FINAL = {"ok", "skipped", "failed", "error", "timeout"}
 def test_dry_run_completes_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     t0 = time.monotonic()
+    # The gpu_tests stage's plumbing on one gpu-marked file: collecting the whole tree under
+    # '-m gpu' (its default) took about a third of the dry run; the suite itself collects the tree.
     proc = subprocess.run([sys.executable, "-m", "kvdrive.tools.gpu_check", "--dry-run", "--out", str(out),
-                           "--budget-s", "110"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+                           "--budget-s", "110", "--tests", "tests/kernels/test_triton_gpu.py"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
     took = time.monotonic() - t0
     assert took < 120, f"the dry run took {took:.0f} s"
     results = json.loads((out / gc.RESULTS).read_text())
@@ -34,6 +37,8 @@ def test_dry_run_completes_on_the_cpu(tmp_path):
     # The nested pytest may meet another test module's collection error: its verdict is recorded either way.
     assert stages["gpu_tests"]["status"] in ("ok", "failed")
     assert "counts" in stages["gpu_tests"]["data"] and (out / gc.PYTEST_LOG).is_file()
+    assert stages["gpu_tests"]["data"]["command"].endswith(" -m gpu -p no:cacheprovider -rfEs "
+                                                           "--continue-on-collection-errors tests/kernels/test_triton_gpu.py")
     for name in ("env", "micro", "launches", "decode", "summary"):
         assert stages[name]["status"] == "ok", (name, stages[name], proc.stdout[-3000:], proc.stderr[-3000:])
     env = stages["env"]["data"]
