@@ -71,7 +71,9 @@ class Writer:
             if self.cfg.sync == SyncPolicy.WRITE_BEHIND:
                 if wrote and dirty_since is None:
                     dirty_since = time.monotonic()
-                if dirty_since is not None and (not running or not wrote or time.monotonic() - dirty_since >= 1.0):
+                # Flushed once the queue was idle a second (no request came), or a second after the
+                # first unflushed write; a commit thread's wake-up is neither.
+                if dirty_since is not None and (not running or first is None or time.monotonic() - dirty_since >= 1.0):
                     self._finish_commit(wait=True)
                     self.store.sync()
                     dirty_since = None

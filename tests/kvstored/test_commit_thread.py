@@ -21,10 +21,12 @@ N = 16  # a put of 16 MiB closes its group (GROUP_BYTES): the next put is writte
 
 
 @pytest.fixture
-def served(tmp_path):
-    """A kvstored Server on a thread of this process, so its store can be reached into."""
+def served(tmp_path, request):
+    """A kvstored Server on a thread of this process, so its store can be reached into
+    (``--sync`` from the test's ``sync`` mark, durable without one)."""
+    mark = request.node.get_closest_marker("sync")
     cfg = DaemonConfig(ssd_dir=tmp_path / "ssd", dram_bytes=256 << 20, ssd_max_bytes=1 << 30,
-                       address=f"ipc://{tmp_path / 'kvstored.sock'}")
+                       address=f"ipc://{tmp_path / 'kvstored.sock'}", sync=mark.args[0] if mark else "durable")
     server = Server(cfg)
     server.bind()
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -128,3 +130,20 @@ def test_groups_are_published_in_the_order_they_were_written(served):
         found, got = load(client, out, "eng", f"g{j}-")
         assert found == [True] * N
         np.testing.assert_array_equal(got, blocks(10 + j))
+
+
+@pytest.mark.sync("write-behind")
+def test_write_behind_is_not_flushed_after_every_group_the_commit_thread_commits(served):
+    """Eight puts of 16 MiB sent at once: each closes its group with the next one waiting, so
+    the commit thread commits them; write-behind still flushes at most once a second, not
+    at each commit's wake-up."""
+    server, client = served
+    real_sync, syncs = server.store.sync, []
+    server.store.sync = lambda: (syncs.append(time.monotonic()), real_sync())
+    bufs = [client.register(N * BB) for _ in range(8)]
+    t0 = time.monotonic()
+    sent = [put(client, buf, "eng", f"w{j}-", blocks(20 + j)) for j, buf in enumerate(bufs)]
+    assert [s.wait()["stored"] for s in sent] == [N] * 8
+    took = time.monotonic() - t0
+    during = [t for t in syncs if t <= t0 + took]
+    assert len(during) <= 1 + int(took), (len(during), took)
