@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from kvdrive.tools.engines import PageFirstHostPool
+from test_sglang import storage_config as v1_storage_config
 
 PAGE, LAYERS, HEADS, HEAD_DIM = 4, 2, 2, 16  # a KV page: 2 x 4 tokens x 2 layers x 2 heads x 16, bf16: 1 KiB
 POOL_PAGES = 24
@@ -148,15 +149,8 @@ def kv_page(sgl, pool, p):
 
 
 def storage_config(sgl, address, **config):
-    """SGLang's storage config for one rank, with the dynamic backend's extra config."""
-    extra = {"backend_name": "kvdrive", "module_path": "kvdrive_client.integrations.sglang",
-             "class_name": "KVDriveHiCacheStorage", "interface_v1": 1, "address": address,
-             **config.pop("extra", {})}
-    ranks = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
-                 model_name="hybrid-model")
-    ranks.update(config)
-    return sgl.storage.HiCacheStorageConfig(**ranks, enable_storage_metrics=False, is_page_first_layout=True,
-                                            extra_config=extra)
+    """SGLang's storage config for one rank of the hybrid model (test_sglang's, renamed)."""
+    return v1_storage_config(sgl, address, **{"model_name": "hybrid-model", **config})
 
 
 def attach(sgl, daemon, kv, extra_pools, **config):
