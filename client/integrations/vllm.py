@@ -23,7 +23,9 @@ whatever the bound, so each is read at least once. Stores and loads run on chann
 their own (``store_channels``, default 1, and ``load_channels``, default 2: each a
 thread, a connection and a staging region; a load never waits behind a store) through a
 :class:`~kvdrive_client.integrations.blocks.BlockStore`, and finish through
-``get_finished_jobs``. A daemon that is down or dies makes lookups misses and jobs
+``get_finished_jobs``. Store jobs queued behind one another are stored by one call, up
+to ``COALESCE_BYTES`` (64 MiB): one lookup and puts of up to a staging slot each
+instead of a lookup, a put and a commit per job, each job told of its own keys. A daemon that is down or dies makes lookups misses and jobs
 failures within about a second (no exception reaches vLLM, nothing waits on it); one
 that comes back is used again. Blocks are copied between vLLM's CPU tier and shared
 buffers registered with kvstored (one memcpy per block each way); a chunk over 64 MiB
@@ -70,6 +72,9 @@ else:
     _IMPORT_ERROR = None
 
 _STOP = object()
+# Store jobs queued together are stored by one call, up to this many bytes: for small
+# blocks a job's fixed cost (a lookup, a put's round trip and commit) is most of its time.
+COALESCE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -314,32 +319,66 @@ if _IMPORT_ERROR is None:
         def _serve(self, kind: str) -> None:
             work = self._queues[kind]
             while True:
-                payload = work.get()
+                taken = [work.get()]
+                if kind == "store" and taken[0] is not _STOP:
+                    taken += self._waiting_stores(work, len(taken[0].keys))
+                stop = taken[-1] is _STOP
                 try:
-                    if payload is _STOP:
-                        return
-                    if kind == "lookup":
-                        self._done.put(("lookup", list(zip(payload, self.store.lookup(payload)))))
-                    else:
-                        self._done.put(("job", self._store(payload) if kind == "store" else self._load(payload)))
-                except Exception:  # noqa: BLE001 - a bug here must not hang vLLM's jobs
-                    log.exception("KVDrive tier: %s failed", kind)
-                    if kind == "lookup":
-                        self._done.put(("lookup", [(k, False) for k in payload]))
-                    else:
-                        self._done.put(("job", (JobResult(job_id=payload.job_id, success=False), (), (), payload)))
+                    if not stop or len(taken) > 1:
+                        self._run(kind, taken[:-1] if stop else taken)
                 finally:
-                    work.task_done()
+                    for _ in taken:
+                        work.task_done()
+                if stop:
+                    return
 
-        def _store(self, job: TransferJob) -> tuple:
-            keys = list(job.keys)
+        def _waiting_stores(self, work: queue.Queue, keys: int) -> list:
+            """The store jobs queued behind one, up to ``COALESCE_BYTES`` with it (and a stop, last)."""
+            more: list = []
+            while (keys + 1) * self.block_size_bytes <= COALESCE_BYTES:
+                try:
+                    job = work.get_nowait()
+                except queue.Empty:
+                    break
+                more.append(job)
+                if job is _STOP:
+                    break
+                keys += len(job.keys)
+            return more
+
+        def _run(self, kind: str, payloads: list) -> None:
+            try:
+                if kind == "lookup":
+                    self._done.put(("lookup", list(zip(payloads[0], self.store.lookup(payloads[0])))))
+                elif kind == "load":
+                    self._done.put(("job", self._load(payloads[0])))
+                else:
+                    for out in self._store(payloads):
+                        self._done.put(("job", out))
+            except Exception:  # noqa: BLE001 - a bug here must not hang vLLM's jobs
+                log.exception("KVDrive tier: %s failed", kind)
+                if kind == "lookup":
+                    self._done.put(("lookup", [(k, False) for k in payloads[0]]))
+                else:
+                    for job in payloads:
+                        self._done.put(("job", (JobResult(job_id=job.job_id, success=False), (), (), job)))
+
+        def _store(self, jobs: list[TransferJob]) -> list[tuple]:
+            """Store jobs by one call (one lookup, puts of up to a staging slot each); each job's
+            result, its share of the call's time by its blocks."""
+            keys = [list(job.keys) for job in jobs]
             t0 = time.perf_counter()
-            ok = self.store.store(keys, [self._rows[int(c)] for c in job.chunk_ids])
+            ok = self.store.store([k for ks in keys for k in ks],
+                                  [self._rows[int(c)] for job in jobs for c in job.chunk_ids])
             took = time.perf_counter() - t0
-            stored = [k for k, good in zip(keys, ok) if good]
-            result = JobResult(job_id=job.job_id, success=all(ok), transfer_time=took,
-                               transfer_bytes=len(stored) * self.block_size_bytes)
-            return result, stored, (), job
+            out, at, total = [], 0, max(1, len(ok))
+            for job, ks in zip(jobs, keys):
+                mine = ok[at: at + len(ks)]
+                at += len(ks)
+                stored = [k for k, good in zip(ks, mine) if good]
+                out.append((JobResult(job_id=job.job_id, success=all(mine), transfer_time=took * len(ks) / total,
+                                      transfer_bytes=len(stored) * self.block_size_bytes), stored, (), job))
+            return out
 
         def _load(self, job: TransferJob) -> tuple:
             keys = list(job.keys)

@@ -362,3 +362,38 @@ def test_the_tiers_metrics_are_declared_and_reported_since_the_last_call(vllm, d
     assert second.counters == {("vllm:kv_offload_kvdrive_unavailable", ()): 1,
                                ("vllm:kv_offload_kvdrive_blocks_failed", ("lookup",)): 2}
     tier.shutdown()
+
+
+def test_store_jobs_queued_together_are_stored_by_one_call(vllm, daemon, primary, monkeypatch):
+    """While the store worker is held in a job, four more are submitted: they are stored by
+    one call of the block store, and each gets its own result, for its own keys."""
+    tier = make_tier(vllm, daemon, primary)
+    blocks = type(tier.store)
+    original, entered, release, calls = blocks.store, threading.Event(), threading.Event(), []
+
+    def held(self, ks, sources):
+        calls.append(len(ks))
+        if len(calls) == 1:
+            entered.set()
+            assert release.wait(30), "the first store was never released"
+        return original(self, ks, sources)
+
+    monkeypatch.setattr(blocks, "store", held)
+    batches = [keys(4, b"c%d" % j) for j in range(5)]
+    tier.submit_store(job(vllm, 1, batches[0], range(0, 4), promotion=False))
+    assert entered.wait(10)
+    for j in range(1, 5):
+        tier.submit_store(job(vllm, 1 + j, batches[j], range(4 * j, 4 * j + 4), promotion=False))
+    release.set()
+    results = [finish(tier, j) for j in range(1, 6)]
+    assert all(r.success for r in results) and [r.transfer_bytes for r in results] == [4 * BLOCK] * 5
+    assert calls == [4, 16]  # the first job alone, then the four queued behind it together
+    tier.drain_jobs()
+    assert tier.store.lookup([k for b in batches for k in b]) == [True] * 20
+    got = np.zeros_like(primary)
+    out = make_tier(vllm, daemon, got)
+    out.submit_load(job(vllm, 9, [k for b in batches for k in b], range(20), promotion=True))
+    assert finish(out, 9).success
+    np.testing.assert_array_equal(got[:20], primary[:20])
+    for t in (tier, out):
+        t.shutdown()
