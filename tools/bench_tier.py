@@ -263,7 +263,7 @@ def _vllm_spec(block_bytes: int):
         OffloadingParallelConfig,
     )
 
-    class Spec(OffloadingSpec):
+    class Spec(OffloadingSpec):  # the fs tier reads only its config; the connector's parts are never asked for
         def get_manager(self):
             raise NotImplementedError
 

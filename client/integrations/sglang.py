@@ -218,7 +218,7 @@ if _IMPORT_ERROR is None:
                     raise ValueError(f"KVDriveHiCacheStorage: the host pool's page regions are {sum(sizes)} bytes, "
                                      f"its pages {page_bytes} (layout {mem_pool_host.layout} is not supported)")
             layout = mem_pool_host.layout if self.interface_v1 else f"{mem_pool_host.layout}-flat"
-            dtype = str(mem_pool_host.dtype).removeprefix("torch.")
+            dtype = _dtype_name(mem_pool_host.dtype)
             with self._make:
                 if self.store is not None:
                     self.store.close()
@@ -291,7 +291,6 @@ if _IMPORT_ERROR is None:
             done = self.store.store(keys, regions)
             self._record("backup", sum(done), time.perf_counter() - t0)
             return done
-
 
         # ------------------------------------------------------------ hybrid models' host pools (v2 interface)
 
