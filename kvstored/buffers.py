@@ -240,7 +240,10 @@ def _map_sealed(fd: int, size: int) -> tuple[np.ndarray, mmap.mmap]:
     if st.st_size < size:
         raise ProtocolError(ErrorCode.BUFFER, f"the memfd is {st.st_size} bytes, registered as {size}")
     try:
-        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        # Populated now: a get's or put's first copy through the buffer would otherwise take
+        # a page fault every 4 KiB (~8 ms for 64 MiB, measured, on the first load of a channel).
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except (OSError, ValueError, OverflowError) as exc:
         raise ProtocolError(ErrorCode.BUFFER, f"cannot map the buffer: {exc}") from None
     return np.frombuffer(m, dtype=np.uint8), m

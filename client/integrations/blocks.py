@@ -147,11 +147,30 @@ class BlockStore:
         self._own_lookups = client is None
         self._down_until = 0.0
         self._closed = False
+        self._opener: threading.Thread | None = None
 
     # ------------------------------------------------------------ connection
 
     def _connect(self) -> StoreClient:
         return connect(self.address, timeout=self.timeout)
+
+    def open_early(self) -> None:
+        """Open every load and store channel now, on a thread of its own, so that the first
+        calls pay no connect or region registration (~40-50 ms per 64 MiB region, measured).
+        A daemon not reachable now is only logged: the first call opens what is left."""
+        self._opener = threading.Thread(target=self._open_lanes, name="kvdrive-open-channels", daemon=True)
+        self._opener.start()
+
+    def _open_lanes(self) -> None:
+        try:
+            for lane in (self.loads, self.stores):
+                if not self._closed:
+                    lane.open(self.timeout)
+        except (KVDriveError, OSError) as exc:
+            log.info("kvstored channels of %s not opened early (%s); the first call opens them", self.ns, exc)
+        if self._closed:  # closed while this opened: free what it opened
+            self.loads.close(self.timeout)
+            self.stores.close(self.timeout)
 
     def _lookup_client(self) -> StoreClient:
         with self._lookups_lock:
@@ -389,6 +408,8 @@ class BlockStore:
         """Free the staging regions and the connections this store opened (waiting up to
         ``timeout`` for calls in flight)."""
         self._closed = True
+        if self._opener is not None:  # it frees what it opens after this, if it is not done
+            self._opener.join(min(self.timeout, 1.0))
         self.loads.close(self.timeout)
         self.stores.close(self.timeout)
         with self._lookups_lock:

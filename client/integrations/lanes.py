@@ -57,6 +57,11 @@ class Channel:
             self._region = self.client.register(self.region_bytes)
         return self._region
 
+    @property
+    def opened(self) -> bool:
+        """Whether the region is registered (so the next call pays no connect or register)."""
+        return self._region is not None
+
     def discard(self) -> None:
         """Give up this channel's connection and region after a request whose fate is unknown
         (a timeout, a daemon gone): the daemon may still read or write that region, so it is
@@ -106,6 +111,27 @@ class Lane:
             yield ch
         finally:
             self._free.put(ch)
+
+    def open(self, timeout: float) -> int:
+        """Connect and register the region of every channel not yet open; how many it opened.
+        It holds each channel it takes until all are open (a call meanwhile waits as it would
+        for a busy lane; it would have paid the same opening its own). KVDriveError or
+        OSError if the daemon cannot be reached: the channels not yet open stay so."""
+        held: list[Channel] = []
+        opened = 0
+        try:
+            for _ in range(self.width):
+                try:
+                    held.append(self._free.get(timeout=timeout))
+                except queue.Empty:
+                    break  # the rest are in calls, which open them
+                if not held[-1].opened:
+                    held[-1].region  # noqa: B018 - connects, then registers
+                    opened += 1
+            return opened
+        finally:
+            for ch in held:
+                self._free.put(ch)
 
     def busy(self) -> int:
         """How many channels calls hold now."""

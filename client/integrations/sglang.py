@@ -223,6 +223,7 @@ if _IMPORT_ERROR is None:
                 if self.store is not None:
                     self.store.close()
                 self.store = self._new_store(page_bytes, f"{self.shard}.{layout}.{dtype}")
+                self.store.open_early()  # the first prefetch or backup pays no set-up
 
         def _new_store(self, page_bytes: int, rank: str) -> BlockStore:
             store = BlockStore(page_bytes, engine="sglang", model=self.model, tenant=self.tenant, rank=rank,

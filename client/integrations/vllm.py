@@ -21,7 +21,8 @@ most ``known_keys`` of them (:mod:`~kvdrive_client.integrations.known_keys`): a 
 forgotten is asked again, never a wrong hit; the answers of the last two steps are kept
 whatever the bound, so each is read at least once. Stores and loads run on channels of
 their own (``store_channels``, default 1, and ``load_channels``, default 2: each a
-thread, a connection and a staging region; a load never waits behind a store) through a
+thread, a connection and a staging region, opened when the tier is built so the first
+job pays no set-up; a load never waits behind a store) through a
 :class:`~kvdrive_client.integrations.blocks.BlockStore`, and finish through
 ``get_finished_jobs``. Store jobs queued behind one another are stored by one call, up
 to ``COALESCE_BYTES`` (64 MiB): one lookup and puts of up to a staging slot each
@@ -169,6 +170,7 @@ if _IMPORT_ERROR is None:
                                     address=DEFAULT if address is None else address, timeout=timeout,
                                     lookup_timeout=lookup_timeout, retry_s=retry_s, staging_bytes=staging_bytes,
                                     load_channels=load_channels, store_channels=store_channels)
+            self.store.open_early()  # vLLM builds its tiers at start-up: the first job pays no set-up
             self._asked: set[bytes] = set()  # keys whose lookup is queued or in flight
             # Answers of the last two steps, kept whatever the bound: a request needing more
             # keys than known_keys still gets each answer at least once.

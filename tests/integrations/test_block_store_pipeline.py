@@ -107,3 +107,37 @@ def test_a_region_of_fewer_than_two_blocks_per_slot_still_holds_whole_blocks(sta
     store = BlockStore(BB, engine="test", model="m", address="ipc:///nonexistent", staging_bytes=staging_blocks * BB)
     assert store.depth == depth and store.sub_blocks * depth <= staging_blocks and store.sub_blocks >= 1
     store.close()
+
+
+def test_open_early_connects_and_registers_every_channel_before_the_first_call(daemon, monkeypatch):
+    store = small_store(daemon)
+    store.open_early()
+    store._opener.join(10)
+    lanes = (store.loads, store.stores)
+    assert all(ch.opened for lane in lanes for ch in lane._channels)
+    assert [lane.busy() for lane in lanes] == [0, 0]  # every channel handed back
+    registered = []
+    monkeypatch.setattr(blocks_mod.StoreClient, "register",
+                        lambda self, *a, **k: registered.append(a) or pytest.fail("registered again"))
+    keys, blocks = [f"e{i}" for i in range(6)], sources(6, seed=4)
+    assert store.store(keys, blocks) == [True] * 6
+    targets = [np.zeros(BB, np.uint8) for _ in keys]
+    assert store.load(keys, targets) == [True] * 6
+    for want, got in zip(blocks, targets):
+        np.testing.assert_array_equal(got, want)
+    assert registered == []
+    assert store.loads.open(1.0) == store.stores.open(1.0) == 0  # nothing left to open
+    store.close()
+
+
+def test_open_early_without_a_daemon_only_logs_and_calls_are_misses(tmp_path, caplog):
+    store = BlockStore(BB, engine="test", model="m", address=f"ipc://{tmp_path}/none.sock", timeout=0.5,
+                       staging_bytes=2 * SLOT_BLOCKS * BB)
+    with caplog.at_level("INFO", logger="kvdrive_client.integrations.blocks"):
+        store.open_early()
+        store._opener.join(10)
+    assert not store._opener.is_alive()
+    assert "not opened early" in caplog.text
+    assert not any(ch.opened for ch in store.loads._channels)
+    assert store.load(["k"], [np.zeros(BB, np.uint8)]) == [False]
+    store.close()
