@@ -209,8 +209,14 @@ class VllmDriver:
     def store(self) -> None:
         self._run(promotion=False)
 
-    def load(self) -> np.ndarray:
+    def prepare_load(self) -> None:
+        """Before a timed load: nothing (the loads land in chunks no store used)."""
+
+    def load(self) -> None:
         self._run(promotion=True)
+
+    def loaded(self) -> np.ndarray:
+        """After the load, untimed: the loaded blocks, a row each."""
         return self.primary[self.n:]
 
     def close(self) -> None:
@@ -359,11 +365,17 @@ class SglangDriver:
             end = min(start + JOB_BLOCKS, self.n)
             self.put(self.keys[start:end], start, end)
 
-    def load(self) -> np.ndarray:
+    def prepare_load(self) -> None:
+        """Before a timed load: the host pool zeroed, so only the load can put the bytes back."""
         self.pool.kv_buffer.zero_()
+
+    def load(self) -> None:
         for start in range(0, self.n, JOB_BLOCKS):
             end = min(start + JOB_BLOCKS, self.n)
             self.get(self.keys[start:end], start, end)
+
+    def loaded(self) -> np.ndarray:
+        """After the load, untimed: each page's bytes as a row (K region, then V)."""
         for i in range(self.n):
             self.out[i] = self.pool.page(i).contiguous().view(self.torch.uint8).reshape(-1).numpy()
         return self.out
@@ -430,8 +442,9 @@ def measure(adapter: str, tier: str, sync: str, rows: np.ndarray, root: Path, me
             writes.append(_disk_seq_write(daemon.root, nbytes))
             store_s, _ = _timed(driver.store)
             writes.append(_disk_seq_write(daemon.root, nbytes))
-            load_s, loaded = _timed(driver.load)
-            _check_loaded(f"{adapter} over the {tier} tier ({sync})", loaded, rows)
+            driver.prepare_load()
+            load_s, _ = _timed(driver.load)
+            _check_loaded(f"{adapter} over the {tier} tier ({sync})", driver.loaded(), rows)
         finally:
             driver.close()
         if not direct:
@@ -471,8 +484,9 @@ def measure_engine(adapter: str, rows: np.ndarray, root: Path, memcpy: float) ->
             os.sync()
             store_s, _ = _timed(driver.store)
             os.sync()
-            load_s, loaded = _timed(driver.load)
-            _check_loaded(name, loaded, rows)
+            driver.prepare_load()
+            load_s, _ = _timed(driver.load)
+            _check_loaded(name, driver.loaded(), rows)
         finally:
             driver.close()
     finally:
