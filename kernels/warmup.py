@@ -12,6 +12,11 @@ from the cache, happens up front and is logged. Those types, read from a decode'
 dispatchers: queries, projections and scales in float32 whatever the model's dtype;
 int8 codes and page means; int64 pages and slots; bool masks; K/V in float32, or
 fp16/bf16 K/V as their uint16 bits (one compiled version serves both).
+
+The low-rank kernels compile one pair of entry points per kind of sketch layout
+(:func:`kvdrive.kernels.cpu.lowrank_fused.is_fused`): the fused layout's, and the passes of
+every other. A caller that names its ``layouts`` compiles only the kinds they need; one that
+does not gets both.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import torch
 
 from kvdrive.kernels import cpu
 from kvdrive.kernels import reference as ref
+from kvdrive.kernels.cpu import lowrank
+from kvdrive.kernels.cpu.lowrank_fused import is_fused
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +43,9 @@ INDEXES = ("lowrank", "hierarchical")
 
 # Tiny shapes: every kernel's loops run, none of its work matters.
 _B, _H, _G, _D, _P, _S, _K = 1, 2, 2, 8, 4, 4, 2
-# The default sketch at head dim 64, the layout of the fused logit pass (one compile holds both passes)
-_LAYOUT = ref.SketchLayout(27, 1, 12)
-_R = _LAYOUT.rank
+# The default sketch at head dim 64, the layout of the fused logit pass, and one of the others (the passes).
+_FUSED_LAYOUT = ref.SketchLayout(27, 1, 12)
+_PASSES_LAYOUT = ref.SketchLayout(8, 1, 4)
 
 
 @dataclass(frozen=True)
@@ -89,12 +96,12 @@ class _Case:
     run: Callable[[], object]
 
 
-def _lowrank_inputs():
+def _lowrank_inputs(layout: ref.SketchLayout):
     g = torch.Generator().manual_seed(0)
-    rows = _LAYOUT.rows  # reference.pack_lowrank_codes
+    rows, r = layout.rows, layout.rank  # reference.pack_lowrank_codes
     # The query projection in fp16, as the low-rank index keeps it (the kernels take its bits).
-    return (torch.randn(_B, _H, _G, _D, generator=g), torch.randn(_B, _H, _D, _R, generator=g).half(),
-            torch.rand(_B, _H, _R, generator=g) + 0.5, 0.125,
+    return (torch.randn(_B, _H, _G, _D, generator=g), torch.randn(_B, _H, _D, r, generator=g).half(),
+            torch.rand(_B, _H, r, generator=g) + 0.5, 0.125,
             torch.randint(-8, 8, (_B, _H, rows, _P * _S), dtype=torch.int8, generator=g),
             torch.ones(_B, _P * _S, dtype=torch.bool))
 
@@ -103,15 +110,34 @@ def _cached_pages() -> torch.Tensor:
     return torch.tensor([0, -1]).repeat(_B, _H, 1)  # [B, H, 2] int64: one cached page, one empty slot
 
 
-def _lowrank_select():
-    q, qproj, scale, scaling, codes, valid = _lowrank_inputs()
-    selectable = torch.ones(_B, _P, dtype=torch.bool)
-    return cpu.lowrank_select(q, qproj, scale, scaling, codes, valid, selectable, _K, _S, _cached_pages(), _LAYOUT)
+def _lowrank_select(layout: ref.SketchLayout):
+    def run():
+        q, qproj, scale, scaling, codes, valid = _lowrank_inputs(layout)
+        selectable = torch.ones(_B, _P, dtype=torch.bool)
+        return cpu.lowrank_select(q, qproj, scale, scaling, codes, valid, selectable, _K, _S, _cached_pages(), layout)
+    return run
 
 
-def _lowrank_scores():
-    q, qproj, scale, scaling, codes, valid = _lowrank_inputs()
-    return cpu.lowrank_scores(q, qproj, scale, scaling, codes, valid, _P, _S, _LAYOUT)
+def _lowrank_scores(layout: ref.SketchLayout):
+    def run():
+        q, qproj, scale, scaling, codes, valid = _lowrank_inputs(layout)
+        return cpu.lowrank_scores(q, qproj, scale, scaling, codes, valid, _P, _S, layout)
+    return run
+
+
+def _lowrank_cases(layouts: Iterable[ref.SketchLayout] | None) -> list[_Case]:
+    """The low-rank kernels of each kind of layout among ``layouts`` (None: both kinds)."""
+    kinds = {True, False} if layouts is None else {is_fused(x.rank, x.int8, x.int2) for x in layouts}
+    cases = []
+    if True in kinds:
+        cases += [_Case("lowrank_select (fused layout)", lowrank._lowrank_select_fused, _lowrank_select(_FUSED_LAYOUT)),
+                  _Case("lowrank_scores (fused layout)", lowrank._lowrank_scores_fused, _lowrank_scores(_FUSED_LAYOUT))]
+    if False in kinds:
+        cases += [_Case("lowrank_select (other layouts)", lowrank._lowrank_select_passes,
+                        _lowrank_select(_PASSES_LAYOUT)),
+                  _Case("lowrank_scores (other layouts)", lowrank._lowrank_scores_passes,
+                        _lowrank_scores(_PASSES_LAYOUT))]
+    return cases
 
 
 def _hierarchical_select():
@@ -155,7 +181,8 @@ def _sparse_attention(dtype: torch.dtype):
     return run
 
 
-def _cases(dtypes: Iterable[torch.dtype], indexes: Iterable[str]) -> list[_Case]:
+def _cases(dtypes: Iterable[torch.dtype], indexes: Iterable[str],
+           layouts: Iterable[ref.SketchLayout] | None = None) -> list[_Case]:
     dtypes, indexes = set(dtypes), set(indexes)
     wrong = dtypes - set(DTYPES)
     if wrong:
@@ -163,8 +190,7 @@ def _cases(dtypes: Iterable[torch.dtype], indexes: Iterable[str]) -> list[_Case]
                          f"{', '.join(map(str, wrong))}: cast the model to one of them, or use kernels='reference'")
     cases = []
     if "lowrank" in indexes:
-        cases += [_Case("lowrank_select", cpu._lowrank_select, _lowrank_select),
-                  _Case("lowrank_scores", cpu._lowrank_scores, _lowrank_scores)]
+        cases += _lowrank_cases(layouts)
     if "hierarchical" in indexes:
         cases.append(_Case("hierarchical_select", cpu._hierarchical_select, _hierarchical_select))
     cases += [_Case("place", cpu._place, _place), _Case("attended_valid", cpu._attended_valid, _attended_valid)]
@@ -177,15 +203,18 @@ def _cases(dtypes: Iterable[torch.dtype], indexes: Iterable[str]) -> list[_Case]
 
 
 def warm_up(dtypes: Iterable[torch.dtype] = (torch.float32,), indexes: Iterable[str] = INDEXES,
-            progress: Callable[[KernelProgress], None] | None = None) -> WarmUpReport:
+            progress: Callable[[KernelProgress], None] | None = None,
+            layouts: Iterable[ref.SketchLayout] | None = None) -> WarmUpReport:
     """Compile (or load from the cache) the CPU kernels a decode of K/V in ``dtypes`` with the
     ``indexes`` (:data:`INDEXES`; other index kinds add nothing) calls, so that none compiles mid-decode.
+    ``layouts``: the low-rank index's sketch layouts the decode uses (None, not known: the
+    kernels of every layout; the fused layout's alone compile in under half the time of both).
 
     Logs one INFO line per kernel compiled and one for the whole; ``progress`` gets a
     :class:`KernelProgress` before and after each kernel. Kernels already loaded in this
     process cost microseconds: calling it again is cheap.
     """
-    cases = _cases(dtypes, indexes)
+    cases = _cases(dtypes, indexes, layouts)
     compiled, loaded = [], []
     t0 = time.perf_counter()
     with cpu.one_torch_thread():

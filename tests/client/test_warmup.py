@@ -20,6 +20,8 @@ import torch
 
 import kvdrive.kernels
 from kvdrive.kernels import compiles_on_cpu, warm_up
+from kvdrive.kernels.reference import SketchLayout
+from kvdrive.kernels.warmup import _cases
 
 KERNELS_DIR = Path(kvdrive.kernels.__file__).parent
 
@@ -41,8 +43,10 @@ warmup_log = logging.getLogger("kvdrive.kernels.warmup")
 warmup_log.addHandler(Keep())
 warmup_log.setLevel(logging.INFO)
 
-def signatures():
-    return {n: set(map(str, d.signatures)) for n, d in vars(cpu).items() if isinstance(d, CPUDispatcher)}
+def signatures():  # every dispatcher of every module of the package (the generated logit passes included)
+    modules = [m for name, m in sys.modules.items() if name == cpu.__name__ or name.startswith(cpu.__name__ + ".")]
+    return {f"{m.__name__}.{n}": set(map(str, d.signatures))
+            for m in modules for n, d in vars(m).items() if isinstance(d, CPUDispatcher)}
 
 decodes = []
 for dtype, lengths in ((torch.float32, (700, 500)), (torch.bfloat16, (700,))):
@@ -97,7 +101,7 @@ def run_probe(script: str, env: dict, *argv: str) -> dict:
 def first_run(tmp_path_factory, module_daemon):
     """A process with an empty kernel cache: attach() and a decode per dtype, the source tree watched."""
     cache = tmp_path_factory.mktemp("kvdrive-cache")
-    beside_sources = numba_files(KERNELS_DIR / "__pycache__")
+    beside_sources = numba_files(KERNELS_DIR)
     result = run_probe(DECODE_PROBE, fresh_env(cache), module_daemon.address)
     return cache, result, beside_sources
 
@@ -112,28 +116,41 @@ def test_no_kernel_compiles_during_a_decode_after_attach(first_run):
 def test_attach_says_what_it_compiled_and_the_kernels_land_in_the_cache_not_the_sources(first_run):
     cache, result, beside_sources = first_run
     per_kernel = [line for line in result["log"] if line.startswith("compiled the ")]
-    # float32: select, scores, place, attended-token mask, attention; bf16 adds its attention.
-    assert len(per_kernel) == 6, result["log"]
+    # float32: select and scores for each kind of sketch layout, place, attended-token mask, attention;
+    # bf16 adds its attention.
+    assert len(per_kernel) == 8, result["log"]
     summaries = [line for line in result["log"] if re.match(r"compiled \d+ CPU kernels? in ", line)]
     assert len(summaries) == 2, result["log"]  # one per attach()
-    assert summaries[0].startswith("compiled 5 CPU kernels in ") and "first run on this machine" in summaries[0]
+    assert summaries[0].startswith("compiled 7 CPU kernels in ") and "first run on this machine" in summaries[0]
     assert summaries[1].startswith("compiled 1 CPU kernel in "), "the bf16 model's other kernels were loaded already"
     assert Path(result["cache_path"]).parent == cache / "numba" and str(cache / "numba") in summaries[0]
     assert numba_files(cache / "numba"), "no compiled kernel was written to the cache"
-    assert numba_files(KERNELS_DIR / "__pycache__") == beside_sources, "numba wrote beside the kernels' sources"
+    assert numba_files(KERNELS_DIR) == beside_sources, "numba wrote beside the kernels' sources"
 
 
 def test_a_later_process_loads_every_kernel_from_the_cache(first_run):
     cache, _, _ = first_run
     result = run_probe(WARM_PROBE, fresh_env(cache))
-    assert result["compiled"] == [] and len(result["loaded"]) == 6, result
-    assert result["summary"].startswith("loaded 6 CPU kernels from the cache in ")
+    assert result["compiled"] == [] and len(result["loaded"]) == 8, result
+    assert result["summary"].startswith("loaded 8 CPU kernels from the cache in ")
 
 
 def test_warm_up_again_in_a_process_has_nothing_to_do():
     warm_up(indexes=())  # loaded (or compiled) here, if no earlier test of this process did
     report = warm_up(indexes=())
     assert report.compiled == report.loaded == () and report.summary == "the CPU kernels were already loaded in this process"
+
+
+def test_warm_up_compiles_the_low_rank_kernels_of_the_layouts_it_is_given():
+    """The fused layout's low-rank kernels never hold the other layouts' passes: a caller that
+    names its layouts compiles only their kind; one that does not gets both kinds."""
+    def lowrank(layouts):
+        return [c.name for c in _cases((torch.float32,), ("lowrank",), layouts) if c.name.startswith("lowrank")]
+
+    fused, other = SketchLayout(27, 1, 12), SketchLayout(54, 2, 24)
+    assert lowrank([fused]) == ["lowrank_select (fused layout)", "lowrank_scores (fused layout)"]
+    assert lowrank([other]) == ["lowrank_select (other layouts)", "lowrank_scores (other layouts)"]
+    assert lowrank(None) == lowrank([fused, other]) == lowrank([fused]) + lowrank([other])
 
 
 def test_warm_up_refuses_a_dtype_the_kernels_do_not_read():

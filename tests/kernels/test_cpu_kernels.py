@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvdrive.kernels import cpu, for_device
+from kvdrive.kernels.cpu import attention, lowrank, threads as cpu_threads
 from kvdrive.kernels import reference as ref
 from kvdrive.kernels.backends import Kernels
 from kvdrive_client.selectors import IndexKind, make_selector
@@ -40,9 +41,9 @@ def test_sparse_attention_split_across_threads_matches_one_call(monkeypatch, thr
     one = cpu.sparse_attention(query, kc, vc, slots, lk, lv, valid, 0.17)
     threads(2)
     parts = []
-    kernel = cpu._sparse_attention
-    monkeypatch.setattr(cpu, "_sparse_attention", lambda *a: parts.append(a[0].shape[:2]) or kernel(*a))
-    monkeypatch.setattr(cpu, "_ATTENTION_PART_MIN_WORK", 1)
+    kernel = attention._sparse_attention  # replaced where sparse_attention looks them up
+    monkeypatch.setattr(attention, "_sparse_attention", lambda *a: parts.append(a[0].shape[:2]) or kernel(*a))
+    monkeypatch.setattr(attention, "_ATTENTION_PART_MIN_WORK", 1)
     split = cpu.sparse_attention(query, kc, vc, slots, lk, lv, valid, 0.17)
     assert len(parts) == 2 and all(p != query.shape[:2] for p in parts)
     assert torch.equal(one, split)
@@ -65,11 +66,11 @@ def test_lowrank_split_across_threads_matches_one_call(monkeypatch, threads, row
     threads(1)
     one = both()
     threads(3)
-    monkeypatch.setattr(cpu, "_PART_MIN_WORK", 1)  # split however small the call
+    monkeypatch.setattr(cpu_threads, "_PART_MIN_WORK", 1)  # split however small the call
     parts = []
-    for name in ("_lowrank_scores", "_lowrank_select"):
-        kernel = getattr(cpu, name)
-        monkeypatch.setattr(cpu, name, lambda *a, kernel=kernel: parts.append(a[0].shape[:2]) or kernel(*a))
+    for name in ("_lowrank_scores_fused", "_lowrank_select_fused", "_lowrank_scores_passes", "_lowrank_select_passes"):
+        kernel = getattr(lowrank, name)
+        monkeypatch.setattr(lowrank, name, lambda *a, kernel=kernel: parts.append(a[0].shape[:2]) or kernel(*a))
     split = both()
     # Two calls, each in as many parts as threads (at most one per row, or per head of a single row).
     n = min(3, rows if rows > 1 else c.codes.shape[1])
@@ -251,7 +252,7 @@ def test_lowrank_scores_match_a_numpy_reference_within_the_int16_weights_bound(s
     got = cpu.lowrank_scores(torch.from_numpy(query), torch.from_numpy(qproj), torch.from_numpy(scale), scaling, codes,
                              torch.from_numpy(valid), P, S, layout).numpy()
     expect, w = _numpy_lowrank_scores(query, qproj, scale, scaling, values, valid, S)
-    # Each int4/int2 weight moves by at most half its head's step (cpu._slot_weights), so each
+    # Each int4/int2 weight moves by at most half its head's step (cpu.lowrank_passes._slot_weights), so each
     # logit by at most half a step times the largest sum of |codes|; a page's log mass by twice that.
     lv = levels[0, 0, wide:, 0]
     step = (np.abs(w[..., wide:]) * lv).sum(axis=-1) / (32767 - lv.sum())
