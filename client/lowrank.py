@@ -16,6 +16,15 @@ DEFAULT_LAYOUT = ref.SketchLayout(27, 1, 12)
 DECODE_PAGES = 64  # pages decoding may add before the index first grows
 
 
+def fitted_layout(requested: ref.SketchLayout, head_dim: int) -> ref.SketchLayout:
+    """The layout an index of ``requested`` keeps for keys of ``head_dim``: a head dim below
+    the rank keeps the first ``head_dim`` channels, dropping int2 ones first, then int4."""
+    r = min(requested.rank, head_dim)
+    n8 = min(requested.int8, r)
+    n4 = min(requested.int4, r - n8)
+    return ref.SketchLayout(r, n8, r - n8 - n4)
+
+
 class LowRankIndex(Selector):
     """Every key kept as a rank-``rank`` sketch fitted to the queries; pages ranked by estimated mass.
 
@@ -58,6 +67,7 @@ class LowRankIndex(Selector):
     def _fit(self, keys: torch.Tensor, valid: torch.Tensor, query: torch.Tensor | None) -> None:
         b, h, t, d = keys.shape
         r = min(self.requested.rank, d)
+        self.layout = fitted_layout(self.requested, d)
         # Row by row, each over its own tokens: its keys from its first page holding a real
         # token on (the padding before it left out), evenly strided by its own length, and its
         # real queries. The fit is an eigendecomposition, which can turn the last bit of a sum
@@ -81,11 +91,6 @@ class LowRankIndex(Selector):
         self.kproj = torch.stack(kproj).to(torch.float16).contiguous()  # [B, H, D, R]
         # fp16 too: its rounding (1e-3) is far below the codes'; every kernel widens it itself, a few KiB a call.
         self.qproj = torch.stack(qproj).to(torch.float16).contiguous()
-        # A head dim below the rank keeps the first r channels: it drops int2 ones first, then int4.
-        req = self.requested
-        n8 = min(req.int8, r)
-        n4 = min(req.int4, r - n8)
-        self.layout = ref.SketchLayout(r, n8, r - n8 - n4)
 
     def _fit_row(self, keys: torch.Tensor, query: tuple[torch.Tensor, torch.Tensor] | None,
                  r: int) -> tuple[torch.Tensor, torch.Tensor]:

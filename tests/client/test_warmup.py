@@ -76,7 +76,10 @@ print(json.dumps({"decodes": decodes, "log": lines, "cache_path": cpu._place.sta
 WARM_PROBE = r"""
 import json, torch
 from kvdrive.kernels import warm_up
-r = warm_up(dtypes=(torch.float32, torch.bfloat16), indexes=("lowrank",))
+from kvdrive_client.config import AttachConfig
+from kvdrive_client.lowrank import fitted_layout
+layout = fitted_layout(AttachConfig().lowrank_layout(32), 32)  # the decode probe's model: head dim 32
+r = warm_up(dtypes=(torch.float32, torch.bfloat16), indexes=("lowrank",), layouts=(layout,))
 print(json.dumps({"compiled": r.compiled, "loaded": r.loaded, "summary": r.summary}))
 """
 
@@ -116,12 +119,13 @@ def test_no_kernel_compiles_during_a_decode_after_attach(first_run):
 def test_attach_says_what_it_compiled_and_the_kernels_land_in_the_cache_not_the_sources(first_run):
     cache, result, beside_sources = first_run
     per_kernel = [line for line in result["log"] if line.startswith("compiled the ")]
-    # float32: select and scores for each kind of sketch layout, place, attended-token mask, attention;
-    # bf16 adds its attention.
-    assert len(per_kernel) == 8, result["log"]
+    # float32: select and scores for the model's sketch layout (head dim 32: not the fused one),
+    # place, attended-token mask, attention; bf16 adds its attention.
+    assert len(per_kernel) == 6, result["log"]
+    assert not [line for line in per_kernel if "fused layout" in line], "attach() compiled a layout it does not use"
     summaries = [line for line in result["log"] if re.match(r"compiled \d+ CPU kernels? in ", line)]
     assert len(summaries) == 2, result["log"]  # one per attach()
-    assert summaries[0].startswith("compiled 7 CPU kernels in ") and "first run on this machine" in summaries[0]
+    assert summaries[0].startswith("compiled 5 CPU kernels in ") and "first run on this machine" in summaries[0]
     assert summaries[1].startswith("compiled 1 CPU kernel in "), "the bf16 model's other kernels were loaded already"
     assert Path(result["cache_path"]).parent == cache / "numba" and str(cache / "numba") in summaries[0]
     assert numba_files(cache / "numba"), "no compiled kernel was written to the cache"
@@ -131,8 +135,8 @@ def test_attach_says_what_it_compiled_and_the_kernels_land_in_the_cache_not_the_
 def test_a_later_process_loads_every_kernel_from_the_cache(first_run):
     cache, _, _ = first_run
     result = run_probe(WARM_PROBE, fresh_env(cache))
-    assert result["compiled"] == [] and len(result["loaded"]) == 8, result
-    assert result["summary"].startswith("loaded 8 CPU kernels from the cache in ")
+    assert result["compiled"] == [] and len(result["loaded"]) == 6, result
+    assert result["summary"].startswith("loaded 6 CPU kernels from the cache in ")
 
 
 def test_warm_up_again_in_a_process_has_nothing_to_do():
