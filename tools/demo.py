@@ -161,7 +161,9 @@ def _run(args, rep: Reporter) -> int:
     rep.say("loading SmolLM2-135M-Instruct (offline GGUF) ...")
     with rep.stage("importing torch and transformers") as import_s:
         from kvdrive.kernels import warm_up  # noqa: PLC0415
+        from kvdrive_client.architecture import model_shape  # noqa: PLC0415
         from kvdrive_client.config import AttachConfig  # noqa: PLC0415
+        from kvdrive_client.lowrank import fitted_layout  # noqa: PLC0415
         from kvdrive_client.models import LICENSE_DIR, load_smollm2  # noqa: PLC0415
 
     def on_load(line: str) -> None:
@@ -184,8 +186,11 @@ def _run(args, rep: Reporter) -> int:
                 rep.detail(f"kernel warm-up: {event.kernel} ({event.index}/{event.total})")
             elif event.compiled:
                 rep.say(f"  {event}")
-        # The kernels attach() prepares: the default index's selection, attention for the model's dtype.
-        warmed = warm_up(dtypes=(model.dtype,), indexes=(AttachConfig().index.value,), progress=on_kernel)
+        # The kernels attach() prepares: the default index's selection at the model's sketch layout,
+        # attention for the model's dtype.
+        cfg, head_dim = AttachConfig(), model_shape(model)[0].head_dim
+        warmed = warm_up(dtypes=(model.dtype,), indexes=(cfg.index.value,), progress=on_kernel,
+                         layouts=(fitted_layout(cfg.lowrank_layout(head_dim), head_dim),))
     rep.say(f"  {warmed.summary}")
 
     rep.say(f"\nprompt: {prompt_len} tokens ({document_path}) + question: {args.question}")
