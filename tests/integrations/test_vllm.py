@@ -397,3 +397,47 @@ def test_store_jobs_queued_together_are_stored_by_one_call(vllm, daemon, primary
     np.testing.assert_array_equal(got[:20], primary[:20])
     for t in (tier, out):
         t.shutdown()
+
+
+def test_load_jobs_queued_together_are_loaded_by_one_call(vllm, daemon, primary, monkeypatch):
+    """While both load workers are held in a job, four more are submitted: each worker loads
+    the jobs queued behind it by one call (up to LOAD_COALESCE_BYTES), every job gets its own
+    result, and a job that names a missing key fails alone."""
+    tier = make_tier(vllm, daemon, primary)
+    stored = [keys(4, b"l%d" % j) for j in range(6)]
+    tier.submit_store(job(vllm, 1, [k for b in stored for k in b], range(24), promotion=False))
+    assert finish(tier, 1).success
+    got = np.zeros_like(primary)
+    out = make_tier(vllm, daemon, got)
+    blocks = type(out.store)
+    original, entered, release, calls = blocks.load, threading.Semaphore(0), threading.Event(), []
+
+    def held(self, ks, targets):
+        calls.append(len(ks))
+        if len(calls) <= 2:  # both load workers
+            entered.release()
+            assert release.wait(30), "the first loads were never released"
+        return original(self, ks, targets)
+
+    monkeypatch.setattr(blocks, "load", held)
+    out.submit_load(job(vllm, 10, stored[0], range(0, 4), promotion=True))
+    assert entered.acquire(timeout=10)
+    out.submit_load(job(vllm, 11, stored[1], range(4, 8), promotion=True))
+    assert entered.acquire(timeout=10)
+    missing = [*stored[4][:3], b"never-stored"]
+    for j, (ks, rows) in enumerate([(stored[2], range(8, 12)), (stored[3], range(12, 16)), (missing, range(16, 20)),
+                                    (stored[5], range(20, 24))]):
+        out.submit_load(job(vllm, 12 + j, ks, rows, promotion=True))
+    release.set()
+    results = {j: finish(out, j) for j in range(10, 16)}
+    # The four queued were taken by at most two calls: each worker takes one, then those behind it.
+    assert calls[:2] == [4, 4] and sum(calls[2:]) == 16 and len(calls) <= 4, calls
+    assert [results[j].success for j in range(10, 16)] == [True, True, True, True, False, True]
+    assert list(results[14].successful_keys) == stored[4][:3]
+    for j in (10, 11, 12, 13, 15):
+        assert results[j].transfer_bytes == 4 * BLOCK
+    np.testing.assert_array_equal(got[:16], primary[:16])
+    np.testing.assert_array_equal(got[16:19], primary[16:19])
+    np.testing.assert_array_equal(got[20:24], primary[20:24])
+    for t in (tier, out):
+        t.shutdown()
