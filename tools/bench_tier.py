@@ -4,7 +4,8 @@ Blocks have Llama-3-8B's shape: 16 tokens x 32 layers x 8 KV heads x head dim 12
 V, 16-bit: 2 MiB each. Through each adapter (vLLM's ``KVDriveTier``, SGLang's
 ``KVDriveHiCacheStorage``, driven as their engines drive them: vLLM's store and load jobs
 of 32 blocks polled through ``get_finished_jobs``, SGLang's ``batch_set_v1`` /
-``batch_get_v1`` of 32 pages), ``--blocks`` blocks are stored and loaded back against a
+``batch_get_v1`` of its ``STORAGE_BATCH_SIZE`` (128) pages, as its cache controller
+calls them), ``--blocks`` blocks are stored and loaded back against a
 real kvstored in two set-ups: the DRAM tier holding every block, and the DRAM tier off
 (every load reads the SSD, O_DIRECT); and with the daemon's two ``--sync`` policies:
 durable (a store is acknowledged once on the SSD) and write-behind (acknowledged before
@@ -16,8 +17,8 @@ under ``--dir`` too: vLLM's filesystem tier (``FileSystemTierManager``, built as
 tiering spec builds it: 16 read and 16 write threads, a file per block, O_DIRECT where the
 directory takes it, no fsync) in jobs of 32 blocks polled through ``get_finished_jobs``,
 and SGLang's file backend (``HiCacheFile``, buffered writes, no fsync) through
-``batch_set`` / ``batch_get`` of 32 pages, as SGLang's cache controller drives a backend
-that is not zero-copy.
+``batch_set`` / ``batch_get`` of 128 pages, as SGLang's cache controller drives a
+backend that is not zero-copy.
 
 Every figure is GB/s of block bytes, beside baselines measured in the same run: a plain
 memcpy of as many bytes here, sequential O_DIRECT reads of each daemon's own data file
@@ -309,14 +310,17 @@ class FlatPages:
 
 
 class SglangDriver:
-    """SGLang's cache controller's side: ``batch_set_v1`` / ``batch_get_v1`` of ``JOB_BLOCKS``
+    """SGLang's cache controller's side: ``batch_set_v1`` / ``batch_get_v1`` of ``STORAGE_BATCH_SIZE``
     pages, host indices into a host pool with SGLang's page_first layout."""
 
     def __init__(self, address: str, rows: np.ndarray, out: np.ndarray) -> None:
         import torch  # noqa: PLC0415
+        from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE  # noqa: PLC0415 - needs SGLang
+
         from kvdrive.tools.engines import PageFirstHostPool  # noqa: PLC0415
 
         self.n, self.torch, self.out = len(rows), torch, out
+        self.batch = STORAGE_BATCH_SIZE  # the pages of one call, as SGLang's cache controller makes them
         pool_class = type("HostPool", (FlatPages, PageFirstHostPool), {})
         self.pool = pool_class(self.n, BLOCK_TOKENS, rows.shape[1] // LAYER_BYTES, KV_HEADS, HEAD_DIM, torch.bfloat16)
         half = rows.shape[1] // 2
@@ -361,8 +365,8 @@ class SglangDriver:
             raise RuntimeError(f"SGLang batch_get_v1 failed: {self._detail()}")
 
     def store(self) -> None:
-        for start in range(0, self.n, JOB_BLOCKS):
-            end = min(start + JOB_BLOCKS, self.n)
+        for start in range(0, self.n, self.batch):
+            end = min(start + self.batch, self.n)
             self.put(self.keys[start:end], start, end)
 
     def prepare_load(self) -> None:
@@ -370,8 +374,8 @@ class SglangDriver:
         self.pool.kv_buffer.zero_()
 
     def load(self) -> None:
-        for start in range(0, self.n, JOB_BLOCKS):
-            end = min(start + JOB_BLOCKS, self.n)
+        for start in range(0, self.n, self.batch):
+            end = min(start + self.batch, self.n)
             self.get(self.keys[start:end], start, end)
 
     def loaded(self) -> np.ndarray:
