@@ -182,6 +182,18 @@ class Blocks:
             return {"found": found, "damaged": sorted(damaged)}
         raise ProtocolError(ErrorCode.BUSY, f"the blocks of {req.ns} were deleted under {GET_TRIES} tries of this get")
 
+    def in_dram(self, req: BlockGet, session: Session, max_bytes: int) -> bool:
+        """Whether ``req`` names at most ``max_bytes`` of blocks and every one of them found
+        sits in DRAM now (False where none is found, or :meth:`get` would refuse it). An
+        eviction after this answer only sends the get to the SSD for those blocks."""
+        table = self.tables.get((session.uid, req.ns))
+        if table is None or len(req.keys) * table.block_bytes > max_bytes:
+            return False
+        with self.index.lock:
+            picks = [(i, table.records[slot]) for i, key in enumerate(req.keys)
+                     if (slot := table.slots.get(key)) is not None]
+        return bool(picks) and self.gets.in_dram(self._get_of(table, req, picks), session, max_bytes)
+
     def _read(self, table: BlockTable, req: BlockGet, session: Session, picks: list) -> set[int]:
         """Read ``picks`` into the client's buffer; the positions of those that are damaged."""
         if not picks:

@@ -9,7 +9,7 @@ one request of each busy user. A request is parsed (a bad one gets an error repl
 once), its session token checked (kvstored/sessions.py) and its deadline; cheap ops
 are answered here, catalog changes and puts are queued for the single writer thread
 (kvstored/writer.py), which takes them in turn by user and session and commits them
-in groups; gets go to a worker pool (a get of a few MiB
+in groups; gets and block gets go to a worker pool (one of a few MiB
 whose blocks are all in DRAM is served here: ``gets_inline`` counts them). Each connection has at most ``MAX_IN_FLIGHT`` requests
 handed to the writer or the pool at once, and at most ``MAX_QUEUED`` waiting; past
 that it gets ``busy`` replies. Workers and the writer send finished replies back over
@@ -298,21 +298,19 @@ class Server:
                 return
             session = self.sessions.find(env.session, peer_uid(body))
             check_deadline(env)
-            if isinstance(req, Get):
-                if self.store.in_dram(req, session, INLINE_GET_BYTES):
+            if isinstance(req, (Get, BlockGet)):
+                gets = self.store.blocks if isinstance(req, BlockGet) else self.store
+                if gets.in_dram(req, session, INLINE_GET_BYTES):
                     # A DRAM-only get is a copy of a few MiB at most: served here, it saves
                     # two thread hand-offs (to a worker, and its reply back), about half of
                     # a small get's round trip on a busy host.
-                    reply = ok_reply(req_id, **self.store.get(req, session))
+                    reply = ok_reply(req_id, **gets.get(req, session))
                     self.store.counters["gets_inline"] += 1
                     self._observe_get(time.perf_counter() - t0)  # before the reply: a scrape after it sees this get
                     self.replies.send([ident, *reply])
                 else:
                     self._in_flight[ident] += 1
-                    self._pool.submit(self._run, ident, env, lambda: self.store.get(req, session), self._observe_get, t0)
-            elif isinstance(req, BlockGet):
-                self._in_flight[ident] += 1
-                self._pool.submit(self._run, ident, env, lambda: self.store.blocks.get(req, session), self._observe_get, t0)
+                    self._pool.submit(self._run, ident, env, lambda: gets.get(req, session), self._observe_get, t0)
             elif isinstance(req, (Put, Create, Delete, BlockPut, BlockDelete)):
                 self._in_flight[ident] += 1
                 self._writes.put(session.uid, session.token, (ident, env, session, t0))
