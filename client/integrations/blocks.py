@@ -28,7 +28,9 @@ regions, ``load_channels`` / ``store_channels`` calls of each kind run at once, 
 load never waits for a store. Lookups have a connection of their own too. Within a
 call, a channel's region is ``PIPELINE_DEPTH`` slots, each a request's: a store copies
 the next slot while the daemon writes the one before, a load copies one slot out while
-the daemon fills the next. A slot whose request's fate is unknown (a timeout, a daemon
+the daemon fills the next (a load of ``PIPELINE_DEPTH`` x ``LOAD_SPLIT_BYTES`` or
+more takes at least that many gets, so that even one that fits a slot overlaps the two).
+A slot whose request's fate is unknown (a timeout, a daemon
 gone) is never reused: the channel gives its region up (:meth:`Channel.discard`).
 
 kvstored keeps a block as ``parts`` pieces (one up to 64 MiB, equal ones past that: a
@@ -64,6 +66,9 @@ DEFAULT_STAGING_BYTES = 64 << 20
 DELETE_WINDOW = 32  # deletes in flight at once
 PIPELINE_DEPTH = 2  # requests in flight per load or store call
 LOAD_SLOT_BYTES = 16 << 20  # the most one block_get of a load moves (one block, if larger)
+# A load of at least twice this is split into at least PIPELINE_DEPTH gets, so that the
+# copy out of one overlaps the daemon's fill of the next even when it fits one slot.
+LOAD_SPLIT_BYTES = 2 << 20
 
 
 def _part(value: object) -> str:
@@ -329,12 +334,12 @@ class BlockStore:
         """Load in ``block_get`` s of ``load_blocks``, up to ``depth`` in flight, each into a slot
         of the staging region of its own: the daemon fills one while this copies another out."""
         inflight: deque = deque()
-        starts = range(0, len(ks), self.load_blocks)
+        step = self._load_step(len(ks))
         try:
-            for n, start in enumerate(starts):
+            for n, start in enumerate(range(0, len(ks), step)):
                 if len(inflight) == self.depth:
                     self._loaded(ch, inflight.popleft(), targets, got)
-                batch = list(range(start, min(start + self.load_blocks, len(ks))))
+                batch = list(range(start, min(start + step, len(ks))))
                 at = (n % self.depth) * self.slot_bytes
                 inflight.append((ch.client.block_get_async(self.ns, [ks[i] for i in batch], ch.region, offset=at),
                                  batch, at))
@@ -344,6 +349,13 @@ class BlockStore:
             if inflight:  # the daemon may still write their slots: the region is not used again
                 ch.discard()
             raise
+
+    def _load_step(self, n: int) -> int:
+        """The blocks of one get in a load of ``n``: ``load_blocks``, or fewer so that a load
+        of ``depth`` x ``LOAD_SPLIT_BYTES`` or more takes at least ``depth`` gets."""
+        if n * self.block_bytes < self.depth * LOAD_SPLIT_BYTES:
+            return self.load_blocks
+        return max(1, min(self.load_blocks, -(-n // self.depth)))
 
     def _loaded(self, ch: Channel, sent: tuple[PendingGet, list[int], int], targets: Seq[Buffer],
                 got: list[bool]) -> None:

@@ -27,8 +27,8 @@ job pays no set-up; a load never waits behind a store) through a
 ``get_finished_jobs``. Store jobs queued behind one another are stored by one call, up
 to ``COALESCE_BYTES`` (64 MiB): one lookup and puts of up to a staging slot each
 instead of a lookup, a put and a commit per job, each job told of its own keys; load
-jobs queued together are loaded by one call, up to ``LOAD_COALESCE_BYTES`` (16 MiB, one
-get). A daemon that is down or dies makes lookups misses and jobs
+jobs queued together are loaded by one call, up to ``LOAD_COALESCE_BYTES`` (16 MiB, two
+gets). A daemon that is down or dies makes lookups misses and jobs
 failures within about a second (no exception reaches vLLM, nothing waits on it); one
 that comes back is used again. Blocks are copied between vLLM's CPU tier and shared
 buffers registered with kvstored (one memcpy per block each way); a chunk over 64 MiB
@@ -78,7 +78,7 @@ _STOP = object()
 # Store jobs queued together are stored by one call, up to this many bytes: for small
 # blocks a job's fixed cost (a lookup, a put's round trip and commit) is most of its time.
 COALESCE_BYTES = 64 << 20
-# Load jobs queued together are loaded by one call, up to this many bytes (one get): a
+# Load jobs queued together are loaded by one call, up to this many bytes (two gets): a
 # get's fixed cost is about 0.6 ms, the time of 2 MiB of copies. Small, so that the
 # first job of a call waits at most a few ms for the others.
 LOAD_COALESCE_BYTES = 16 << 20

@@ -69,6 +69,30 @@ def test_a_store_and_a_load_of_many_slots_round_trip_with_two_requests_in_flight
     store.close()
 
 
+def test_a_load_that_fits_one_slot_is_split_in_two_gets_once_it_is_large(daemon, monkeypatch):
+    """A load of at least twice LOAD_SPLIT_BYTES goes as two gets in flight, so that the copy
+    out of the first overlaps the daemon's fill of the second; a smaller one as one get."""
+    monkeypatch.setattr(blocks_mod, "LOAD_SPLIT_BYTES", 2 * BB)
+    store = BlockStore(BB, engine="test", model="m", address=daemon.address, staging_bytes=2 * 16 * BB)
+    keys = [f"k{i}" for i in range(7)]
+    blocks = sources(len(keys), seed=3)
+    assert store.store(keys, blocks) == [True] * len(keys)
+    gets = []
+    send = blocks_mod.StoreClient.block_get_async
+    monkeypatch.setattr(blocks_mod.StoreClient, "block_get_async",
+                        lambda client, ns, ks, *a, **kw: gets.append(len(ks)) or send(client, ns, ks, *a, **kw))
+    flight = InFlight(monkeypatch)
+    for n, want in ((3, [3]), (4, [2, 2]), (7, [4, 3])):
+        gets.clear()
+        targets = [np.zeros(BB, np.uint8) for _ in range(n)]
+        assert store.load(keys[:n], targets) == [True] * n
+        assert gets == want
+        for block, got in zip(blocks, targets):
+            np.testing.assert_array_equal(got, block)
+    assert flight.most == 2 and flight.now == 0
+    store.close()
+
+
 def test_a_slot_whose_put_has_an_unknown_fate_is_never_copied_into_again(daemon, monkeypatch):
     """The first put's reply is lost (as on a timeout) while the second is in flight: the
     call fails those blocks and gives the region up, so the next call copies into a new
