@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from kvstored.copy import _copy_bytes
+from kvdrive.protocol.copy import copy_bytes as _copy_bytes
 
 _POLY = 0x82F63B78  # CRC-32C, reflected
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba.core import cgutils, types
-from numba.extending import intrinsic
+
+from kvdrive.protocol.copy import STREAM_VEC as _STREAM_VEC
+from kvdrive.protocol.copy import copy_bytes as _copy_bytes
+from kvdrive.protocol.copy import store_fence as _store_fence
+from kvdrive.protocol.copy import stream_bytes as _stream_bytes
 
 # Copies at least this large are split over numba's thread pool, on hosts with at
 # least PARALLEL_MIN_THREADS threads; others run on the calling thread. Waking the
@@ -26,54 +28,6 @@ PARALLEL_MIN_THREADS = 4
 # streamed too: the two copies share the memory bandwidth. Smaller gets (a decode
 # step's fetch) stay in the cache for the reader that follows.
 STREAM_MIN_BYTES = 8 << 20
-_STREAM_VEC = 32
-
-
-@intrinsic
-def _copy_bytes(typingctx, dst, d, src, s, n):  # pragma: no cover - compiled
-    """``memcpy(&dst[d], &src[s], n)``: numba's slice assignment is an element loop, ~3x slower."""
-
-    def codegen(context, builder, signature, args):
-        dst_arr = context.make_array(signature.args[0])(context, builder, args[0])
-        src_arr = context.make_array(signature.args[2])(context, builder, args[2])
-        to = builder.gep(dst_arr.data, [args[1]])
-        frm = builder.gep(src_arr.data, [args[3]])
-        cgutils.raw_memcpy(builder, to, frm, args[4], 1)
-        return context.get_dummy_value()
-
-    return types.void(dst, d, src, s, n), codegen
-
-
-@intrinsic
-def _stream_bytes(typingctx, dst, d, src, s, n):  # pragma: no cover - compiled
-    """Copy ``n`` bytes with non-temporal vector stores; ``&dst[d]`` 32-byte aligned, ``n`` a multiple of 32."""
-
-    def codegen(context, builder, signature, args):
-        dst_arr = context.make_array(signature.args[0])(context, builder, args[0])
-        src_arr = context.make_array(signature.args[2])(context, builder, args[2])
-        vec = ir.VectorType(ir.IntType(8), _STREAM_VEC)
-        to = builder.bitcast(builder.gep(dst_arr.data, [args[1]]), vec.as_pointer())
-        frm = builder.bitcast(builder.gep(src_arr.data, [args[3]]), vec.as_pointer())
-        count = builder.udiv(args[4], ir.Constant(ir.IntType(64), _STREAM_VEC))
-        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-        with cgutils.for_range(builder, count) as loop:
-            value = builder.load(builder.gep(frm, [loop.index]), align=1)
-            store = builder.store(value, builder.gep(to, [loop.index]), align=_STREAM_VEC)
-            store.set_metadata("nontemporal", nontemporal)
-        return context.get_dummy_value()
-
-    return types.void(dst, d, src, s, n), codegen
-
-
-@intrinsic
-def _store_fence(typingctx):  # pragma: no cover - compiled
-    """Non-temporal stores are weakly ordered: make them visible before the reply says the bytes are there."""
-
-    def codegen(context, builder, signature, args):
-        builder.fence("seq_cst")
-        return context.get_dummy_value()
-
-    return types.void(), codegen
 
 
 @numba.njit(nogil=True, cache=True)

@@ -1,0 +1,102 @@
+"""Byte movers for the buffers a client shares with kvstored, used at both ends.
+
+Numba intrinsics for a plain copy (``memcpy``) and a streamed one (non-temporal stores,
+which write around the caches and skip reading each destination line before it is
+overwritten), and :func:`copy_out`, with which a client moves a loaded block out of a
+shared buffer. kvstored's own movers (``kvstored/copy.py``, ``kvstored/checksum.py``)
+are built on the same intrinsics. Imported only where bytes move: it loads numba.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+STREAM_VEC = 32  # bytes a non-temporal store writes: a streamed copy's destination is aligned to it
+
+
+@intrinsic
+def copy_bytes(typingctx, dst, d, src, s, n):  # pragma: no cover - compiled
+    """``memcpy(&dst[d], &src[s], n)``: numba's slice assignment is an element loop, ~3x slower."""
+
+    def codegen(context, builder, signature, args):
+        dst_arr = context.make_array(signature.args[0])(context, builder, args[0])
+        src_arr = context.make_array(signature.args[2])(context, builder, args[2])
+        to = builder.gep(dst_arr.data, [args[1]])
+        frm = builder.gep(src_arr.data, [args[3]])
+        cgutils.raw_memcpy(builder, to, frm, args[4], 1)
+        return context.get_dummy_value()
+
+    return types.void(dst, d, src, s, n), codegen
+
+
+@intrinsic
+def stream_bytes(typingctx, dst, d, src, s, n):  # pragma: no cover - compiled
+    """Copy ``n`` bytes with non-temporal vector stores; ``&dst[d]`` aligned to STREAM_VEC, ``n`` a multiple of it."""
+
+    def codegen(context, builder, signature, args):
+        dst_arr = context.make_array(signature.args[0])(context, builder, args[0])
+        src_arr = context.make_array(signature.args[2])(context, builder, args[2])
+        vec = ir.VectorType(ir.IntType(8), STREAM_VEC)
+        to = builder.bitcast(builder.gep(dst_arr.data, [args[1]]), vec.as_pointer())
+        frm = builder.bitcast(builder.gep(src_arr.data, [args[3]]), vec.as_pointer())
+        count = builder.udiv(args[4], ir.Constant(ir.IntType(64), STREAM_VEC))
+        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+        with cgutils.for_range(builder, count) as loop:
+            value = builder.load(builder.gep(frm, [loop.index]), align=1)
+            store = builder.store(value, builder.gep(to, [loop.index]), align=STREAM_VEC)
+            store.set_metadata("nontemporal", nontemporal)
+        return context.get_dummy_value()
+
+    return types.void(dst, d, src, s, n), codegen
+
+
+@intrinsic
+def store_fence(typingctx):  # pragma: no cover - compiled
+    """Non-temporal stores are weakly ordered: make them visible before anyone is told the bytes are there."""
+
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def _copy_out(dst, src, at):  # pragma: no cover - compiled
+    n = dst.shape[0]
+    if at < 0 or at > src.shape[0] - n:
+        return False
+    head = min(n, -dst.ctypes.data % STREAM_VEC)  # up to the first aligned byte, copied
+    body = (n - head) // STREAM_VEC * STREAM_VEC
+    if head:
+        copy_bytes(dst, 0, src, at, head)
+    if body:
+        stream_bytes(dst, head, src, at + head, body)
+    if n > head + body:
+        copy_bytes(dst, head + body, src, at + head + body, n - head - body)
+    if body:
+        store_fence()
+    return True
+
+
+def copy_out(dst: np.ndarray, src: np.ndarray, at: int) -> None:
+    """``dst[:] = src[at: at + dst.nbytes]`` with streaming stores (a plain copy of the bytes
+    before ``dst``'s first STREAM_VEC-aligned one and after its last), without the GIL.
+
+    For a block loaded into an engine's memory: what reads it next is the engine's copy
+    to its device or another core, not this thread, so its lines need not pass through
+    this core's caches. Copies below a few hundred KiB gain nothing from it (numpy's
+    slice assignment is as fast there). Raises ValueError for arrays that are not 1-D
+    contiguous uint8, a read-only ``dst`` or a range outside ``src``.
+    """
+    for a in (dst, src):
+        if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous:
+            raise ValueError("copy_out needs 1-D contiguous uint8 arrays")
+    if not dst.flags.writeable:
+        raise ValueError("copy_out: the destination is read-only")
+    if not _copy_out(dst, src, at):
+        raise ValueError(f"copy_out: {dst.nbytes} bytes from {at} lie outside the source ({src.nbytes} bytes)")
