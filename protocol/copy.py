@@ -65,20 +65,42 @@ def store_fence(typingctx):  # pragma: no cover - compiled
     return types.void(), codegen
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _stream_range(dst, d, src, s, n):  # pragma: no cover - compiled
+    """``dst[d:d+n] = src[s:s+n]``, streamed from ``dst``'s first STREAM_VEC-aligned byte to its
+    last whole vector, copied around them; whether anything was streamed (a fence is due)."""
+    head = min(n, -(dst.ctypes.data + d) % STREAM_VEC)
+    body = (n - head) // STREAM_VEC * STREAM_VEC
+    if head:
+        copy_bytes(dst, d, src, s, head)
+    if body:
+        stream_bytes(dst, d + head, src, s + head, body)
+    if n > head + body:
+        copy_bytes(dst, d + head + body, src, s + head + body, n - head - body)
+    return body > 0
+
+
 @numba.njit(nogil=True, cache=True)
 def _copy_out(dst, src, at):  # pragma: no cover - compiled
     n = dst.shape[0]
     if at < 0 or at > src.shape[0] - n:
         return False
-    head = min(n, -dst.ctypes.data % STREAM_VEC)  # up to the first aligned byte, copied
-    body = (n - head) // STREAM_VEC * STREAM_VEC
-    if head:
-        copy_bytes(dst, 0, src, at, head)
-    if body:
-        stream_bytes(dst, head, src, at + head, body)
-    if n > head + body:
-        copy_bytes(dst, head + body, src, at + head + body, n - head - body)
-    if body:
+    if _stream_range(dst, 0, src, at, n):
+        store_fence()
+    return True
+
+
+@numba.njit(nogil=True, cache=True)
+def _scatter_out(dst, dst_offs, src, src_offs, n):  # pragma: no cover - compiled
+    if n < 0 or len(dst_offs) != len(src_offs):
+        return False
+    for i in range(len(dst_offs)):
+        if dst_offs[i] < 0 or dst_offs[i] > dst.shape[0] - n or src_offs[i] < 0 or src_offs[i] > src.shape[0] - n:
+            return False
+    streamed = False
+    for i in range(len(dst_offs)):
+        streamed |= _stream_range(dst, dst_offs[i], src, src_offs[i], n)
+    if streamed:
         store_fence()
     return True
 
@@ -100,3 +122,18 @@ def copy_out(dst: np.ndarray, src: np.ndarray, at: int) -> None:
         raise ValueError("copy_out: the destination is read-only")
     if not _copy_out(dst, src, at):
         raise ValueError(f"copy_out: {dst.nbytes} bytes from {at} lie outside the source ({src.nbytes} bytes)")
+
+
+def scatter_out(dst: np.ndarray, dst_offs: np.ndarray, src: np.ndarray, src_offs: np.ndarray, nbytes: int) -> None:
+    """``dst[dst_offs[i]:+nbytes] = src[src_offs[i]:+nbytes]`` for every i, streamed as
+    :func:`copy_out`, in one call without the GIL: many blocks into rows of one array (an
+    engine's CPU tier) without a Python step per block. Raises ValueError as
+    :func:`copy_out`, and copies nothing if any block lies outside either array."""
+    for a in (dst, src):
+        if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous:
+            raise ValueError("scatter_out needs 1-D contiguous uint8 arrays")
+    if not dst.flags.writeable:
+        raise ValueError("scatter_out: the destination is read-only")
+    if not _scatter_out(dst, np.asarray(dst_offs, np.int64), src, np.asarray(src_offs, np.int64), nbytes):
+        raise ValueError(f"scatter_out: a block of {nbytes} bytes lies outside the destination ({dst.nbytes} bytes) "
+                         f"or the source ({src.nbytes} bytes), or the offset lists differ in length")

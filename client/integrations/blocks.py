@@ -105,21 +105,60 @@ def key_bytes(key: bytes | str | int) -> bytes:
     return raw if 0 < len(raw) <= MAX_BLOCK_KEY_BYTES else b"h" + hashlib.sha256(raw).digest()
 
 
-_copy_out_fn: list = []  # kvdrive.protocol.copy.copy_out once imported, or None where it cannot be
+_movers_module: list = []  # kvdrive.protocol.copy once imported, or None where it cannot be
+
+
+def _movers():
+    """:mod:`kvdrive.protocol.copy`, imported (with numba) on first use, so that an engine that
+    only stores or looks up never loads it; None, logged once, where numba cannot load
+    (loads then copy with numpy)."""
+    if not _movers_module:
+        try:
+            from kvdrive.protocol import copy as movers  # noqa: PLC0415
+        except Exception as exc:  # noqa: BLE001 - a broken numba must not fail the engine's loads
+            log.warning("KVDrive loads copy blocks out with numpy, without streaming stores: %s", exc)
+            movers = None
+        _movers_module.append(movers)
+    return _movers_module[0]
 
 
 def _copy_out():
-    """:func:`kvdrive.protocol.copy.copy_out`, imported (with numba) on first use, so that an
-    engine that only stores or looks up never loads it; None, logged once, where numba
-    cannot load (loads then copy with numpy)."""
-    if not _copy_out_fn:
-        try:
-            from kvdrive.protocol.copy import copy_out  # noqa: PLC0415
-        except Exception as exc:  # noqa: BLE001 - a broken numba must not fail the engine's loads
-            log.warning("KVDrive loads copy blocks out with numpy, without streaming stores: %s", exc)
-            copy_out = None
-        _copy_out_fn.append(copy_out)
-    return _copy_out_fn[0]
+    """:func:`kvdrive.protocol.copy.copy_out`, or None (:func:`_movers`)."""
+    movers = _movers()
+    return None if movers is None else movers.copy_out
+
+
+class Rows:
+    """Load targets that are rows of one array (an engine's CPU tier, a block a row): key i's
+    block goes to row ``rows[i]``, the blocks of a get copied out of staging by one compiled
+    call (:func:`kvdrive.protocol.copy.scatter_out`) instead of a Python step per block."""
+
+    def __init__(self, array: np.ndarray, rows: Iterable[int], block_bytes: int) -> None:
+        if array.dtype != np.uint8 or array.ndim != 2 or array.shape[1] != block_bytes or not (
+                array.flags.c_contiguous and array.flags.writeable):
+            raise ValueError(f"rows of a writable, contiguous uint8 array of {block_bytes}-byte rows, not "
+                             f"{array.dtype} {array.shape}")
+        self.rows = np.fromiter(rows, np.int64)
+        if len(self.rows) and (self.rows.min() < 0 or self.rows.max() >= array.shape[0]):
+            raise ValueError(f"rows outside the array's {array.shape[0]}")
+        self.array, self.flat, self.block_bytes = array, array.reshape(-1), block_bytes
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.array[self.rows[i]]
+
+    def copy_in(self, staging: np.ndarray, at: int, js: list[int], batch: list[int]) -> None:
+        """Blocks ``js`` of the slot at ``at`` into the rows of keys ``batch[j]``."""
+        movers = _movers()
+        if movers is None:
+            for j in js:
+                self[batch[j]][:] = staging[at + j * self.block_bytes: at + (j + 1) * self.block_bytes]
+            return
+        picks = np.asarray(js, np.int64)
+        movers.scatter_out(self.flat, self.rows[np.asarray(batch, np.int64)[picks]] * self.block_bytes, staging,
+                           at + picks * self.block_bytes, self.block_bytes)
 
 
 def _parts(block: Any, block_bytes: int, what: str) -> list[np.ndarray]:
@@ -197,8 +236,9 @@ class BlockStore:
                     lane.open(self.timeout)
         except (KVDriveError, OSError) as exc:
             log.info("kvstored channels of %s not opened early (%s); the first call opens them", self.ns, exc)
-        if self.block_bytes >= STREAM_OUT_BYTES and (copy_out := _copy_out()) is not None:
-            copy_out(np.zeros(64, np.uint8), np.zeros(64, np.uint8), 0)  # compiled, or read from numba's cache, now
+        if (movers := _movers()) is not None:  # compiled, or read from numba's cache, now
+            movers.copy_out(np.zeros(64, np.uint8), np.zeros(64, np.uint8), 0)
+            movers.scatter_out(np.zeros(64, np.uint8), [0], np.zeros(64, np.uint8), [0], 64)
         if self._closed:  # closed while this opened: free what it opened
             self.loads.close(self.timeout)
             self.stores.close(self.timeout)
@@ -356,6 +396,12 @@ class BlockStore:
         self._tally(load_s_us=int((time.perf_counter() - t0) * 1e6))
         return got
 
+    def load_rows(self, keys: Seq, array: np.ndarray, rows: Iterable[int]) -> list[bool]:
+        """:meth:`load` of each key's block into row ``rows[i]`` of ``array`` (writable,
+        contiguous uint8, a block a row: an engine's CPU tier), each get's blocks copied out
+        by one compiled call. ValueError for an array or rows that cannot take the blocks."""
+        return self.load(keys, Rows(array, rows, self.block_bytes))
+
     def _load_all(self, ch: Channel, ks: list[bytes], targets: Seq[Buffer], got: list[bool]) -> None:
         """Load in ``block_get`` s of ``load_blocks``, up to ``depth`` in flight, each into a slot
         of the staging region of its own: the daemon fills one while this copies another out."""
@@ -394,17 +440,27 @@ class BlockStore:
         ok = [j for j, f in enumerate(r["found"]) if f]
         self._tally(load_missing=len(batch) - len(ok) - len(r["damaged"]))
         t0 = time.perf_counter()
-        copy_out = _copy_out() if bb >= STREAM_OUT_BYTES else None
+        if isinstance(targets, Rows):
+            targets.copy_in(staging.array, at, ok, batch)
+        else:
+            self._copy_parts(staging.array, at, ok, batch, targets)
         for j in ok:
+            got[batch[j]] = True
+        self._tally(staging_us=int((time.perf_counter() - t0) * 1e6), blocks_loaded=len(ok), bytes_loaded=len(ok) * bb)
+
+    def _copy_parts(self, staging: np.ndarray, at: int, js: list[int], batch: list[int], targets: Seq[Buffer]) -> None:
+        """Blocks ``js`` of the slot at ``at`` into ``targets[batch[j]]``, part by part: parts of
+        :data:`STREAM_OUT_BYTES` or more with streaming stores, smaller ones by numpy."""
+        bb = self.block_bytes
+        copy_out = _copy_out() if bb >= STREAM_OUT_BYTES else None
+        for j in js:
             frm = at + j * bb
             for part in _parts(targets[batch[j]], bb, "target"):
                 if copy_out is not None and part.nbytes >= STREAM_OUT_BYTES:
-                    copy_out(part, staging.array, frm)
+                    copy_out(part, staging, frm)
                 else:
-                    part[:] = staging.array[frm: frm + part.nbytes]
+                    part[:] = staging[frm: frm + part.nbytes]
                 frm += part.nbytes
-            got[batch[j]] = True
-        self._tally(staging_us=int((time.perf_counter() - t0) * 1e6), blocks_loaded=len(ok), bytes_loaded=len(ok) * bb)
 
     def delete_all(self) -> int:
         """Delete every block of this store's namespace that this user stored (any process,

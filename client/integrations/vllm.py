@@ -31,7 +31,8 @@ jobs queued together are loaded by one call, up to ``LOAD_COALESCE_BYTES`` (16 M
 gets). A daemon that is down or dies makes lookups misses and jobs
 failures within about a second (no exception reaches vLLM, nothing waits on it); one
 that comes back is used again. Blocks are copied between vLLM's CPU tier and shared
-buffers registered with kvstored (one memcpy per block each way); a chunk over 64 MiB
+buffers registered with kvstored (one memcpy per block each way; a load's by one
+compiled call per get, ``BlockStore.load_rows``); a chunk over 64 MiB
 (Llama-3-70B with ``block_size`` 256: 80 MiB) is kept as parts of one sequence.
 
 Keys match across restarts with vLLM's default ``--prefix-caching-hash-algo sha256``;
@@ -391,8 +392,8 @@ if _IMPORT_ERROR is None:
             """Load jobs by one call; each job's result, its share of the call's time by its blocks."""
             keys = [list(job.keys) for job in jobs]
             t0 = time.perf_counter()
-            ok = self.store.load([k for ks in keys for k in ks],
-                                 [self._rows[int(c)] for job in jobs for c in job.chunk_ids])
+            ok = self.store.load_rows([k for ks in keys for k in ks], self._rows,
+                                      (int(c) for job in jobs for c in job.chunk_ids))
             took = time.perf_counter() - t0
             out, at, total = [], 0, max(1, len(ok))
             for job, ks in zip(jobs, keys):

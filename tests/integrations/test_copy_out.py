@@ -8,7 +8,7 @@ import mmap
 import numpy as np
 import pytest
 
-from kvdrive.protocol.copy import STREAM_VEC, copy_out
+from kvdrive.protocol.copy import STREAM_VEC, copy_out, scatter_out
 from kvdrive_client.integrations import blocks as blocks_mod
 from kvdrive_client.integrations.blocks import STREAM_OUT_BYTES, BlockStore
 
@@ -61,4 +61,42 @@ def test_a_load_of_large_blocks_lands_exact_through_the_streaming_copy(daemon, m
         np.testing.assert_array_equal(target, block)
     np.testing.assert_array_equal(split, blocks[4])
     assert calls == [bb] * 4
+    store.close()
+
+
+def test_scatter_out_lands_each_block_at_its_offset_or_refuses_and_copies_nothing():
+    rng = np.random.default_rng(3)
+    src = np.frombuffer(rng.bytes(1 << 16), np.uint8)
+    dst = np.frombuffer(mmap.mmap(-1, 1 << 16), np.uint8)
+    scatter_out(dst, [8192, 3, 40000], src, [0, 9000, 100], 5000)
+    for d, s in ((8192, 0), (3, 9000), (40000, 100)):
+        np.testing.assert_array_equal(dst[d: d + 5000], src[s: s + 5000])
+    dst[:] = 0
+    for dst_offs, src_offs in (([0, 61000], [0, 0]), ([0, 0], [0, 61000]), ([-1], [0]), ([0], [0, 1])):
+        with pytest.raises(ValueError):
+            scatter_out(dst, dst_offs, src, src_offs, 5000)
+    assert not dst.any()
+
+
+def test_load_rows_lands_each_block_in_its_row_and_leaves_a_missing_ones_row_alone(daemon):
+    """As the vLLM tier loads into its CPU tier: rows in any order, one key not stored."""
+    bb = 64 << 10
+    rng = np.random.default_rng(4)
+    blocks = [np.frombuffer(rng.bytes(bb), np.uint8) for _ in range(6)]
+    store = BlockStore(bb, engine="test", model="m", address=daemon.address)
+    keys = [f"row{i}" for i in range(6)]
+    assert store.store(keys, blocks) == [True] * 6
+    tier = np.frombuffer(mmap.mmap(-1, 10 * bb), np.uint8).reshape(10, bb)
+    tier[:] = 7
+    rows = [9, 0, 4, 5, 2, 1, 3]
+    assert store.load_rows([*keys, "never stored"], tier, rows) == [True] * 6 + [False]
+    for block, row in zip(blocks, rows):
+        np.testing.assert_array_equal(tier[row], block)
+    assert (tier[[3, 6, 7, 8]] == 7).all()
+    for bad_rows in ([10], [-1]):
+        with pytest.raises(ValueError):
+            store.load_rows(keys[:1], tier, bad_rows)
+    for bad in (tier[:, : bb // 2], tier.view(np.uint16), np.zeros((4, bb), np.uint8)[::2]):
+        with pytest.raises(ValueError):
+            store.load_rows(keys[:1], bad, [0])
     store.close()
