@@ -109,9 +109,9 @@ _movers_module: list = []  # kvdrive.protocol.copy once imported, or None where 
 
 
 def _movers():
-    """:mod:`kvdrive.protocol.copy`, imported (with numba) on first use, so that an engine that
-    only stores or looks up never loads it; None, logged once, where numba cannot load
-    (loads then copy with numpy)."""
+    """:mod:`kvdrive.protocol.copy`, imported (with numba) on first use: by :meth:`BlockStore.open_early`'s
+    thread, or else by the first load, so that a store used for lookups or stores alone never
+    loads it; None, logged once, where numba cannot load (loads then copy with numpy)."""
     if not _movers_module:
         try:
             from kvdrive.protocol import copy as movers  # noqa: PLC0415
