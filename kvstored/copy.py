@@ -5,10 +5,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from kvdrive.protocol.copy import STREAM_VEC as _STREAM_VEC
 from kvdrive.protocol.copy import copy_bytes as _copy_bytes
-from kvdrive.protocol.copy import store_fence as _store_fence
-from kvdrive.protocol.copy import stream_bytes as _stream_bytes
+from kvdrive.protocol.copy import gather_scatter_serial as _gather_scatter
+from kvdrive.protocol.copy import in_bounds as _in_bounds
 
 # Copies at least this large are split over numba's thread pool, on hosts with at
 # least PARALLEL_MIN_THREADS threads; others run on the calling thread. Waking the
@@ -28,32 +27,6 @@ PARALLEL_MIN_THREADS = 4
 # streamed too: the two copies share the memory bandwidth. Smaller gets (a decode
 # step's fetch) stay in the cache for the reader that follows.
 STREAM_MIN_BYTES = 8 << 20
-
-
-@numba.njit(nogil=True, cache=True)
-def _in_bounds(src_len, src_offs, dst_len, dst_offs, nbytes):  # pragma: no cover - compiled
-    if nbytes < 0 or len(src_offs) != len(dst_offs):
-        return False
-    for i in range(len(src_offs)):
-        if src_offs[i] < 0 or src_offs[i] > src_len - nbytes or dst_offs[i] < 0 or dst_offs[i] > dst_len - nbytes:
-            return False
-    return True
-
-
-@numba.njit(nogil=True, cache=True)
-def _gather_scatter(src, src_offs, dst, dst_offs, nbytes, stream=False):  # pragma: no cover - compiled
-    if not _in_bounds(len(src), src_offs, len(dst), dst_offs, nbytes):
-        return False
-    streamed = False
-    for i in range(len(src_offs)):
-        if stream and nbytes % _STREAM_VEC == 0 and (dst.ctypes.data + dst_offs[i]) % _STREAM_VEC == 0:
-            _stream_bytes(dst, dst_offs[i], src, src_offs[i], nbytes)
-            streamed = True
-        else:
-            _copy_bytes(dst, dst_offs[i], src, src_offs[i], nbytes)
-    if streamed:
-        _store_fence()
-    return True
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)

@@ -2,9 +2,9 @@
 
 Numba intrinsics for a plain copy (``memcpy``) and a streamed one (non-temporal stores,
 which write around the caches and skip reading each destination line before it is
-overwritten), and :func:`copy_out`, with which a client moves a loaded block out of a
-shared buffer. kvstored's own movers (``kvstored/copy.py``, ``kvstored/checksum.py``)
-are built on the same intrinsics. Imported only where bytes move: it loads numba.
+overwritten), and the serial gather/scatter both ends copy blocks with: kvstored into and
+out of its tiers (``kvstored/copy.py`` adds a parallel one, ``kvstored/checksum.py`` a
+checked one), a client out of a shared buffer into an engine's memory (:func:`scatter_out`). Imported only where bytes move: it loads numba.
 """
 
 from __future__ import annotations
@@ -81,59 +81,52 @@ def _stream_range(dst, d, src, s, n):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True)
-def _copy_out(dst, src, at):  # pragma: no cover - compiled
-    n = dst.shape[0]
-    if at < 0 or at > src.shape[0] - n:
+def in_bounds(src_len, src_offs, dst_len, dst_offs, nbytes):  # pragma: no cover - compiled
+    """Whether every block of ``nbytes`` at the offsets lies inside both arrays (and the lists match)."""
+    if nbytes < 0 or len(src_offs) != len(dst_offs):
         return False
-    if _stream_range(dst, 0, src, at, n):
-        store_fence()
+    for i in range(len(src_offs)):
+        if src_offs[i] < 0 or src_offs[i] > src_len - nbytes or dst_offs[i] < 0 or dst_offs[i] > dst_len - nbytes:
+            return False
     return True
 
 
 @numba.njit(nogil=True, cache=True)
-def _scatter_out(dst, dst_offs, src, src_offs, n):  # pragma: no cover - compiled
-    if n < 0 or len(dst_offs) != len(src_offs):
+def gather_scatter_serial(src, src_offs, dst, dst_offs, nbytes, stream=False):  # pragma: no cover - compiled
+    """``dst[dst_offs[i]:+nbytes] = src[src_offs[i]:+nbytes]`` for every i on this thread, streamed
+    (:func:`_stream_range`) with ``stream``; False, nothing copied, if a block lies outside."""
+    if not in_bounds(len(src), src_offs, len(dst), dst_offs, nbytes):
         return False
-    for i in range(len(dst_offs)):
-        if dst_offs[i] < 0 or dst_offs[i] > dst.shape[0] - n or src_offs[i] < 0 or src_offs[i] > src.shape[0] - n:
-            return False
     streamed = False
-    for i in range(len(dst_offs)):
-        streamed |= _stream_range(dst, dst_offs[i], src, src_offs[i], n)
+    for i in range(len(src_offs)):
+        if stream:
+            streamed |= _stream_range(dst, dst_offs[i], src, src_offs[i], nbytes)
+        else:
+            copy_bytes(dst, dst_offs[i], src, src_offs[i], nbytes)
     if streamed:
         store_fence()
     return True
 
 
-def copy_out(dst: np.ndarray, src: np.ndarray, at: int) -> None:
-    """``dst[:] = src[at: at + dst.nbytes]`` with streaming stores (a plain copy of the bytes
-    before ``dst``'s first STREAM_VEC-aligned one and after its last), without the GIL.
-
-    For a block loaded into an engine's memory: what reads it next is the engine's copy
-    to its device or another core, not this thread, so its lines need not pass through
-    this core's caches. Copies below a few hundred KiB gain nothing from it (numpy's
-    slice assignment is as fast there). Raises ValueError for arrays that are not 1-D
-    contiguous uint8, a read-only ``dst`` or a range outside ``src``.
-    """
-    for a in (dst, src):
-        if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous:
-            raise ValueError("copy_out needs 1-D contiguous uint8 arrays")
-    if not dst.flags.writeable:
-        raise ValueError("copy_out: the destination is read-only")
-    if not _copy_out(dst, src, at):
-        raise ValueError(f"copy_out: {dst.nbytes} bytes from {at} lie outside the source ({src.nbytes} bytes)")
-
-
 def scatter_out(dst: np.ndarray, dst_offs: np.ndarray, src: np.ndarray, src_offs: np.ndarray, nbytes: int) -> None:
-    """``dst[dst_offs[i]:+nbytes] = src[src_offs[i]:+nbytes]`` for every i, streamed as
-    :func:`copy_out`, in one call without the GIL: many blocks into rows of one array (an
-    engine's CPU tier) without a Python step per block. Raises ValueError as
-    :func:`copy_out`, and copies nothing if any block lies outside either array."""
+    """``dst[dst_offs[i]:+nbytes] = src[src_offs[i]:+nbytes]`` for every i with streaming stores
+    (a plain copy of the bytes before each destination's first STREAM_VEC-aligned one and
+    after its last), in one call without the GIL: blocks loaded into an engine's memory,
+    which its copy to the device or another core reads next, not this thread, so their
+    lines need not pass through this core's caches. Copies below a few hundred KiB gain
+    nothing from it. Raises ValueError for arrays that are not 1-D contiguous uint8, a
+    read-only ``dst``, or a block outside either array (then nothing is copied)."""
     for a in (dst, src):
         if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous:
             raise ValueError("scatter_out needs 1-D contiguous uint8 arrays")
     if not dst.flags.writeable:
         raise ValueError("scatter_out: the destination is read-only")
-    if not _scatter_out(dst, np.asarray(dst_offs, np.int64), src, np.asarray(src_offs, np.int64), nbytes):
+    if not gather_scatter_serial(src, np.asarray(src_offs, np.int64), dst, np.asarray(dst_offs, np.int64), nbytes,
+                                 True):
         raise ValueError(f"scatter_out: a block of {nbytes} bytes lies outside the destination ({dst.nbytes} bytes) "
                          f"or the source ({src.nbytes} bytes), or the offset lists differ in length")
+
+
+def copy_out(dst: np.ndarray, src: np.ndarray, at: int) -> None:
+    """``dst[:] = src[at: at + dst.nbytes]``: one block of :func:`scatter_out`."""
+    scatter_out(dst, [0], src, [at], dst.nbytes)
