@@ -20,7 +20,8 @@ Life cycle, on the writer thread but for lookups and gets:
 - ``block_get`` (:meth:`Blocks.get`, any thread): keys to slots under the index lock,
   then the get path's DRAM hits and checked SSD reads; a block deleted (or its slot
   given to another key) meanwhile is reported missing, never as other bytes, and a
-  damaged one is named in ``damaged``.
+  damaged one is named in ``damaged``. A small get all in DRAM is served on the main
+  thread, and the check that says so (:meth:`Blocks.in_dram`) hands its lookup to the get.
 - ``block_delete``: given keys (their records and extents in one transaction, their
   bytes and DRAM copies freed once no get reads them), or the whole namespace.
 - ``--quota``: a namespace past its quota loses its least recently used blocks, never
@@ -32,6 +33,8 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
 import numpy as np
 
 from kvdrive.protocol.blocks import block_geometry
@@ -90,6 +93,9 @@ class BlockTable:
         self.slots: OrderedDict[bytes, int] = OrderedDict()
         self.records: dict[int, BlockRecord] = {}
         self.pending: dict[bytes, int] = {}  # keys of prepared puts not yet committed
+        # Bumped, under the index lock, whenever a key is stored or deleted: picks made under
+        # an earlier hold of the lock are still true while it has not moved.
+        self.changes = 0
         self._free: list[int] = []
         self._next = 0
 
@@ -111,6 +117,17 @@ class BlockTable:
             self.records[rec.slot] = rec
         self._next = max(self.records, default=-1) + 1
         self.give(s for s in range(self._next) if s not in self.records)
+
+
+@dataclass(frozen=True)
+class Picked:
+    """A block get's keys looked up under the index lock when ``table.changes`` was
+    ``changes``: (position, record) of each key found, and the get path's request for them."""
+
+    table: BlockTable
+    changes: int
+    picks: list
+    get: Get
 
 
 class Blocks:
@@ -151,9 +168,10 @@ class Blocks:
         self.counters["block_lookups"] += 1
         return {"found": found}
 
-    def get(self, req: BlockGet, session: Session) -> dict:
+    def get(self, req: BlockGet, session: Session, picked: Picked | None = None) -> dict:
         """Copy the blocks found to ``offset + i * block_bytes``; ``found`` per key, ``damaged``
-        the positions whose SSD copy failed its checksum (their bytes are not to be used)."""
+        the positions whose SSD copy failed its checksum (their bytes are not to be used).
+        ``picked``, from :meth:`in_dram`, is used where no key was stored or deleted since."""
         table = self.tables.get((session.uid, req.ns))
         if table is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no block namespace {req.ns}")
@@ -162,14 +180,15 @@ class Blocks:
             if self.tables.get((session.uid, req.ns)) is not table:
                 raise ProtocolError(ErrorCode.NOT_FOUND, f"no block namespace {req.ns} (deleted during this get)")
             with self.index.lock:
-                picks = []
-                for i, key in enumerate(req.keys):
-                    slot = table.slots.get(key)
-                    if slot is not None:
-                        table.slots.move_to_end(key)
-                        picks.append((i, table.records[slot]))
+                if picked is not None and picked.table is table and picked.changes == table.changes:
+                    picks, whole = picked.picks, picked.get
+                else:
+                    picks, whole = self._pick(table, req), None
+                for _, rec in picks:
+                    table.slots.move_to_end(rec.key)
+            picked = None  # a second try looks the keys up again
             try:
-                damaged = self._read(table, req, session, picks)
+                damaged = self._read(table, req, session, picks, whole)
             except ProtocolError as exc:
                 if exc.code != ErrorCode.NOT_FOUND:
                     raise
@@ -182,24 +201,33 @@ class Blocks:
             return {"found": found, "damaged": sorted(damaged)}
         raise ProtocolError(ErrorCode.BUSY, f"the blocks of {req.ns} were deleted under {GET_TRIES} tries of this get")
 
-    def in_dram(self, req: BlockGet, session: Session, max_bytes: int) -> bool:
-        """Whether ``req`` names at most ``max_bytes`` of blocks and every one of them found
-        sits in DRAM now (False where none is found, or :meth:`get` would refuse it). An
-        eviction after this answer only sends the get to the SSD for those blocks."""
+    def in_dram(self, req: BlockGet, session: Session, max_bytes: int) -> Picked | None:
+        """Where ``req`` names at most ``max_bytes`` of blocks and every one of them found sits
+        in DRAM now, its lookup, for :meth:`get`; None where none is found, or :meth:`get`
+        would refuse it. An eviction after this answer only sends the get to the SSD for
+        those blocks; a key stored or deleted after it makes :meth:`get` look them up again."""
         table = self.tables.get((session.uid, req.ns))
         if table is None or len(req.keys) * table.block_bytes > max_bytes:
-            return False
+            return None
         with self.index.lock:
-            picks = [(i, table.records[slot]) for i, key in enumerate(req.keys)
-                     if (slot := table.slots.get(key)) is not None]
-        return bool(picks) and self.gets.in_dram(self._get_of(table, req, picks), session, max_bytes)
+            picks, changes = self._pick(table, req), table.changes
+        if not picks:
+            return None
+        whole = self._get_of(table, req, picks)
+        return Picked(table, changes, picks, whole) if self.gets.in_dram(whole, session, max_bytes) else None
 
-    def _read(self, table: BlockTable, req: BlockGet, session: Session, picks: list) -> set[int]:
-        """Read ``picks`` into the client's buffer; the positions of those that are damaged."""
+    @staticmethod
+    def _pick(table: BlockTable, req: BlockGet) -> list[tuple[int, BlockRecord]]:
+        """(position, record) of each key of ``req`` the table holds (index lock held)."""
+        return [(i, table.records[slot]) for i, key in enumerate(req.keys) if (slot := table.slots.get(key)) is not None]
+
+    def _read(self, table: BlockTable, req: BlockGet, session: Session, picks: list, whole: Get | None) -> set[int]:
+        """Read ``picks`` (``whole``, where given, the get path's request for them all) into
+        the client's buffer; the positions of those that are damaged."""
         if not picks:
             return set()
         try:
-            self.gets.get(self._get_of(table, req, picks), session, blocks=True)
+            self.gets.get(self._get_of(table, req, picks) if whole is None else whole, session, blocks=True)
             return set()
         except DamagedBlockError:
             pass
@@ -311,6 +339,7 @@ class Blocks:
                 table.pending.pop(rec.key, None)
                 table.slots[rec.key] = rec.slot
                 table.records[rec.slot] = rec
+            table.changes += 1
         self.counters["blocks_stored"] += len(blocks)
 
     def _aborted(self, table: BlockTable, blocks: list[BlockRecord]) -> None:
@@ -350,6 +379,7 @@ class Blocks:
             self.index.clear_blocks(entry, lay, hed, cols)
             for rec in recs:
                 del table.slots[rec.key], table.records[rec.slot]
+            table.changes += 1
         table.give(slots)
         extents = [entry.extents.pop(off) for off in offs]
         key = (entry.owner, entry.ns)

@@ -299,18 +299,18 @@ class Server:
             session = self.sessions.find(env.session, peer_uid(body))
             check_deadline(env)
             if isinstance(req, (Get, BlockGet)):
-                gets = self.store.blocks if isinstance(req, BlockGet) else self.store
-                if gets.in_dram(req, session, INLINE_GET_BYTES):
+                inline, serve = self._get_call(req, session)
+                if inline:
                     # A DRAM-only get is a copy of a few MiB at most: served here, it saves
                     # two thread hand-offs (to a worker, and its reply back), about half of
                     # a small get's round trip on a busy host.
-                    reply = ok_reply(req_id, **gets.get(req, session))
+                    reply = ok_reply(req_id, **serve())
                     self.store.counters["gets_inline"] += 1
                     self._observe_get(time.perf_counter() - t0)  # before the reply: a scrape after it sees this get
                     self.replies.send([ident, *reply])
                 else:
                     self._in_flight[ident] += 1
-                    self._pool.submit(self._run, ident, env, lambda: gets.get(req, session), self._observe_get, t0)
+                    self._pool.submit(self._run, ident, env, serve, self._observe_get, t0)
             elif isinstance(req, (Put, Create, Delete, BlockPut, BlockDelete)):
                 self._in_flight[ident] += 1
                 self._writes.put(session.uid, session.token, (ident, env, session, t0))
@@ -324,6 +324,15 @@ class Server:
         except Exception as exc:  # keep serving everyone else; the client gets the reason
             log.exception("internal error on request %s", req_id)
             self.replies.send([ident, *self._error(req_id, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")])
+
+    def _get_call(self, req: Get | BlockGet, session: Session) -> tuple[bool, Callable[[], dict]]:
+        """Whether ``req`` is a get small enough and all in DRAM, to be served on this thread,
+        and the call that serves it. A block get's check looks its keys up, and the call starts
+        from that lookup rather than making it again on this thread."""
+        if isinstance(req, BlockGet):
+            picked = self.store.blocks.in_dram(req, session, INLINE_GET_BYTES)
+            return picked is not None, lambda: self.store.blocks.get(req, session, picked)
+        return self.store.in_dram(req, session, INLINE_GET_BYTES), lambda: self.store.get(req, session)
 
     def _error(self, req_id: int | None, code: ErrorCode, message: str) -> list:
         """An error reply's frames, counted by code (any thread)."""
