@@ -50,7 +50,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -374,37 +374,42 @@ if _IMPORT_ERROR is None:
         def _store(self, jobs: list[TransferJob]) -> list[tuple]:
             """Store jobs by one call (one lookup, puts of up to a staging slot each); each job's
             result, its share of the call's time by its blocks."""
-            keys = [list(job.keys) for job in jobs]
-            t0 = time.perf_counter()
-            ok = self.store.store([k for ks in keys for k in ks],
-                                  [self._rows[int(c)] for job in jobs for c in job.chunk_ids])
-            took = time.perf_counter() - t0
-            out, at, total = [], 0, max(1, len(ok))
-            for job, ks in zip(jobs, keys):
-                mine = ok[at: at + len(ks)]
-                at += len(ks)
-                stored = [k for k, good in zip(ks, mine) if good]
-                out.append((JobResult(job_id=job.job_id, success=all(mine), transfer_time=took * len(ks) / total,
+            def store(keys: list) -> list[bool]:
+                return self.store.store(keys, [self._rows[int(c)] for job in jobs for c in job.chunk_ids])
+
+            out = []
+            for job, stored, lost, took in self._by_job(jobs, store):
+                out.append((JobResult(job_id=job.job_id, success=not lost, transfer_time=took,
                                       transfer_bytes=len(stored) * self.block_size_bytes), stored, (), job))
             return out
 
         def _load(self, jobs: list[TransferJob]) -> list[tuple]:
             """Load jobs by one call; each job's result, its share of the call's time by its blocks."""
+            def load(keys: list) -> list[bool]:
+                return self.store.load_rows(keys, self._rows, (int(c) for job in jobs for c in job.chunk_ids))
+
+            out = []
+            for job, loaded, lost, took in self._by_job(jobs, load):
+                result = JobResult(job_id=job.job_id, success=not lost, successful_keys=None if not lost else loaded,
+                                   transfer_time=took, transfer_bytes=len(loaded) * self.block_size_bytes)
+                out.append((result, loaded, lost, job))
+            return out
+
+        @staticmethod
+        def _by_job(jobs: list[TransferJob], move: Callable[[list], list[bool]]) -> list[tuple]:
+            """Run ``move`` once on all the jobs' keys, in order; per job, (job, its keys moved,
+            those not, its share of the call's time by its blocks)."""
             keys = [list(job.keys) for job in jobs]
             t0 = time.perf_counter()
-            ok = self.store.load_rows([k for ks in keys for k in ks], self._rows,
-                                      (int(c) for job in jobs for c in job.chunk_ids))
+            ok = move([k for ks in keys for k in ks])
             took = time.perf_counter() - t0
             out, at, total = [], 0, max(1, len(ok))
             for job, ks in zip(jobs, keys):
                 mine = ok[at: at + len(ks)]
                 at += len(ks)
-                loaded = [k for k, good in zip(ks, mine) if good]
-                lost = [k for k, good in zip(ks, mine) if not good]
-                result = JobResult(job_id=job.job_id, success=not lost, successful_keys=None if not lost else loaded,
-                                   transfer_time=took * len(ks) / total,
-                                   transfer_bytes=len(loaded) * self.block_size_bytes)
-                out.append((result, loaded, lost, job))
+                done = [k for k, good in zip(ks, mine) if good]
+                failed = [k for k, good in zip(ks, mine) if not good]
+                out.append((job, done, failed, took * len(ks) / total))
             return out
 
 else:
