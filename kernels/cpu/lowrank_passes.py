@@ -52,8 +52,10 @@ def _pass_source(bits: int, hc: int) -> str:
     lines.append("    for t in range(t1 - t0):")
     lines += [f"        y{i} = np.int32(a{i}[t])" for i in range(_PASS_ROWS[bits])]
     for k, (i, left, right) in enumerate(chans):
-        widened = f"y{i}" if left == 24 and right == 24 else (
-            f"(y{i} >> np.int32({right - 24}))" if left == 24 else f"(np.int32(y{i} << np.int32({left})) >> np.int32({right}))")
+        if left == 24:
+            widened = f"y{i}" if right == 24 else f"(y{i} >> np.int32({right - 24}))"
+        else:  # within the byte: its channel to the top, then down, so LLVM keeps the shifts in 16-bit lanes
+            widened = f"(np.int32(np.int8(y{i} << np.int32({left - 24}))) >> np.int32({right - 24}))"
         lines.append(f"        x{k} = np.float32({widened})" if bits == 8 else f"        x{k} = np.int16({widened})")
     for j in heads:
         if bits == 8:
