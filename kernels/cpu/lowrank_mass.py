@@ -36,6 +36,30 @@ def _lowrank_weights(query, qproj, scale, scaling, b, h, w):  # pragma: no cover
 
 
 @numba.njit(nogil=True, cache=True, inline="always", fastmath=_LOWRANK_FASTMATH, error_model="numpy")
+def _weight_sums(lg, m, pages, s_n, sums):  # pragma: no cover - compiled
+    """Each of ``pages`` pages' softmax weights summed against a finite ``m``, from base-2 logits
+    ``lg`` (-inf: padding) into ``sums`` (which may be ``lg``: page p's sum is written after its
+    tokens, from token p * s_n on, are read); returns their total."""
+    total = np.float32(0.0)
+    if s_n == _PAGE16:  # a fixed-length inner loop: one vector sum per page
+        for p in range(pages):
+            base = p * _PAGE16
+            part = np.float32(0.0)
+            for j in range(_PAGE16):
+                part += _exp2_nonpos(lg[base + j] - m)
+            sums[p] = part
+            total += part
+    else:
+        for p in range(pages):
+            part = np.float32(0.0)
+            for t in range(p * s_n, (p + 1) * s_n):
+                part += _exp2_nonpos(lg[t] - m)
+            sums[p] = part
+            total += part
+    return total
+
+
+@numba.njit(nogil=True, cache=True, inline="always", fastmath=_LOWRANK_FASTMATH, error_model="numpy")
 def _page_sums(logits, top, g_n, p_n, s_n, out):  # pragma: no cover - compiled
     """Estimated mass of pages [0, p_n) into ``out`` (callers take the log), from each query
     head's base-2 logits ``logits[g, :p_n*S]`` (-inf: padding) and their maxima ``top[g]``.
@@ -49,25 +73,8 @@ def _page_sums(logits, top, g_n, p_n, s_n, out):  # pragma: no cover - compiled
         out[:p_n] = 0.0
         return
     for g in range(g_n):
-        m = top[g]
         lg = logits[g]
-        total = np.float32(0.0)
-        if s_n == _PAGE16:  # a fixed-length inner loop: one vector sum per page
-            for p in range(p_n):
-                base = p * _PAGE16
-                part = np.float32(0.0)
-                for j in range(_PAGE16):
-                    part += _exp2_nonpos(lg[base + j] - m)
-                lg[p] = part
-                total += part
-        else:
-            for p in range(p_n):
-                part = np.float32(0.0)
-                for t in range(p * s_n, (p + 1) * s_n):
-                    part += _exp2_nonpos(lg[t] - m)
-                lg[p] = part
-                total += part
-        top[g] = np.float32(1.0) / total  # top now holds each head's normaliser
+        top[g] = np.float32(1.0) / _weight_sums(lg, top[g], p_n, s_n, lg)  # top now holds each head's normaliser
     inv0 = top[0]
     first = logits[0]
     for p in range(p_n):

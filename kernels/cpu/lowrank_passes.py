@@ -7,7 +7,7 @@ import numba
 import numpy as np
 
 from kvdrive.kernels.cpu.common import _LOWRANK_FASTMATH, _fmax
-from kvdrive.kernels.cpu.lowrank_mass import _page_sums
+from kvdrive.kernels.cpu.lowrank_mass import _weight_sums
 
 # Other layouts: passes over a tile of tokens, each over a few code rows of one kind (4 int8
 # rows, 4 int4 rows or 2 int2 rows: 4, 8 or 8 channels) for up to 4 query heads at once.
@@ -39,14 +39,14 @@ def _pass_channels(bits: int) -> list[tuple[int, int, int]]:
 def _pass_source(bits: int, hc: int) -> str:
     """Source of ``_pass<bits>_<hc>(ws, g0, s0, c, r0, t0, t1, out)``: query heads ``g0 .. g0 + hc - 1``
     add the channels of code rows ``r0 ..``, weights in slots ``s0 ..`` of ``ws``, for tokens
-    ``t0 .. t1 - 1``: int8 rows in float32 to ``out[:, t0:t1]`` (the logits), int4 and int2
-    rows in int16 to ``out[:, :t1 - t0]`` (:func:`_slot_weights`)."""
+    ``t0 .. t1 - 1``, to ``out[:, :t1 - t0]``: int8 rows in float32 (the tile's logits), int4 and
+    int2 rows in int16 (:func:`_slot_weights`)."""
     chans, heads = _pass_channels(bits), range(hc)
     name = f"_pass{bits}_{hc}"
     lines = [f"def {name}(ws, g0, s0, c, r0, t0, t1, out):", "    last = c.shape[0] - 1"]
     lines += [f"    a{i} = c[min(r0 + {i}, last), t0:t1]" for i in range(_PASS_ROWS[bits])]
     for j in heads:
-        lines.append(f"    l{j} = out[g0 + {j}, t0:t1]" if bits == 8 else f"    l{j} = out[g0 + {j}, : t1 - t0]")
+        lines.append(f"    l{j} = out[g0 + {j}, : t1 - t0]")
         lines += [f"    w{j}_{k} = ws[g0 + {j}, s0 + {k}]" if bits == 8 else f"    w{j}_{k} = np.int32(ws[g0 + {j}, s0 + {k}])"
                   for k in range(len(chans))]
     lines.append("    for t in range(t1 - t0):")
@@ -166,26 +166,39 @@ def _passes_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, ws,
 
     ``w`` ``[G, R]``: base-2 logit weights (:func:`.lowrank_mass._lowrank_weights`). ``codes``:
     rows as :func:`reference.pack_lowrank_codes` lays them out, the first ``wide`` channels
-    int8, the last ``narrow`` int2, the others int4. Scratch: ``logits`` ``[G, >= p_n*S]``,
-    ``ws`` ``[G, R + _SLOT_SPARE]``, ``top`` ``[G]``.
+    int8, the last ``narrow`` int2, the others int4. Scratch: ``logits`` ``[G, >= p_n*S]``
+    (a tile's worth is used), ``ws`` ``[G, R + _SLOT_SPARE]``; ``top`` is the fused layout's
+    scratch, unused here.
+
+    A tile of whole pages at a time: its logits by the passes (see _PASS_ROWS), then, while
+    they are still in L1, each page's softmax weights summed against the tile's own max.
+    The tiles' sums are brought to each head's overall max once all are done
+    (:func:`_tile_sums_to_mass`). Summing after all the logits were written, as the fused
+    layout does, wrote and read back 4 bytes a token and query head: 256 KiB a call at
+    Gemma 3's 16K tokens, which the model's layers have pushed out of the caches by the
+    next call.
     """
     g_n, r_n = w.shape
     t_n = p_n * s_n
     c = codes[b, h]
     ok = valid[b]
-    top[:] = -np.inf
     rows4 = (r_n - wide - narrow + 1) // 2
     rows2 = (narrow + 3) // 4
     s4, s2, _ = _pass_slots(r_n, wide, narrow)
+    tile = max(1, _PASS_TILE // s_n) * s_n  # whole pages
+    n_tiles = -(-t_n // tile)
     wq = np.empty((g_n, r_n + _SLOT_SPARE), np.int16)
-    acc = np.empty((g_n, _PASS_TILE), np.int16)
+    acc = np.empty((g_n, tile), np.int16)
     inv = np.empty(g_n, np.float32)
+    tmax = np.empty((g_n, n_tiles), np.float32)  # each tile's max logit per head
+    tsum = np.empty((g_n, n_tiles), np.float32)  # its page sums' total
+    psum = np.empty((g_n, p_n), np.float32)  # each page's sum against its tile's max
     _slot_weights(w, wide, narrow, ws, wq, inv)
-    # The logits a tile at a time, by passes over a few code rows each (see _PASS_ROWS).
-    for t0 in range(0, t_n, _PASS_TILE):
-        t1 = min(t_n, t0 + _PASS_TILE)
+    for i in range(n_tiles):
+        t0 = i * tile
+        t1 = min(t_n, t0 + tile)
         n = t1 - t0
-        logits[:, t0:t1] = 0.0
+        logits[:, :n] = 0.0
         acc[:, :n] = 0
         g0 = 0
         while g0 < g_n:
@@ -194,13 +207,54 @@ def _passes_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, ws,
             g0 += hc
         okt = ok[t0:t1]
         for g in range(g_n):
-            lg = logits[g, t0:t1]
+            lg = logits[g, :n]
             iq = acc[g]
             step = inv[g]
-            m = top[g]
-            for t in range(n):  # the int16 sums, padding to -inf and the running max, in one vectorised pass
+            m = np.float32(-np.inf)
+            for t in range(n):  # the int16 sums, padding to -inf and the tile's max, in one vectorised pass
                 v = lg[t] + np.float32(iq[t]) * step if okt[t] else np.float32(-np.inf)
                 lg[t] = v
                 m = _fmax(m, v)
-            top[g] = m
-    _page_sums(logits, top, g_n, p_n, s_n, out)
+            tmax[g, i] = m
+            if m == -np.inf:  # a tile of padding
+                psum[g, t0 // s_n : t1 // s_n] = 0.0
+                tsum[g, i] = 0.0
+            else:
+                tsum[g, i] = _weight_sums(lg, m, n // s_n, s_n, psum[g, t0 // s_n :])
+    _tile_sums_to_mass(psum, tmax, tsum, tile // s_n, p_n, out)
+
+
+@numba.njit(nogil=True, cache=True, fastmath=_LOWRANK_FASTMATH, error_model="numpy")
+def _tile_sums_to_mass(psum, tmax, tsum, per_tile, p_n, out):  # pragma: no cover - compiled
+    """Pages' masses summed over the query heads into ``out``, from their sums against their
+    tile's max (``psum`` ``[G, P]``, ``tmax`` and ``tsum`` ``[G, tiles]``): each tile's sums
+    scaled by 2**(its max - the head's max), over the head's total. Validity is per token, so
+    either every head has a finite max or none.
+
+    A page whose share would fall below float32's smallest normal number counts as none, as
+    a token does in a single pass (:func:`.common._exp2_nonpos`): nothing here computes with
+    subnormals, which cost a microcode assist each (a call of wide logits took 2.5 times as long).
+    """
+    g_n, n_tiles = tmax.shape
+    out[:p_n] = 0.0
+    tiny = np.float32(1.1754944e-38)
+    for g in range(g_n):
+        m = np.float32(-np.inf)
+        for i in range(n_tiles):
+            m = _fmax(m, tmax[g, i])
+        if m == -np.inf:
+            continue
+        total = np.float32(0.0)
+        for i in range(n_tiles):  # a tile of padding, or one 2**126 below the max, counts 0
+            d = tmax[g, i] - m
+            tmax[g, i] = np.exp2(d) if d >= -126 else np.float32(0.0)
+            total += tmax[g, i] * tsum[g, i]
+        for i in range(n_tiles):
+            f = tmax[g, i] / total
+            if f < tiny:
+                continue
+            floor = tiny / f  # a page's sum below it would give a subnormal share
+            for p in range(i * per_tile, min(p_n, (i + 1) * per_tile)):
+                v = psum[g, p]
+                if v >= floor:
+                    out[p] += v * f

@@ -262,3 +262,37 @@ def test_lowrank_scores_match_a_numpy_reference_within_the_int16_weights_bound(s
     err = np.abs(got[fin] - expect[fin])
     assert err.max() <= bound
     assert err.mean() <= 1e-3  # rounding errors of many weights mostly cancel: far below the worst case
+
+
+def test_lowrank_scores_over_tiles_far_below_the_max():
+    """The passes sum each tile's pages against the tile's own max and scale the sums to the
+    head's max afterwards: a tile 60 nats below the max keeps its pages' scores, one 100 nats
+    below (under float32's normal range, 2**-126) scores -inf as a single pass over its tokens
+    would, and padding stays -inf."""
+    R, G, S = 4, 2, 16
+    layout = ref.SketchLayout(R, R, 0)  # int8 channels only: a logit is the weight times the code
+    tile = cpu._PASS_TILE
+    t = 3 * tile + 5 * S
+    rng = np.random.default_rng(7)
+    values = np.zeros((1, 1, R, t), np.int8)
+    values[0, 0, 0] = rng.integers(0, 11, t)  # logits 0..10
+    values[0, 0, 0, :tile] = -60  # tile 0: 60 nats below
+    values[0, 0, 0, tile : 2 * tile] = -100  # tile 1: 100 nats below
+    query = np.zeros((1, 1, G, R), np.float32)
+    query[0, 0, :, 0] = [1.0, 0.9]
+    qproj = np.eye(R, dtype=np.float16)[None, None]
+    scale = np.ones((1, 1, R), np.float32)
+    valid = np.ones((1, t), bool)
+    valid[0, -S:] = False  # the last page is padding
+    codes = ref.pack_lowrank_codes(torch.from_numpy(values), layout)
+    got = cpu.lowrank_scores(torch.from_numpy(query), torch.from_numpy(qproj), torch.from_numpy(scale), 1.0, codes,
+                             torch.from_numpy(valid), t // S, S, layout).numpy()[0, 0]
+    expect, _ = _numpy_lowrank_scores(query, qproj, scale, 1.0, values, valid, S)
+    expect = expect[0, 0]
+    per_tile = tile // S
+    far = slice(per_tile, 2 * per_tile)
+    assert np.all(got[far] == -np.inf)  # 2**-144 of the max: none, as a token's weight under 2**-126 is
+    assert np.isneginf(got[-1])
+    kept = np.r_[0:per_tile, 2 * per_tile : t // S - 1]
+    assert np.all(np.isfinite(got[kept]))
+    assert np.abs(got[kept] - expect[kept]).max() < 1e-3
