@@ -28,8 +28,8 @@ def fitted_layout(requested: ref.SketchLayout, head_dim: int) -> ref.SketchLayou
 class LowRankIndex(Selector):
     """Every key kept as a rank-``rank`` sketch fitted to the queries; pages ranked by estimated mass.
 
-    Fitting, per (row, KV head), at prefill: the prefill queries' second moment
-    ``C = E[q q^T]`` gives ``A = C^(1/2)``; the top ``rank`` eigenvectors ``U`` of
+    Fitting, per (row, KV head), at prefill: the second moment of the prompt's last
+    ``FIT_QUERIES`` queries ``C = E[q q^T]`` gives ``A = C^(1/2)``; the top ``rank`` eigenvectors ``U`` of
     ``A^T K^T K A`` span the directions that carry most of ``q . k`` for queries like
     those. A key is kept as ``z = U^T A k`` with one scale per channel, a query maps to
     ``U^T A^-1 q``, and ``q . k ~ (U^T A^-1 q) . z``. The channels come in order of the
@@ -56,6 +56,14 @@ class LowRankIndex(Selector):
 
     RIDGE = 1e-3  # query moments below this fraction of the largest are lifted to it (A stays invertible)
     FIT_TOKENS = 4096  # keys used to fit the projection (evenly strided when the prompt is longer)
+    # Queries whose second moment whitens the fit: the prompt's last ones, which the decode's
+    # are most like (under rotary embeddings a query's slow channels turn with its position,
+    # so the early prompt's point elsewhere). On SmolLM2 at 7K tokens and a 3.125% budget,
+    # the chosen pages' share of the oracle's attention mass rose by 0.01-0.02 on each of the
+    # corpus windows tried against a fit to all of them (128 to 1024 did about as well; 2048
+    # less); over all 15 corpus windows the worst one's loss went from +0.25 to +0.17 nats
+    # at 3.125% and from +0.13 to +0.09 at 6.25%.
+    FIT_QUERIES = 512
 
     def __init__(self, page_size: int, scaling: float, layout: ref.SketchLayout = DEFAULT_LAYOUT,
                  pages_per_cluster: int = 8, kernels: Kernels | None = None) -> None:
@@ -81,7 +89,7 @@ class LowRankIndex(Selector):
             stride = max(1, (t - start) // self.FIT_TOKENS)
             q = None
             if query is not None and q_at < t:
-                q0 = max(q_at, first[row])
+                q0 = max(q_at, first[row], t - self.FIT_QUERIES)
                 q = (query[row, :, :, q0 - q_at :], valid[row, q0:])
             k = keys[row, :, start::stride].float() * valid[row, start::stride, None]
             kp, qp = self._fit_row(k, q, r)

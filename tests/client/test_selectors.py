@@ -168,6 +168,38 @@ def test_lowrank_fits_the_directions_the_queries_use():
     assert found(unfitted) < found(fitted)
 
 
+def test_lowrank_fits_the_prompts_last_queries():
+    # The prompt's early queries read the first half of the dims, its last FIT_QUERIES (and
+    # the decode's) the second half, where the relevant pages stand out: the fit whitens by
+    # the last ones only, so it finds those pages, and the early queries change nothing.
+    g = torch.Generator().manual_seed(8)
+    t, last = P * S, LowRankIndex.FIT_QUERIES
+    assert last < t
+    keys = torch.randn(B, H, t, D, generator=g) * 0.2
+    keys[..., : D // 2] *= 20.0
+    query = torch.randn(B, H, G, t, D, generator=g)
+    query[..., : t - last, D // 2 :] = 0.0
+    query[..., : t - last, : D // 2] *= 10.0
+    query[..., t - last :, : D // 2] = 0.0
+    direction = torch.randn(B, H, D // 2, generator=g)
+    direction /= direction.norm(dim=-1, keepdim=True)
+    query[..., t - last :, D // 2 :] += 3.0 * direction[:, :, None, None]
+    hot = torch.randperm(P - 2, generator=g)[:4] + 1
+    for p in hot.tolist():
+        keys[:, :, p * S : (p + 1) * S, D // 2 :] += 1.5 * direction[:, :, None]
+    valid = torch.ones(B, t, dtype=torch.bool)
+    selectable = torch.ones(B, P, dtype=torch.bool)
+    fitted, other = (LowRankIndex(S, D**-0.5, SketchLayout(4, 0, 0)) for _ in range(2))
+    fitted.build(keys, valid, query)
+    early = query.clone()
+    early[..., : t - last, :] = torch.randn(B, H, G, t - last, D, generator=g) * 100.0
+    other.build(keys, valid, early)
+    assert torch.equal(fitted.kproj, other.kproj) and torch.equal(fitted.qproj, other.qproj)
+    step = query[:, :, :, -1]
+    chosen = fitted.select(step, selectable, 4)[0].reshape(-1, 4)
+    assert sum(len(set(hot.tolist()) & set(r.tolist())) for r in chosen) == 4 * B * H
+
+
 def test_lowrank_added_pages_are_encoded_like_built_ones():
     keys, query, _ = planted(7)
     valid = torch.ones(B, P * S, dtype=torch.bool)
