@@ -61,7 +61,9 @@ class AttachConfig:
         keeps every key (measurement only).
     reuse: keep each prompt's complete pages in the store under a name derived from
         the model and the tokens; a later generate() on the same prompt loads them
-        instead of running prefill over them (also after a daemon restart).
+        instead of running prefill over them (also after a daemon restart), all but
+        those of the last tokens whose queries the prefill reads (the index's fit,
+        ``obs_window``): the reused prompt decodes as the fresh one.
     keep: keep the session's own store sequences (decode pages) after generate().
     kernels: which kernels select, place and attend: ``auto`` (the compiled CPU kernels
         on the CPU, the torch references elsewhere), ``cpu`` or ``reference`` (the torch

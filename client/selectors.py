@@ -35,6 +35,7 @@ class Selector(ABC):
     """Index of one layer's pages. ``query`` is always ``[B, H, G, D]``."""
 
     kind: IndexKind
+    FIT_QUERIES = 0  # the prompt's last queries :meth:`build` fits itself to (0: it reads none)
 
     def __init__(self, page_size: int, kernels: Kernels | None = None) -> None:
         self.page_size = page_size
@@ -69,7 +70,6 @@ class Selector(ABC):
 
     def _top(self, scores: torch.Tensor, selectable: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return ref.topk_pages(scores.masked_fill(~selectable[:, None, : self.num_pages], ref.NEG_INF), k)
-
 
     def select_and_score(self, query: torch.Tensor, selectable: torch.Tensor, k: int,
                          cached: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

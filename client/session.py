@@ -130,18 +130,25 @@ class Session(SessionView):
         with self.decode_threads():
             finish_layer(self.ctx, self.io, layer, query, self.valid)
 
-    def try_restore(self, names: list[str], prefix_pages: int, shift: int = 0) -> bool:
+    def try_restore(self, names: list[str], prefix_pages: int, shift: int = 0, restore_pages: int | None = None) -> bool:
         """Use the stored prefix pages of every row, if all are there; else store them at prefill.
 
         ``shift``: :meth:`prompt_shift` of the prompt; the stored pages begin with it, so
-        a prefix is only the same one for a prompt of the same shift (the names say so)."""
+        a prefix is only the same one for a prompt of the same shift (the names say so).
+        ``restore_pages`` (default: all ``prefix_pages``): how many of them to load; the model
+        runs over the prompt's tokens after them."""
         self.shift = shift
-        if not self.io.try_restore(names, prefix_pages):
+        restore = prefix_pages if restore_pages is None else restore_pages
+        if not self.io.try_restore(names, prefix_pages, restore):
+            if self.io.base_names is None and prefix_pages:
+                log.info("not reusing the %d stored prompt pages of %d sequence(s): the prefill reads the "
+                         "queries of more of the prompt than the tokens after them", prefix_pages, len(names))
             return False
+        restore = self.io.base_pages
         for ls in self.ctx.layers:
-            ls.num_tokens = prefix_pages * self.cfg.page_size
-        self.stats["restored_pages"] += prefix_pages * len(names)
-        log.info("reusing %d stored prompt pages of %d sequence(s)", prefix_pages, len(names))
+            ls.num_tokens = restore * self.cfg.page_size
+        self.stats["restored_pages"] += restore * len(names)
+        log.info("reusing %d of %d stored prompt pages of %d sequence(s)", restore, prefix_pages, len(names))
         return True
 
     # ------------------------------------------------------------ decode

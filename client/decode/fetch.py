@@ -67,8 +67,10 @@ class StoreIO:
         if self.base_names is not None and not self.restored:
             self.base_seqs = [self.store.create(cfg.namespace, n, self.geometry, exist_ok=True) for n in self.base_names]
 
-    def try_restore(self, names: list[str], prefix_pages: int) -> bool:
-        """Use the stored prefix pages of every row, if all are there; else store them at prefill."""
+    def try_restore(self, names: list[str], prefix_pages: int, restore_pages: int) -> bool:
+        """Use the first ``restore_pages`` of every row's ``prefix_pages`` stored prefix pages, if
+        all are there; else store the ``prefix_pages`` at prefill. A prefix stored already of
+        which no page is to be restored is left as it is."""
         self.base_names, self.base_pages = names, prefix_pages
         if prefix_pages == 0:
             return False
@@ -78,7 +80,10 @@ class StoreIO:
             return False
         if any(seq.geometry != self.geometry or seq.complete_pages < prefix_pages for seq in seqs):
             return False
-        self.base_seqs = seqs
+        if restore_pages <= 0:
+            self.base_names, self.base_pages = None, 0
+            return False
+        self.base_seqs, self.base_pages = seqs, min(restore_pages, prefix_pages)
         self.restored = True
         return True
 

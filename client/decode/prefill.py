@@ -24,6 +24,15 @@ def selector_options(cfg: AttachConfig, head_dim: int) -> dict:
     return {}
 
 
+def prefill_queries(cfg: AttachConfig) -> int:
+    """How many of the prompt's last tokens' queries a prefill reads: the importance's
+    ``obs_window`` and, for an index that fits itself to the queries, its fit's. A reused
+    prompt runs at least these through the model, so that its index and cache seed are a
+    fresh prompt's."""
+    fit = make_selector(cfg.index, cfg.page_size, 1.0).FIT_QUERIES
+    return max(cfg.obs_window, fit)
+
+
 def importance(ctx: Context, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, num_pages: int) -> torch.Tensor:
     """SnapKV-style: attention of the last prompt tokens, summed per page and KV head ``[B, H, P]``."""
     sh = ctx.shape

@@ -13,7 +13,7 @@ def run(model, ids, new=12):
 
 def test_second_generate_reuses_stored_prompt_pages_across_a_restart(daemon_factory, make_tiny):
     model = make_tiny("llama", layers=2)
-    ids = torch.randint(1, 512, (1, 203), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(1, 512, (1, 1000), generator=torch.Generator().manual_seed(7))
     ref = run(model, ids)
     d = daemon_factory().start()
     with d.client() as store:
@@ -32,10 +32,11 @@ def test_second_generate_reuses_stored_prompt_pages_across_a_restart(daemon_fact
         s2 = handle.stats()
         handle.detach()
     assert torch.equal(first.sequences, ref.sequences) and torch.equal(second.sequences, ref.sequences)
-    assert s1["prefill_tokens"] == 203 and "restored_pages" not in s1
-    # Pages end where the prompt does: 5 tokens of KVDrive's padding, then the 203. All but the
-    # last of the 13 pages come from the store (187 tokens); the last page runs through the model.
-    assert s2["restored_pages"] == 12 and s2["prefill_tokens"] == 16
+    assert s1["prefill_tokens"] == 1000 and "restored_pages" not in s1
+    # Pages end where the prompt does: 8 tokens of KVDrive's padding, then the 1000. The first
+    # 62 of the 63 pages were stored; the last 512 tokens, whose queries the low-rank index
+    # fits itself to, run through the model again: 31 pages come from the store.
+    assert s2["restored_pages"] == 31 and s2["prefill_tokens"] == 512
     assert max((a - b).abs().max().item() for a, b in zip(second.logits, ref.logits)) < 1e-4
 
 
@@ -54,3 +55,36 @@ def test_a_different_prompt_does_not_reuse(daemon, make_tiny):
         assert len(store.list("kvdrive")) == 2
     assert "restored_pages" not in stats
     assert torch.equal(out.sequences, run(model, b, new=4).sequences)
+
+
+def test_a_reused_prompt_decodes_as_the_fresh_one(smollm2, license_ids, daemon):
+    # At a low budget the chosen pages depend on the index's fit to the prompt's last
+    # queries and on the cache's seed: a reused prompt must get the fresh prompt's.
+    model, _ = smollm2
+    ids = license_ids[None, 2000:3100]
+    with daemon.client() as store:
+        handle = attach(model, store, budget=0.125, reuse=True)
+        fresh = run(model, ids, new=12)
+        reused = run(model, ids, new=12)
+        stats = handle.stats()
+        handle.detach()
+    assert torch.equal(reused.sequences, fresh.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(reused.logits, fresh.logits)) < 1e-3
+    # 4 tokens of padding, then the 1100; the last 512 run through the model.
+    assert stats["restored_pages"] == (1100 + 4 - 512) // 16
+
+
+def test_a_prompt_shorter_than_the_fit_runs_in_full_and_keeps_its_stored_pages(daemon, make_tiny):
+    model = make_tiny("qwen2")
+    ids = torch.randint(1, 512, (1, 150), generator=torch.Generator().manual_seed(5))
+    with daemon.client() as store:
+        handle = attach(model, store, budget=0.5, reuse=True)
+        first = run(model, ids, new=4)
+        kept = store.list("kvdrive")
+        second = run(model, ids, new=4)
+        stats = handle.stats()
+        handle.detach()
+        assert store.list("kvdrive") == kept and len(kept) == 1  # stored by the first, left as it was
+    # Its last 512 tokens' queries are all of it: nothing is loaded, the prompt runs again.
+    assert "restored_pages" not in stats and stats["prefill_tokens"] == 300
+    assert torch.equal(second.sequences, first.sequences)

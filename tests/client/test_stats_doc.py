@@ -21,7 +21,8 @@ def real_stats(model) -> tuple[dict, dict]:
     """Handle.stats() and StoreClient.stats() after decoding that counts every common figure: misses
     served from DRAM and SSD (a DRAM tier smaller than the KV), pages completed while decoding, a
     prompt reused from the store."""
-    ids = torch.randint(0, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(0))
+    # 600 tokens: a reused prompt runs its last 512 through the model (the index fits their queries).
+    ids = torch.randint(0, model.config.vocab_size, (1, 600), generator=torch.Generator().manual_seed(0))
     with connect(None, dram="64K", ssd_max="64M") as store:
         handle = attach(model, store, budget=0.25, cache_multiplier=1, reuse=True)
         try:
