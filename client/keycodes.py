@@ -6,7 +6,8 @@ import torch
 
 from kvdrive.kernels import Kernels
 from kvdrive.kernels import reference as ref
-from kvdrive_client.selectors import IndexKind, Selector, _grow
+from kvdrive_client.index_kind import IndexKind
+from kvdrive_client.selector_base import Selector, _grow
 
 ROTATION_SEED = 0x6B76  # the same rotation for every layer, head and run: codes compare across runs
 

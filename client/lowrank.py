@@ -8,7 +8,8 @@ import torch
 
 from kvdrive.kernels import Kernels
 from kvdrive.kernels import reference as ref
-from kvdrive_client.selectors import IndexKind, Selector, _grow
+from kvdrive_client.index_kind import IndexKind
+from kvdrive_client.selector_base import Selector, _grow
 
 
 # The default at head dim 64 (AttachConfig.lowrank_layout scales it with the head dim).

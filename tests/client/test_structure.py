@@ -6,7 +6,7 @@ from pathlib import Path
 
 CLIENT = Path(__file__).resolve().parents[2] / "client"
 # What runs a decode step: the cache hooks, the session and its stages, selection, the device cache.
-DECODE_PATH = ["hooks.py", "handle.py", "architecture.py", "engine.py", "session.py", "device_cache.py", "selectors.py", "lowrank.py",
+DECODE_PATH = ["hooks.py", "handle.py", "architecture.py", "engine.py", "session.py", "device_cache.py", "selectors.py", "selector_base.py", "lowrank.py",
                *[f"decode/{p.name}" for p in sorted((CLIENT / "decode").glob("*.py"))]]
 
 
@@ -50,3 +50,28 @@ def test_no_device_branches_in_the_decode_path():
     hits = [f"{p}:{i}" for p in DECODE_PATH for i, line in enumerate((CLIENT / p).read_text().splitlines(), 1)
             if re.search(r"\.type\s*[!=]=|device\.type", line)]
     assert not hits, hits
+
+
+def test_every_client_module_imports_first():
+    """Each module imports in an interpreter that has imported no other client module (an
+    import cycle fails only for the module a user happens to import first)."""
+    import subprocess
+    import sys
+
+    names = sorted("kvdrive_client." + ".".join(p.relative_to(CLIENT).with_suffix("").parts)
+                   for p in CLIENT.rglob("*.py") if p.name != "__init__.py")
+    script = (
+        "import importlib, sys\n"
+        "failed = []\n"
+        f"for name in {names!r}:\n"
+        "    for m in [m for m in sys.modules if m.startswith('kvdrive_client')]:\n"
+        "        del sys.modules[m]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ImportError as e:\n"
+        "        failed.append(f'{name}: {e}')\n"
+        "print('\\n'.join(failed))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert not out.stdout.strip(), out.stdout
