@@ -259,6 +259,10 @@ def attach(model, store: str | StoreClient | None = None, *, dram: str = "256M",
         log.info("%d of %d layers attend over a sliding window (%s tokens): their KV stays on the device, the %d "
                  "global layers decode through KVDrive", len(kinds) - shape.num_layers, len(kinds),
                  "/".join(map(str, sliding)), shape.num_layers)
+    if sliding and cfg.reuse:
+        raise ValueError(f"reuse=True: this model's sliding-window layers ({len(kinds) - shape.num_layers} of "
+                         f"{len(kinds)}) keep their KV in transformers' own cache, not in the store, so a reused "
+                         "prompt would decode with their windows empty; attach it with reuse=False")
     if shape.num_layers == 0:
         log.warning("every layer of this model attends over a sliding window: its KV never outgrows the window and "
                     "stays on the device; KVDrive stores nothing for it")

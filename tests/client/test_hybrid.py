@@ -109,3 +109,11 @@ def test_attention_logit_softcapping_is_refused_with_a_reason():
     model.config.attn_logit_softcapping = 50.0
     with pytest.raises(UnsupportedModelError, match="caps attention logits"):
         attach(model, store="ipc:///nonexistent/kvstored.sock")
+
+
+def test_reuse_is_refused_where_sliding_window_layers_keep_their_own_kv():
+    # Their windows live in transformers' own cache layers, not in the store: a reused prompt
+    # would start them empty (a tiny Gemma 3 with a 1,000-token window, 1,200-token prompt:
+    # greedy tokens changed at budget 1.0).
+    with pytest.raises(ValueError, match="sliding-window layers .1 of 2. keep their KV"):
+        attach(hybrid("gemma3", [S, F]), store="ipc:///nonexistent/kvstored.sock", reuse=True)
