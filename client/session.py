@@ -35,6 +35,7 @@ from kvdrive_client.decode.prefill import finish_layer
 from kvdrive_client.decode.state import Context, LayerState, ModelShape, Observer, StepPlan
 from kvdrive_client.decode.tuning import START_MULTIPLIER, Tuning
 from kvdrive_client.decode.view import SessionView
+from kvdrive_client.errors import ChecksumError, StoreError
 from kvdrive_client.store import StoreClient
 from kvdrive_client.timeline import Timeline
 
@@ -86,7 +87,10 @@ class Session(SessionView):
             if ls.prefill is not None:
                 raise RuntimeError("KVDrive prefill runs once per session")
             if self.io.restored:  # the stored prefix holds the shift already
-                past_k, past_v = self.io.load_prefix(layer)
+                try:
+                    past_k, past_v = self.io.load_prefix(layer)
+                except ChecksumError as exc:
+                    self._drop_prefix(exc)
                 keys, values = torch.cat([past_k, key], dim=2), torch.cat([past_v, value], dim=2)
                 key, value = keys[:, :, self.shift :], values[:, :, self.shift :]
             else:
@@ -150,6 +154,18 @@ class Session(SessionView):
         self.stats["restored_pages"] += restore * len(names)
         log.info("reusing %d of %d stored prompt pages of %d sequence(s)", restore, prefix_pages, len(names))
         return True
+
+    def _drop_prefix(self, exc: ChecksumError) -> None:
+        """A reused prompt's stored pages failed their checksum: delete them (what the prompt
+        computes, kept; not data of its own) so that the next generate() prefills it and
+        stores it again, and raise: this one has run past its prefill."""
+        for seq in self.io.base_seqs:
+            try:
+                self.io.store.delete(seq.ns, seq.name)
+            except StoreError as err:
+                log.warning("could not delete the damaged stored prompt %s/%s: %s", seq.ns, seq.name, err)
+        raise ChecksumError(f"{exc}; this reused prompt's stored pages were deleted: the next generate() "
+                            "prefills it and stores it again") from exc
 
     # ------------------------------------------------------------ decode
 

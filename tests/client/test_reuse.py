@@ -1,5 +1,6 @@
 """Reopening a stored prompt: the second generate() skips prefill over it."""
 
+import pytest
 import torch
 
 from kvdrive_client import attach
@@ -88,3 +89,37 @@ def test_a_prompt_shorter_than_the_fit_runs_in_full_and_keeps_its_stored_pages(d
     # Its last 512 tokens' queries are all of it: nothing is loaded, the prompt runs again.
     assert "restored_pages" not in stats and stats["prefill_tokens"] == 300
     assert torch.equal(second.sequences, first.sequences)
+
+
+def test_a_damaged_stored_prompt_is_dropped_and_prefilled_again(daemon_factory, make_tiny):
+    # The stored pages of a reused prompt are a cache of what the prompt computes: one that
+    # fails its checksum must not fail that prompt for good.
+    from kvdrive.layout.format import DATA_FILE, META_DIR
+    from kvdrive_client import ChecksumError
+    from kvstored.catalog import Catalog
+
+    model = make_tiny("llama", layers=2)
+    ids = torch.randint(1, 512, (1, 1000), generator=torch.Generator().manual_seed(11))
+    ref = run(model, ids, new=4)
+    d = daemon_factory(dram="0").start()  # every page on the SSD
+    with d.client() as store:
+        handle = attach(model, store, budget=0.5, reuse=True)
+        run(model, ids, new=4)
+        catalog = Catalog(d.ssd / META_DIR, 1 << 30, durable=False, readonly=True)
+        try:
+            ext = next(e for e in catalog.iter_extents() if e.layer == 0)
+        finally:
+            catalog.close()
+        with open(d.ssd / DATA_FILE, "r+b") as f:  # a bit of the first stored page of layer 0
+            f.seek(ext.offset + 100)
+            byte = f.read(1)[0]
+            f.seek(ext.offset + 100)
+            f.write(bytes([byte ^ 0x10]))
+        with pytest.raises(ChecksumError, match="stored pages were deleted: the next generate"):
+            run(model, ids, new=4)
+        assert store.list("kvdrive") == []
+        again = run(model, ids, new=4)  # prefilled in full, and stored again
+        handle.detach()
+        assert len(store.list("kvdrive")) == 1
+    assert torch.equal(again.sequences, ref.sequences)
+    assert d.alive()
