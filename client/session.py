@@ -29,13 +29,13 @@ import torch
 from kvdrive.kernels import for_device
 from kvdrive_client.config import AttachConfig
 from kvdrive_client.decode import plan as planning
+from kvdrive_client.decode import prefix
 from kvdrive_client.decode.fetch import StoreIO
 from kvdrive_client.decode.pipeline import Pipeline
 from kvdrive_client.decode.prefill import finish_layer
 from kvdrive_client.decode.state import Context, LayerState, ModelShape, Observer, StepPlan
 from kvdrive_client.decode.tuning import START_MULTIPLIER, Tuning
 from kvdrive_client.decode.view import SessionView
-from kvdrive_client.errors import ChecksumError, StoreError
 from kvdrive_client.store import StoreClient
 from kvdrive_client.timeline import Timeline
 
@@ -87,10 +87,7 @@ class Session(SessionView):
             if ls.prefill is not None:
                 raise RuntimeError("KVDrive prefill runs once per session")
             if self.io.restored:  # the stored prefix holds the shift already
-                try:
-                    past_k, past_v = self.io.load_prefix(layer)
-                except ChecksumError as exc:
-                    self._drop_prefix(exc)
+                past_k, past_v = prefix.load_prefix(self.io, layer)
                 keys, values = torch.cat([past_k, key], dim=2), torch.cat([past_v, value], dim=2)
                 key, value = keys[:, :, self.shift :], values[:, :, self.shift :]
             else:
@@ -143,10 +140,7 @@ class Session(SessionView):
         runs over the prompt's tokens after them."""
         self.shift = shift
         restore = prefix_pages if restore_pages is None else restore_pages
-        if not self.io.try_restore(names, prefix_pages, restore):
-            if self.io.base_names is None and prefix_pages:
-                log.info("not reusing the %d stored prompt pages of %d sequence(s): the prefill reads the "
-                         "queries of more of the prompt than the tokens after them", prefix_pages, len(names))
+        if not prefix.open_prefix(self.io, names, prefix_pages, restore):
             return False
         restore = self.io.base_pages
         for ls in self.ctx.layers:
@@ -154,18 +148,6 @@ class Session(SessionView):
         self.stats["restored_pages"] += restore * len(names)
         log.info("reusing %d of %d stored prompt pages of %d sequence(s)", restore, prefix_pages, len(names))
         return True
-
-    def _drop_prefix(self, exc: ChecksumError) -> None:
-        """A reused prompt's stored pages failed their checksum: delete them (what the prompt
-        computes, kept; not data of its own) so that the next generate() prefills it and
-        stores it again, and raise: this one has run past its prefill."""
-        for seq in self.io.base_seqs:
-            try:
-                self.io.store.delete(seq.ns, seq.name)
-            except StoreError as err:
-                log.warning("could not delete the damaged stored prompt %s/%s: %s", seq.ns, seq.name, err)
-        raise ChecksumError(f"{exc}; this reused prompt's stored pages were deleted: the next generate() "
-                            "prefills it and stores it again") from exc
 
     # ------------------------------------------------------------ decode
 

@@ -2,7 +2,7 @@
 
 Every complete page is in ``kvstored``, one store sequence per batch row. With reuse,
 pages below ``base_pages`` live in a kept, token-named prefix sequence per row
-instead. A fetch is one sparse get naming each block's sequence, into one of two
+instead (:mod:`.prefix`). A fetch is one sparse get naming each block's sequence, into one of two
 staging buffers (one fetch lands while the previous one is read). Pages completed
 while decoding are written at the end of the step, all layers in one put per row.
 """
@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from kvdrive_client.decode.state import Context
+from kvdrive_client.decode.prefix import create_prefix
 from kvdrive_client.device_cache import HostPlacement
-from kvdrive_client.errors import NotFoundError, RequestError, StoreError
+from kvdrive_client.errors import RequestError, StoreError
 from kvdrive_client.store import Sequence, StoreClient
 
 log = logging.getLogger(__name__)
@@ -64,40 +65,7 @@ class StoreIO:
         cfg = self.ctx.cfg
         for row in range(self.ctx.batch):
             self.seqs.append(self.store.create(cfg.namespace, f"{uuid.uuid4().hex}-{row}", self.geometry))
-        if self.base_names is not None and not self.restored:
-            self.base_seqs = [self.store.create(cfg.namespace, n, self.geometry, exist_ok=True) for n in self.base_names]
-
-    def try_restore(self, names: list[str], prefix_pages: int, restore_pages: int) -> bool:
-        """Use the first ``restore_pages`` of every row's ``prefix_pages`` stored prefix pages, if
-        all are there; else store the ``prefix_pages`` at prefill. A prefix stored already of
-        which no page is to be restored is left as it is."""
-        self.base_names, self.base_pages = names, prefix_pages
-        if prefix_pages == 0:
-            return False
-        try:
-            seqs = [self.store.open(self.ctx.cfg.namespace, n) for n in names]
-        except NotFoundError:
-            return False
-        if any(seq.geometry != self.geometry or seq.complete_pages < prefix_pages for seq in seqs):
-            return False
-        if restore_pages <= 0:
-            self.base_names, self.base_pages = None, 0
-            return False
-        self.base_seqs, self.base_pages = seqs, min(restore_pages, prefix_pages)
-        self.restored = True
-        return True
-
-    def load_prefix(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every stored prefix page of one layer, ``[B, H, P*S, D]`` K and V."""
-        sh, p = self.ctx.shape, self.base_pages
-        pages = np.broadcast_to(np.arange(p), (self.ctx.batch, sh.num_kv_heads, p))
-        every = HostPlacement(pages, np.zeros_like(pages), np.ones(pages.shape, dtype=bool))
-        kv = self.wait(self.submit(layer, 0, every, slot=0))
-        kf, vf = kv[:, 0], kv[:, 1]
-        shape = (self.ctx.batch, sh.num_kv_heads, p * self.ctx.cfg.page_size, sh.head_dim)
-        # copy=True: kf/vf may be views of the staging buffer, which the next fetch reuses.
-        device = self.ctx.device
-        return kf.reshape(shape).to(device, copy=True), vf.reshape(shape).to(device, copy=True)
+        create_prefix(self)
 
     # ------------------------------------------------------------ puts
 

@@ -123,3 +123,60 @@ def test_a_damaged_stored_prompt_is_dropped_and_prefilled_again(daemon_factory, 
         assert len(store.list("kvdrive")) == 1
     assert torch.equal(again.sequences, ref.sequences)
     assert d.alive()
+
+
+def test_stored_pages_another_session_left_incomplete_are_neither_used_nor_written(daemon, make_tiny, monkeypatch,
+                                                                                   caplog):
+    # A process that stopped while storing a prompt (here: its prefill failed after layer 0's
+    # puts) leaves that prompt's pages incomplete; a process storing it right now looks the same.
+    from kvdrive_client.decode import fetch
+
+    model = make_tiny("llama", layers=2)
+    ids = torch.randint(1, 512, (1, 1000), generator=torch.Generator().manual_seed(11))
+    ref = run(model, ids, new=4)
+    put_layer = fetch.StoreIO.put_layer
+
+    def stop_after_layer_0(io, layer, *args, **kwargs):
+        if layer == 1:
+            raise RuntimeError("stopped while storing")
+        return put_layer(io, layer, *args, **kwargs)
+
+    with daemon.client() as store:
+        handle = attach(model, store, budget=0.5, reuse=True)
+        monkeypatch.setattr(fetch.StoreIO, "put_layer", stop_after_layer_0)
+        with pytest.raises(RuntimeError, match="stopped while storing"):
+            run(model, ids, new=4)
+        monkeypatch.setattr(fetch.StoreIO, "put_layer", put_layer)
+        left = store.list("kvdrive")
+        assert len(left) == 1 and left[0]["complete_pages"] == 0
+        with caplog.at_level("INFO", logger="kvdrive_client.decode.prefix"):
+            outs = [run(model, ids, new=4) for _ in range(2)]  # an `exists` error, before
+        stats = handle.stats()
+        handle.detach()
+        assert store.list("kvdrive") == left  # not written to, not deleted
+    assert all(torch.equal(o.sequences, ref.sequences) for o in outs)
+    assert "restored_pages" not in stats and "incomplete: another process is storing them" in caplog.text
+
+
+def test_a_prompt_another_process_starts_storing_first_is_left_to_it(daemon, make_tiny, monkeypatch):
+    from kvdrive_client.decode import prefix
+
+    model = make_tiny("llama", layers=2)
+    ids = torch.randint(1, 512, (1, 1000), generator=torch.Generator().manual_seed(11))
+    ref = run(model, ids, new=4)
+    open_prefix = prefix.open_prefix
+    with daemon.client() as store, daemon.client() as other:
+
+        def racing(io, names, *args):
+            found = open_prefix(io, names, *args)
+            for name in names:  # between this session's look and its prefill, another creates the names
+                other.create("kvdrive", name, io.geometry)
+            return found
+
+        monkeypatch.setattr(prefix, "open_prefix", racing)
+        handle = attach(model, store, budget=0.5, reuse=True)
+        out = run(model, ids, new=4)  # an `exists` error at its first put, before
+        handle.detach()
+        left = store.list("kvdrive")
+        assert len(left) == 1 and left[0]["complete_pages"] == 0  # the other's, as it made it
+    assert torch.equal(out.sequences, ref.sequences)

@@ -1,0 +1,103 @@
+"""A reused prompt's stored pages (``reuse=True``): a kept sequence per batch row, named by
+the model and the prompt's tokens (:meth:`kvdrive_client.handle.Handle._restore`), holding
+the prompt's pages below ``StoreIO.base_pages``.
+
+They are only what the prompt computes, so a session never writes over stored pages it did
+not create, nor waits for them: where they are incomplete (another process is storing them
+now, or one stopped while storing them), or a row's name is taken when the prefill would
+create it, the session keeps every page in its own sequences and leaves them alone; where
+they fail their checksum as they load, it deletes them (:func:`drop_prefix`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvdrive_client.device_cache import HostPlacement
+from kvdrive_client.errors import ChecksumError, ExistsError, NotFoundError, StoreError
+
+if TYPE_CHECKING:
+    from kvdrive_client.decode.fetch import StoreIO
+
+log = logging.getLogger(__name__)
+
+
+def open_prefix(io: StoreIO, names: list[str], prefix_pages: int, restore_pages: int) -> bool:
+    """Use the first ``restore_pages`` of every row's ``prefix_pages`` stored pages, if every row
+    has them all; where no row has any, store them at prefill (:func:`create_prefix`)."""
+    io.base_names, io.base_pages = names, prefix_pages
+    if prefix_pages == 0:
+        return False
+    seqs = []
+    for name in names:
+        try:
+            seqs.append(io.store.open(io.ctx.cfg.namespace, name))
+        except NotFoundError:
+            pass
+    if not seqs:
+        return False
+    if len(seqs) < len(names) or any(s.geometry != io.geometry or s.complete_pages < prefix_pages for s in seqs):
+        _keep_own(io, "incomplete: another process is storing them, or one stopped while storing them (delete "
+                      f"{seqs[0].ns}/{seqs[0].name} if none is)")
+        return False
+    if restore_pages <= 0:
+        _keep_own(io, "stored already: the prefill reads the queries of more of the prompt than the tokens after them")
+        return False
+    io.base_seqs, io.base_pages = seqs, min(restore_pages, prefix_pages)
+    io.restored = True
+    return True
+
+
+def create_prefix(io: StoreIO) -> None:
+    """At prefill, the rows' prefix sequences that :func:`open_prefix` planned; a name taken by
+    then (another process storing the same prompt) leaves them all to it."""
+    if io.base_names is None or io.restored:
+        return
+    made = []
+    try:
+        for name in io.base_names:
+            made.append(io.store.create(io.ctx.cfg.namespace, name, io.geometry))
+    except ExistsError:
+        for seq in made:  # empty: nothing of another's is deleted
+            io.store.delete(seq.ns, seq.name)
+        _keep_own(io, "being stored by another process")
+        return
+    io.base_seqs = made
+
+
+def _keep_own(io: StoreIO, why: str) -> None:
+    log.info("not reusing or storing this prompt's stored pages, %s; its pages go to this session's own sequences",
+             why)
+    io.base_names, io.base_pages, io.base_seqs = None, 0, []
+
+
+def load_prefix(io: StoreIO, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every restored page of one layer, ``[B, H, P*S, D]`` K and V (:func:`drop_prefix` on damage)."""
+    ctx = io.ctx
+    sh, p = ctx.shape, io.base_pages
+    pages = np.broadcast_to(np.arange(p), (ctx.batch, sh.num_kv_heads, p))
+    every = HostPlacement(pages, np.zeros_like(pages), np.ones(pages.shape, dtype=bool))
+    try:
+        kv = io.wait(io.submit(layer, 0, every, slot=0))
+    except ChecksumError as exc:
+        raise drop_prefix(io, exc) from exc
+    kf, vf = kv[:, 0], kv[:, 1]
+    shape = (ctx.batch, sh.num_kv_heads, p * ctx.cfg.page_size, sh.head_dim)
+    # copy=True: kf/vf may be views of the staging buffer, which the next fetch reuses.
+    return kf.reshape(shape).to(ctx.device, copy=True), vf.reshape(shape).to(ctx.device, copy=True)
+
+
+def drop_prefix(io: StoreIO, exc: ChecksumError) -> ChecksumError:
+    """Restored pages that failed their checksum: delete them, so that the next generate()
+    prefills the prompt and stores it again; the error to raise (this one has run past its prefill)."""
+    for seq in io.base_seqs:
+        try:
+            io.store.delete(seq.ns, seq.name)
+        except StoreError as err:
+            log.warning("could not delete the damaged stored prompt %s/%s: %s", seq.ns, seq.name, err)
+    return ChecksumError(f"{exc}; this reused prompt's stored pages were deleted: the next generate() "
+                         "prefills it and stores it again")
