@@ -63,8 +63,9 @@ class AttachConfig:
         the model and the tokens; a later generate() on the same prompt loads them
         instead of running prefill over them (also after a daemon restart), all but
         those of the last tokens whose queries the prefill reads (the index's fit,
-        ``obs_window``): the reused prompt decodes as the fresh one. Refused for a
-        model with sliding-window layers (their windows are not stored).
+        ``obs_window``): the reused prompt decodes as the fresh one. A model's
+        sliding-window layers get their windows at that point, stored beside the
+        pages. Refused for a model whose every layer attends over a sliding window.
     keep: keep the session's own store sequences (decode pages) after generate().
     kernels: which kernels select, place and attend: ``auto`` (the compiled CPU kernels
         on the CPU, the torch references elsewhere), ``cpu`` or ``reference`` (the torch

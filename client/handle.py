@@ -71,7 +71,7 @@ class Handle:
             batch = _batch_size(args, kwargs)
             cache = self.new_cache(batch)
             if self.cfg.reuse and cache.session is not None:
-                self._restore(cache.session, args, kwargs)
+                self._restore(cache, args, kwargs)
             try:
                 return original(*args, cache=cache, **kwargs)
             finally:
@@ -90,7 +90,8 @@ class Handle:
             self._print = h.digest()
         return self._print
 
-    def _restore(self, session: Session, args, kwargs) -> None:
+    def _restore(self, cache: KVDriveCache, args, kwargs) -> None:
+        session = cache.session
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             return
@@ -117,7 +118,8 @@ class Handle:
             if mask is not None:
                 h.update(mask[row, :tokens].cpu().numpy().astype("int8").tobytes())
             names.append("prefix-" + h.hexdigest()[:40])
-        session.try_restore(names, pages, shift, restore)
+        if session.try_restore(names, pages, shift, restore) and session.windows:
+            cache.seed_windows(session.windows, session.model_length(0))
 
     def new_cache(self, batch: int) -> KVDriveCache:
         """A cache for one batch; pass it as ``cache=`` to the model and ``close()`` it after."""
@@ -126,6 +128,7 @@ class Handle:
         if self.shape.num_layers == 0:
             return KVDriveCache(None, self.kinds)
         session = Session(self.cfg, self.shape, self.store, batch, self.device, self._stats)
+        session.keep_windows([w for kind, w in self.kinds if kind == SLIDING])
         self.active = session
         return KVDriveCache(session, self.kinds)
 
@@ -259,10 +262,9 @@ def attach(model, store: str | StoreClient | None = None, *, dram: str = "256M",
         log.info("%d of %d layers attend over a sliding window (%s tokens): their KV stays on the device, the %d "
                  "global layers decode through KVDrive", len(kinds) - shape.num_layers, len(kinds),
                  "/".join(map(str, sliding)), shape.num_layers)
-    if sliding and cfg.reuse:
-        raise ValueError(f"reuse=True: this model's sliding-window layers ({len(kinds) - shape.num_layers} of "
-                         f"{len(kinds)}) keep their KV in transformers' own cache, not in the store, so a reused "
-                         "prompt would decode with their windows empty; attach it with reuse=False")
+    if cfg.reuse and shape.num_layers == 0:
+        raise ValueError("reuse=True: every layer of this model attends over a sliding window, so KVDrive stores "
+                         "nothing of a prompt to reuse; attach it with reuse=False")
     if shape.num_layers == 0:
         log.warning("every layer of this model attends over a sliding window: its KV never outgrows the window and "
                     "stays on the device; KVDrive stores nothing for it")

@@ -76,6 +76,29 @@ class _Layer(CacheLayerMixin):
         return -1
 
 
+class _SlidingLayer(DynamicSlidingWindowLayer):
+    """A sliding-window layer (transformers' own), the session's ``j``-th: its prefill KV goes to
+    the session for a stored prompt's windows, and a reused prompt seeds it with its window."""
+
+    def __init__(self, session: Session | None, j: int, sliding_window: int) -> None:
+        super().__init__(sliding_window=sliding_window)
+        self.session = session
+        self.j = j
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.session is not None and self.cumulative_length == 0:
+            self.session.capture_window(self.j, key_states, value_states)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def seed(self, keys: torch.Tensor, values: torch.Tensor, seen: int) -> None:
+        """Start as after ``seen`` tokens, ``keys`` / ``values`` ``[B, H, >= n, D]`` holding the last ``n`` of them."""
+        n = min(self.sliding_window - 1, seen)
+        keys, values = keys[:, :, keys.shape[2] - n :], values[:, :, values.shape[2] - n :]
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys.contiguous(), values.contiguous()
+        self.cumulative_length = seen
+
+
 class KVDriveCache(Cache):
     """A transformers Cache whose global layers' KV lives in kvstored, with a device-side
     page cache; sliding-window layers are transformers' own windowed cache layers.
@@ -84,15 +107,22 @@ class KVDriveCache(Cache):
     """
 
     def __init__(self, session: Session | None, kinds: list[tuple[str, int | None]]) -> None:
-        layers, idx = [], 0
+        layers, idx, j = [], 0, 0
         for i, (kind, window) in enumerate(kinds):
             if kind == SLIDING:
-                layers.append(DynamicSlidingWindowLayer(sliding_window=window))
+                layers.append(_SlidingLayer(session, j, window))
+                j += 1
             else:
                 layers.append(_Layer(session, idx, i))
                 idx += 1
         super().__init__(layers=layers)
         self.session = session
+
+    def seed_windows(self, windows: list[tuple[torch.Tensor, torch.Tensor]], seen: int) -> None:
+        """A reused prompt's sliding-window layers start with their stored windows (``seen`` tokens in)."""
+        sliding = [layer for layer in self.layers if isinstance(layer, _SlidingLayer)]
+        for layer, (k, v) in zip(sliding, windows, strict=True):
+            layer.seed(k, v, seen)
 
     def close(self) -> None:
         if self.session is None:

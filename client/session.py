@@ -36,6 +36,8 @@ from kvdrive_client.decode.prefill import finish_layer
 from kvdrive_client.decode.state import Context, LayerState, ModelShape, Observer, StepPlan
 from kvdrive_client.decode.tuning import START_MULTIPLIER, Tuning
 from kvdrive_client.decode.view import SessionView
+from kvdrive_client.decode.windows import Windows
+from kvdrive_client.errors import ChecksumError, StoreError
 from kvdrive_client.store import StoreClient
 from kvdrive_client.timeline import Timeline
 
@@ -55,6 +57,7 @@ class Session(SessionView):
                            multiplier=(cfg.cache_multiplier if cfg.cache_multiplier is not None
                                        else START_MULTIPLIER))
         self.io = StoreIO(self.ctx, store)
+        self.windows: list[tuple[torch.Tensor, torch.Tensor]] = []  # a reused prompt's, to seed them with
         self.pipeline = Pipeline(self.ctx, self.io)
         self.tuning = Tuning(self.ctx)
         self.plan: StepPlan | None = None
@@ -102,6 +105,8 @@ class Session(SessionView):
                 f"KVDrive decodes one token per step after prefill (got {q_len} tokens at layer {layer}); "
                 "start a new generate() for a new prompt"
             )
+        if layer == 0 and self.io.windows is not None:
+            self.io.windows.put()  # the prefill has run every sliding layer
         self.append(key, value, layer)
         return ls.window.k, ls.window.v  # the ring: KVDrive's decode attention reads the window itself
 
@@ -142,12 +147,28 @@ class Session(SessionView):
         restore = prefix_pages if restore_pages is None else restore_pages
         if not prefix.open_prefix(self.io, names, prefix_pages, restore):
             return False
+        if self.io.windows is not None:
+            try:
+                self.windows = self.io.windows.load()
+            except ChecksumError as exc:
+                raise prefix.drop_prefix(self.io, exc) from exc
         restore = self.io.base_pages
         for ls in self.ctx.layers:
             ls.num_tokens = restore * self.cfg.page_size
         self.stats["restored_pages"] += restore * len(names)
         log.info("reusing %d of %d stored prompt pages of %d sequence(s)", restore, prefix_pages, len(names))
         return True
+
+    def keep_windows(self, sizes: list[int]) -> None:
+        """With reuse: the model's sliding-window layers (their windows' sizes) have their windows
+        kept beside a stored prompt's pages, and loaded with a reused one's (:mod:`.decode.windows`)."""
+        if sizes and self.cfg.reuse:
+            self.io.windows = Windows(self.io, sizes)
+
+    def capture_window(self, j: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Sliding-window layer ``j``'s prefill K and V, for the prompt's stored windows (:mod:`.decode.windows`)."""
+        if self.io.windows is not None and not self.io.restored:
+            self.io.windows.capture(j, keys, values, self.shift)
 
     # ------------------------------------------------------------ decode
 
@@ -240,6 +261,11 @@ class Session(SessionView):
         self.stats["device_cache_bytes"] = self.cache_bytes()
         self.stats["kv_bytes"] = self.kv_bytes()
         self.pipeline.close()
+        if self.io.windows is not None:
+            try:
+                self.io.windows.put()  # a generate() that ended at its prefill
+            except StoreError as exc:
+                log.warning("this prompt's sliding-window layers' windows were not stored: %s", exc)
         self.io.close()
         if self.cfg.trace:
             log.info("decode timeline written to %s", self.ctx.timeline.save(self.cfg.trace))

@@ -49,6 +49,7 @@ class StoreIO:
         self.base_seqs: list[Sequence] = []
         self.base_pages = 0
         self.restored = False
+        self.windows = None  # a hybrid model's sliding-layer windows, with reuse (decode/windows.py)
         self._staging: list = [None, None]
         self._staged: list = [None, None]  # each staging buffer as a flat tensor of the model's dtype
         # Prefill puts in flight, by put buffer (layers alternate between two).

@@ -38,7 +38,10 @@ def open_prefix(io: StoreIO, names: list[str], prefix_pages: int, restore_pages:
             seqs.append(io.store.open(io.ctx.cfg.namespace, name))
         except NotFoundError:
             pass
+    restore_pages = min(restore_pages, prefix_pages)
     if not seqs:
+        if io.windows is not None:
+            io.windows.plan(names, restore_pages)
         return False
     if len(seqs) < len(names) or any(s.geometry != io.geometry or s.complete_pages < prefix_pages for s in seqs):
         _keep_own(io, "incomplete: another process is storing them, or one stopped while storing them (delete "
@@ -47,26 +50,36 @@ def open_prefix(io: StoreIO, names: list[str], prefix_pages: int, restore_pages:
     if restore_pages <= 0:
         _keep_own(io, "stored already: the prefill reads the queries of more of the prompt than the tokens after them")
         return False
-    io.base_seqs, io.base_pages = seqs, min(restore_pages, prefix_pages)
+    why = "" if io.windows is None else io.windows.find(names, restore_pages)
+    if why:
+        _keep_own(io, why)
+        return False
+    io.base_seqs, io.base_pages = seqs, restore_pages
     io.restored = True
     return True
 
 
 def create_prefix(io: StoreIO) -> None:
-    """At prefill, the rows' prefix sequences that :func:`open_prefix` planned; a name taken by
-    then (another process storing the same prompt) leaves them all to it."""
-    if io.base_names is None or io.restored:
+    """At prefill, the rows' prefix sequences that :func:`open_prefix` planned, and their sliding
+    layers' windows (:mod:`.windows`); a name taken by then (another process storing the same
+    prompt) leaves them all to it."""
+    if io.restored:
         return
-    made = []
-    try:
-        for name in io.base_names:
-            made.append(io.store.create(io.ctx.cfg.namespace, name, io.geometry))
-    except ExistsError:
-        for seq in made:  # empty: nothing of another's is deleted
-            io.store.delete(seq.ns, seq.name)
-        _keep_own(io, "being stored by another process")
-        return
-    io.base_seqs = made
+    if io.base_names is not None:
+        made = []
+        try:
+            for name in io.base_names:
+                made.append(io.store.create(io.ctx.cfg.namespace, name, io.geometry))
+        except ExistsError:
+            for seq in made:  # empty: nothing of another's is deleted
+                io.store.delete(seq.ns, seq.name)
+            _keep_own(io, "being stored by another process")
+            if io.windows is not None:
+                io.windows.names = None
+            return
+        io.base_seqs = made
+    if io.windows is not None:
+        io.windows.create()
 
 
 def _keep_own(io: StoreIO, why: str) -> None:
@@ -94,7 +107,7 @@ def load_prefix(io: StoreIO, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 def drop_prefix(io: StoreIO, exc: ChecksumError) -> ChecksumError:
     """Restored pages that failed their checksum: delete them, so that the next generate()
     prefills the prompt and stores it again; the error to raise (this one has run past its prefill)."""
-    for seq in io.base_seqs:
+    for seq in io.base_seqs + (io.windows.seqs if io.windows is not None else []):
         try:
             io.store.delete(seq.ns, seq.name)
         except StoreError as err:

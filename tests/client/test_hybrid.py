@@ -111,9 +111,6 @@ def test_attention_logit_softcapping_is_refused_with_a_reason():
         attach(model, store="ipc:///nonexistent/kvstored.sock")
 
 
-def test_reuse_is_refused_where_sliding_window_layers_keep_their_own_kv():
-    # Their windows live in transformers' own cache layers, not in the store: a reused prompt
-    # would start them empty (a tiny Gemma 3 with a 1,000-token window, 1,200-token prompt:
-    # greedy tokens changed at budget 1.0).
-    with pytest.raises(ValueError, match="sliding-window layers .1 of 2. keep their KV"):
-        attach(hybrid("gemma3", [S, F]), store="ipc:///nonexistent/kvstored.sock", reuse=True)
+def test_reuse_is_refused_where_every_layer_attends_over_a_sliding_window():
+    with pytest.raises(ValueError, match="every layer of this model attends over a sliding window"):
+        attach(hybrid("mistral", None), store="ipc:///nonexistent/kvstored.sock", reuse=True)

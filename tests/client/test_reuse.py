@@ -180,3 +180,56 @@ def test_a_prompt_another_process_starts_storing_first_is_left_to_it(daemon, mak
         left = store.list("kvdrive")
         assert len(left) == 1 and left[0]["complete_pages"] == 0  # the other's, as it made it
     assert torch.equal(out.sequences, ref.sequences)
+
+
+def _gemma3_with_window(window: int):
+    from test_hybrid import hybrid
+
+    model = hybrid("gemma3", ["sliding_attention", "full_attention", "sliding_attention"])
+    model.config.sliding_window = window
+    for layer in model.model.layers:
+        if getattr(layer.self_attn, "sliding_window", None):
+            layer.self_attn.sliding_window = window
+    return model
+
+
+@pytest.mark.parametrize("window", [48, 1000])  # narrower and wider than the 512 tokens a reused prompt runs
+def test_a_hybrid_models_reused_prompt_starts_its_sliding_layers_with_their_windows(daemon, window):
+    # Their windows live in transformers' own cache layers: stored beside the prompt's pages and
+    # loaded into them, the reused prompt decodes as the fresh one (before, it started them
+    # empty and other tokens came out).
+    model = _gemma3_with_window(window)
+    ids = torch.randint(1, 500, (1, 1200), generator=torch.Generator().manual_seed(1))
+    ref = run(model, ids, new=8)
+    with daemon.client() as store:
+        handle = attach(model, store, budget=1.0, reuse=True)
+        fresh, reused = run(model, ids, new=8), run(model, ids, new=8)
+        stats = handle.stats()
+        handle.detach()
+        names = sorted(s["seq"] for s in store.list("kvdrive"))
+    assert len(names) == 2 and names[1] == names[0] + "-w43"  # the prompt's pages, its windows at page 43
+    assert stats["restored_pages"] == 43
+    for out in (fresh, reused):
+        assert torch.equal(out.sequences, ref.sequences)
+        assert max((a - b).abs().max().item() for a, b in zip(out.logits, ref.logits)) < 1e-4
+
+
+def test_a_hybrid_prompt_stored_without_its_windows_is_prefilled_and_they_are_stored(daemon, caplog):
+    model = _gemma3_with_window(1000)
+    ids = torch.randint(1, 500, (1, 1200), generator=torch.Generator().manual_seed(2))
+    ref = run(model, ids, new=4)
+    with daemon.client() as store:
+        handle = attach(model, store, budget=1.0, reuse=True)
+        run(model, ids, new=4)
+        windows = next(s["seq"] for s in store.list("kvdrive") if "-w" in s["seq"])
+        store.delete("kvdrive", windows)  # as a store written before windows were kept
+        with caplog.at_level("INFO", logger="kvdrive_client.decode.prefix"):
+            again = run(model, ids, new=4)
+        first = handle.stats().get("restored_pages", 0)
+        reused = run(model, ids, new=4)
+        stats = handle.stats()
+        handle.detach()
+        assert windows in [s["seq"] for s in store.list("kvdrive")]  # stored again by the second run
+    assert "stored without the sliding-window layers' windows" in caplog.text and first == 0
+    assert stats["restored_pages"] == 43
+    assert torch.equal(again.sequences, ref.sequences) and torch.equal(reused.sequences, ref.sequences)
