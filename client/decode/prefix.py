@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvdrive.layout.geometry import Geometry
 from kvdrive_client.device_cache import HostPlacement
 from kvdrive_client.errors import ChecksumError, ExistsError, NotFoundError, StoreError
+from kvdrive_client.store import Sequence
 
 if TYPE_CHECKING:
     from kvdrive_client.decode.fetch import StoreIO
@@ -66,13 +68,8 @@ def create_prefix(io: StoreIO) -> None:
     if io.restored:
         return
     if io.base_names is not None:
-        made = []
-        try:
-            for name in io.base_names:
-                made.append(io.store.create(io.ctx.cfg.namespace, name, io.geometry))
-        except ExistsError:
-            for seq in made:  # empty: nothing of another's is deleted
-                io.store.delete(seq.ns, seq.name)
+        made = create_all(io, io.base_names, io.geometry)
+        if made is None:
             _keep_own(io, "being stored by another process")
             if io.windows is not None:
                 io.windows.names = None
@@ -80,6 +77,20 @@ def create_prefix(io: StoreIO) -> None:
         io.base_seqs = made
     if io.windows is not None:
         io.windows.create()
+
+
+def create_all(io: StoreIO, names: list[str], geometry: Geometry) -> list[Sequence] | None:
+    """A sequence of each of ``names``, every one made by this session; None (and none made)
+    where one of the names is taken."""
+    made = []
+    try:
+        for name in names:
+            made.append(io.store.create(io.ctx.cfg.namespace, name, geometry))
+    except ExistsError:
+        for seq in made:  # empty: nothing of another's is deleted
+            io.store.delete(seq.ns, seq.name)
+        return None
+    return made
 
 
 def _keep_own(io: StoreIO, why: str) -> None:

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from kvdrive.layout.geometry import Geometry
-from kvdrive_client.errors import ExistsError, NotFoundError
+from kvdrive_client.decode.prefix import create_all
+from kvdrive_client.errors import NotFoundError
 from kvdrive_client.store import Sequence
 
 if TYPE_CHECKING:
@@ -72,13 +73,8 @@ class Windows:
         """At prefill: the planned sequences, all made by this session or none."""
         if self.names is None:
             return
-        made = []
-        try:
-            for name in self.names:
-                made.append(self.io.store.create(self.io.ctx.cfg.namespace, name, self.geometry))
-        except ExistsError:
-            for seq in made:
-                self.io.store.delete(seq.ns, seq.name)
+        made = create_all(self.io, self.names, self.geometry)
+        if made is None:
             log.info("not storing this prompt's sliding-window layers' windows: another process stores them")
             self.names = None
             return
