@@ -233,3 +233,35 @@ def test_a_hybrid_prompt_stored_without_its_windows_is_prefilled_and_they_are_st
     assert "stored without the sliding-window layers' windows" in caplog.text and first == 0
     assert stats["restored_pages"] == 43
     assert torch.equal(again.sequences, ref.sequences) and torch.equal(reused.sequences, ref.sequences)
+
+
+def test_damaged_stored_windows_drop_the_prompt_like_damaged_pages(daemon_factory):
+    from kvdrive.layout.format import DATA_FILE, META_DIR
+    from kvdrive_client import ChecksumError
+    from kvstored.catalog import Catalog
+
+    model = _gemma3_with_window(1000)
+    ids = torch.randint(1, 500, (1, 1200), generator=torch.Generator().manual_seed(4))
+    ref = run(model, ids, new=4)
+    d = daemon_factory(dram="0").start()  # every page on the SSD
+    with d.client() as store:
+        handle = attach(model, store, budget=1.0, reuse=True)
+        run(model, ids, new=4)
+        windows = next(store.open("kvdrive", s["seq"]) for s in store.list("kvdrive") if "-w" in s["seq"])
+        catalog = Catalog(d.ssd / META_DIR, 1 << 30, durable=False, readonly=True)
+        try:
+            ext = next(e for e in catalog.iter_extents() if e.uid == windows.uid)
+        finally:
+            catalog.close()
+        with open(d.ssd / DATA_FILE, "r+b") as f:
+            f.seek(ext.offset + 100)
+            byte = f.read(1)[0]
+            f.seek(ext.offset + 100)
+            f.write(bytes([byte ^ 0x10]))
+        with pytest.raises(ChecksumError, match="stored pages were deleted"):
+            run(model, ids, new=4)
+        assert store.list("kvdrive") == []  # the prompt's pages and its windows
+        again = run(model, ids, new=4)
+        handle.detach()
+        assert len(store.list("kvdrive")) == 2
+    assert torch.equal(again.sequences, ref.sequences)
