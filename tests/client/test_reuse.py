@@ -91,38 +91,21 @@ def test_a_prompt_shorter_than_the_fit_runs_in_full_and_keeps_its_stored_pages(d
     assert torch.equal(second.sequences, first.sequences)
 
 
-def test_a_damaged_stored_prompt_is_dropped_and_prefilled_again(daemon_factory, make_tiny):
-    # The stored pages of a reused prompt are a cache of what the prompt computes: one that
-    # fails its checksum must not fail that prompt for good.
+def flip_a_stored_bit(d, stored) -> None:
+    """Damage the first block of the first extent on ``d``'s SSD that ``stored(extent)`` picks."""
     from kvdrive.layout.format import DATA_FILE, META_DIR
-    from kvdrive_client import ChecksumError
     from kvstored.catalog import Catalog
 
-    model = make_tiny("llama", layers=2)
-    ids = torch.randint(1, 512, (1, 1000), generator=torch.Generator().manual_seed(11))
-    ref = run(model, ids, new=4)
-    d = daemon_factory(dram="0").start()  # every page on the SSD
-    with d.client() as store:
-        handle = attach(model, store, budget=0.5, reuse=True)
-        run(model, ids, new=4)
-        catalog = Catalog(d.ssd / META_DIR, 1 << 30, durable=False, readonly=True)
-        try:
-            ext = next(e for e in catalog.iter_extents() if e.layer == 0)
-        finally:
-            catalog.close()
-        with open(d.ssd / DATA_FILE, "r+b") as f:  # a bit of the first stored page of layer 0
-            f.seek(ext.offset + 100)
-            byte = f.read(1)[0]
-            f.seek(ext.offset + 100)
-            f.write(bytes([byte ^ 0x10]))
-        with pytest.raises(ChecksumError, match="stored pages were deleted: the next generate"):
-            run(model, ids, new=4)
-        assert store.list("kvdrive") == []
-        again = run(model, ids, new=4)  # prefilled in full, and stored again
-        handle.detach()
-        assert len(store.list("kvdrive")) == 1
-    assert torch.equal(again.sequences, ref.sequences)
-    assert d.alive()
+    catalog = Catalog(d.ssd / META_DIR, 1 << 30, durable=False, readonly=True)
+    try:
+        ext = next(e for e in catalog.iter_extents() if stored(e))
+    finally:
+        catalog.close()
+    with open(d.ssd / DATA_FILE, "r+b") as f:
+        f.seek(ext.offset + 100)
+        byte = f.read(1)[0]
+        f.seek(ext.offset + 100)
+        f.write(bytes([byte ^ 0x10]))
 
 
 def test_stored_pages_another_session_left_incomplete_are_neither_used_nor_written(daemon, make_tiny, monkeypatch,
@@ -235,10 +218,11 @@ def test_a_hybrid_prompt_stored_without_its_windows_is_prefilled_and_they_are_st
     assert torch.equal(again.sequences, ref.sequences) and torch.equal(reused.sequences, ref.sequences)
 
 
-def test_damaged_stored_windows_drop_the_prompt_like_damaged_pages(daemon_factory):
-    from kvdrive.layout.format import DATA_FILE, META_DIR
+@pytest.mark.parametrize("damaged", ["pages", "windows"])
+def test_a_damaged_stored_prompt_is_dropped_and_prefilled_again(daemon_factory, damaged):
+    # A reused prompt's stored pages (and a hybrid model's windows) are what the prompt
+    # computes: one that fails its checksum must not fail that prompt for good.
     from kvdrive_client import ChecksumError
-    from kvstored.catalog import Catalog
 
     model = _gemma3_with_window(1000)
     ids = torch.randint(1, 500, (1, 1200), generator=torch.Generator().manual_seed(4))
@@ -248,20 +232,12 @@ def test_damaged_stored_windows_drop_the_prompt_like_damaged_pages(daemon_factor
         handle = attach(model, store, budget=1.0, reuse=True)
         run(model, ids, new=4)
         windows = next(store.open("kvdrive", s["seq"]) for s in store.list("kvdrive") if "-w" in s["seq"])
-        catalog = Catalog(d.ssd / META_DIR, 1 << 30, durable=False, readonly=True)
-        try:
-            ext = next(e for e in catalog.iter_extents() if e.uid == windows.uid)
-        finally:
-            catalog.close()
-        with open(d.ssd / DATA_FILE, "r+b") as f:
-            f.seek(ext.offset + 100)
-            byte = f.read(1)[0]
-            f.seek(ext.offset + 100)
-            f.write(bytes([byte ^ 0x10]))
-        with pytest.raises(ChecksumError, match="stored pages were deleted"):
+        flip_a_stored_bit(d, lambda e: (e.uid == windows.uid) == (damaged == "windows"))
+        with pytest.raises(ChecksumError, match="stored pages were deleted: the next generate"):
             run(model, ids, new=4)
         assert store.list("kvdrive") == []  # the prompt's pages and its windows
-        again = run(model, ids, new=4)
+        again = run(model, ids, new=4)  # prefilled in full, and stored again
         handle.detach()
         assert len(store.list("kvdrive")) == 2
     assert torch.equal(again.sequences, ref.sequences)
+    assert d.alive()
