@@ -22,6 +22,7 @@ of several handles on one model (other indexes or budgets, say) can be used in t
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from typing import TYPE_CHECKING
@@ -89,6 +90,15 @@ class _SlidingLayer(DynamicSlidingWindowLayer):
         if self.session is not None and self.cumulative_length == 0:
             self.session.capture_window(self.j, key_states, value_states)
         return super().update(key_states, value_states, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> "_SlidingLayer":
+        """A copy of the window, linked to no session: a copy is another cache's layer (the
+        fidelity bench replays a prefill's into each session it runs)."""
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        for name, value in self.__dict__.items():
+            setattr(twin, name, None if name == "session" else copy.deepcopy(value, memo))
+        return twin
 
     def seed(self, keys: torch.Tensor, values: torch.Tensor, seen: int) -> None:
         """Start as after ``seen`` tokens, ``keys`` / ``values`` ``[B, H, >= n, D]`` holding the last ``n`` of them."""
