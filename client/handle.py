@@ -70,9 +70,9 @@ class Handle:
             _refuse_batch_expansion(self.model, kwargs)
             batch = _batch_size(args, kwargs)
             cache = self.new_cache(batch)
-            if self.cfg.reuse and cache.session is not None:
-                self._restore(cache, args, kwargs)
-            try:
+            try:  # a restore that raises (damaged stored windows) closes the cache too
+                if self.cfg.reuse and cache.session is not None:
+                    self._restore(cache, args, kwargs)
                 return original(*args, cache=cache, **kwargs)
             finally:
                 cache.close()
@@ -120,6 +120,7 @@ class Handle:
             names.append("prefix-" + h.hexdigest()[:40])
         if session.try_restore(names, pages, shift, restore) and session.windows:
             cache.seed_windows(session.windows, session.model_length(0))
+            session.windows = []  # the sliding layers hold what they need of them
 
     def new_cache(self, batch: int) -> KVDriveCache:
         """A cache for one batch; pass it as ``cache=`` to the model and ``close()`` it after."""
