@@ -27,7 +27,7 @@ from pathlib import Path
 import msgpack
 
 from kvdrive_client.errors import StoreUnavailableError, UnsafeStoreError, error_from_reply
-from kvdrive_client.shm import CudaIpcBuffer, SharedBuffer
+from kvdrive_client.shm import CudaIpcBuffer, PoolBuffer, SharedBuffer
 from kvdrive.protocol import PROTOCOL_VERSION
 
 _UCRED = struct.Struct("3i")
@@ -134,8 +134,8 @@ class SessionChannel:
             raise error_from_reply(reply)
         return reply
 
-    def register(self, buf: SharedBuffer | CudaIpcBuffer) -> int:
-        """Register ``buf`` in this session (a memfd goes as its descriptor, a CUDA
+    def register(self, buf: SharedBuffer | PoolBuffer | CudaIpcBuffer) -> int:
+        """Register ``buf`` in this session (a memfd or a pool goes as its descriptor, a CUDA
         allocation as its IPC handle); returns the buffer id."""
         msg, fds = buf.register_message()
         return self._call(msg, fds)["buf"]

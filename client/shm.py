@@ -1,5 +1,7 @@
 """Buffers a client registers with kvstored: shared memory (a sealed memfd) on a CPU
-host, or a range of a CUDA allocation named by its IPC handle on a GPU host.
+host, an engine's own unsealed shared memory (a pool: a memfd or a file in /dev/shm,
+which the daemon maps under a guard against the file shrinking), or a range of a CUDA
+allocation named by its IPC handle on a GPU host.
 
 Either kind is named by its ``buf_id`` in puts and gets; ``register_message`` is what
 the session socket carries to register it (see docs/protocol.md).
@@ -15,7 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from kvdrive.protocol import BUFFER_KIND_CUDA_IPC, BUFFER_KIND_MEMFD, CUDA_IPC_HANDLE_BYTES, MAX_BUFFER_BYTES
+from kvdrive.protocol import (
+    BUFFER_KIND_CUDA_IPC, BUFFER_KIND_MEMFD, BUFFER_KIND_POOL, CUDA_IPC_HANDLE_BYTES, MAX_BUFFER_BYTES,
+)
 from kvdrive_client.errors import CudaUnavailableError
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -70,6 +74,73 @@ class SharedBuffer:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+class PoolBuffer:
+    """``size`` bytes of shared memory the caller already has (a serving engine's CPU KV
+    pool): a memfd or a file in /dev/shm, unsealed, open for reading and writing.
+
+    The daemon maps it too, so gets land in the caller's memory and puts leave from it
+    with one copy, the daemon's. Made by
+    :meth:`from_fd`, which keeps a duplicate of the descriptor (for registering again
+    with a restarted daemon; the caller's own stays the caller's). ``array`` is the
+    caller's mapping where one is given, else this object maps the file itself. A file
+    shrunk below ``size`` while the daemon uses it makes that request and every later one
+    on the registration fail (register it again).
+    """
+
+    kind = BUFFER_KIND_POOL
+
+    def __init__(self, fd: int, size: int, array: np.ndarray | None = None) -> None:
+        if not 0 < size <= MAX_BUFFER_BYTES:
+            raise ValueError(f"pool size must be in 1..2^44, got {size}")
+        self.fd, self.size = fd, int(size)
+        self._map: mmap.mmap | None = None
+        if array is None:
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            array = np.frombuffer(self._map, dtype=np.uint8)
+        else:
+            array = np.asarray(array)
+            if not array.flags.c_contiguous or array.nbytes < size:
+                raise ValueError(f"the pool's array must be a contiguous view of at least {size} bytes")
+            array = array.reshape(-1).view(np.uint8)[:size]
+        self.array = array
+        self.buf_id: int | None = None
+
+    @classmethod
+    def from_fd(cls, fd: int, size: int, array: np.ndarray | None = None) -> "PoolBuffer":
+        """A pool of the first ``size`` bytes of the file open as ``fd`` (duplicated here)."""
+        dup = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0)
+        try:
+            return cls(dup, size, array)
+        except BaseException:
+            os.close(dup)
+            raise
+
+    def register_message(self) -> tuple[dict, list[int]]:
+        return {"op": "register", "kind": BUFFER_KIND_POOL, "size": self.size}, [self.fd]
+
+    def view(self, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
+        end = self.size if nbytes is None else offset + nbytes
+        if offset < 0 or end > self.size:
+            raise ValueError(f"view [{offset}, {end}) outside pool of {self.size} bytes")
+        return self.array[offset:end]
+
+    def close(self) -> None:
+        self.array = np.zeros(0, dtype=np.uint8)
+        self.buf_id = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping goes with it
+            self._map = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __repr__(self) -> str:
+        return f"PoolBuffer(fd={self.fd}, size={self.size}, buf_id={self.buf_id})"
 
 
 class CudaIpcBuffer:

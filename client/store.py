@@ -29,7 +29,7 @@ from kvdrive_client.embedded import EmbeddedDaemon
 from kvdrive_client.channel import SessionChannel, trusted_daemon_uids
 from kvdrive_client.errors import RequestError, SessionLostError, StoreUnavailableError, error_from_reply
 from kvdrive_client.locate import DEFAULT, Default, check_socket, resolve
-from kvdrive_client.shm import CudaIpcBuffer, SharedBuffer
+from kvdrive_client.shm import CudaIpcBuffer, PoolBuffer, SharedBuffer
 from kvdrive.protocol import MAX_BLOCK_KEYS, MAX_LOOKUP, BadReplyError, Op, decode_reply, request_frames
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,12 @@ class PendingGet:
         ``bytes_read`` bytes, in ``ms`` milliseconds of the daemon's time. Raises the store's error
         (:class:`~kvdrive_client.errors.NotFoundError` for a block never put, ...) if it failed."""
         return self._client._wait(self.req_id, timeout)
+
+    def settle(self) -> dict:
+        """:meth:`wait` until the daemon answers or ends the session, past every timeout (each
+        one passed is logged): for a request that moves memory the caller hands back to
+        its owner once this returns (a pool's rows), which no late copy may touch."""
+        return self._client._wait(self.req_id, patient=True)
 
 
 class PendingPut(PendingGet):
@@ -122,7 +128,7 @@ class StoreClient:
         self._session_lock = threading.RLock()
         self._replies: dict[int, dict] = {}
         self._staging: SharedBuffer | None = None
-        self._buffers: list[SharedBuffer | CudaIpcBuffer] = []
+        self._buffers: list[SharedBuffer | PoolBuffer | CudaIpcBuffer] = []
         self._channel: SessionChannel | None = None
         # Requests in flight, by id: the session (channel) each was sent in.
         self._sent_in: dict[int, SessionChannel | None] = {}
@@ -183,8 +189,9 @@ class StoreClient:
             self._sock.send_multipart(frames, copy=nbytes <= ZERO_COPY_MIN_BYTES)
         return req_id
 
-    def _wait(self, req_id: int, timeout: float | None = None) -> dict:
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+    def _wait(self, req_id: int, timeout: float | None = None, patient: bool = False) -> dict:
+        wait_s = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait_s
         ch = self._sent_in.get(req_id)
         try:
             while True:
@@ -214,7 +221,11 @@ class StoreClient:
                 if self._daemon is not None:
                     self._daemon.check_alive()
                 if time.monotonic() > deadline:
-                    raise StoreUnavailableError(f"kvstored at {self.address} sent no reply within {self.timeout:.0f} s")
+                    if not patient:
+                        raise StoreUnavailableError(f"kvstored at {self.address} sent no reply within {self.timeout:.0f} s")
+                    log.warning("kvstored at %s has not answered request %d in %.0f s more; waiting on: it moves memory "
+                                "that is given back only once it ends", self.address, req_id, wait_s)
+                    deadline = time.monotonic() + wait_s
         finally:
             with self._lock:
                 self._sent_in.pop(req_id, None)
@@ -309,6 +320,24 @@ class StoreClient:
             buf.close()
             raise
         return buf
+
+    def register_pool(self, fd_or_buffer: int | PoolBuffer, size: int | None = None,
+                      array: np.ndarray | None = None) -> PoolBuffer:
+        """Register memory the caller already shares (an engine's CPU KV pool: a memfd or a
+        file in /dev/shm, open read-write, unsealed) for block gets to land in and block
+        puts to read from, without a copy through a buffer of the client's own.
+
+        ``fd_or_buffer`` is a descriptor of it (duplicated here; ``size`` bytes of it are
+        registered; ``array``, the caller's mapping of it, if it has one) or a
+        :class:`PoolBuffer`. The daemon maps it under a guard: a file shrunk under it makes
+        this pool's requests fail (register it again), never the daemon; it is registered
+        again with a restarted daemon, like every buffer.
+        """
+        if isinstance(fd_or_buffer, PoolBuffer):
+            return self._register(fd_or_buffer)
+        if size is None:
+            raise ValueError("register_pool(fd, size): a descriptor needs the size to register")
+        return self._register(PoolBuffer.from_fd(fd_or_buffer, size, array))
 
     def register_cuda(self, target) -> CudaIpcBuffer:
         """Register a CUDA tensor's memory (contiguous; or a :class:`CudaIpcBuffer` made
@@ -422,19 +451,27 @@ class StoreClient:
             found += self.call(Op.BLOCK_LOOKUP, {"ns": ns, "keys": keys[i: i + MAX_BLOCK_KEYS]}, timeout=timeout)["found"]
         return found
 
-    def block_put_async(self, ns: str, block_bytes: int, keys, buffer: SharedBuffer, offset: int = 0) -> PendingPut:
+    def block_put_async(self, ns: str, block_bytes: int, keys, buffer: SharedBuffer | PoolBuffer, offset: int = 0,
+                        offsets=None) -> PendingPut:
         """Start storing block i of ``keys`` from ``buffer`` at ``offset + i * block_bytes`` (at
-        most MAX_BLOCK_KEYS keys); write-once: keys stored already are skipped. ``wait()``
-        gives ``stored`` (blocks written) and ``present`` (skipped), once they are durable."""
+        ``offset + offsets[i]`` where ``offsets`` is given; at most MAX_BLOCK_KEYS keys);
+        write-once: keys stored already are skipped. ``wait()`` gives ``stored`` (blocks
+        written) and ``present`` (skipped), once they are durable."""
         fields = {"ns": ns, "block_bytes": block_bytes, "keys": [bytes(k) for k in keys], "buf": buffer.buf_id,
                   "offset": offset}
+        if offsets is not None:
+            fields["offsets"] = _int_list(offsets)
         return PendingPut(self, self._submit(Op.BLOCK_PUT, fields))
 
-    def block_get_async(self, ns: str, keys, buffer: SharedBuffer, offset: int = 0) -> PendingGet:
+    def block_get_async(self, ns: str, keys, buffer: SharedBuffer | PoolBuffer, offset: int = 0,
+                        offsets=None) -> PendingGet:
         """Start copying the block of each of ``keys`` that ``ns`` holds to ``offset + i *
-        block_bytes`` of ``buffer``; ``wait()`` gives ``found`` per key and ``damaged``, the
-        positions whose stored copy failed its checksum (not found, their bytes not to be used)."""
+        block_bytes`` of ``buffer`` (``offset + offsets[i]`` where ``offsets`` is given: no
+        two may overlap); ``wait()`` gives ``found`` per key and ``damaged``, the positions
+        whose stored copy failed its checksum (not found, their bytes not to be used)."""
         fields = {"ns": ns, "keys": [bytes(k) for k in keys], "buf": buffer.buf_id, "offset": offset}
+        if offsets is not None:
+            fields["offsets"] = _int_list(offsets)
         return PendingGet(self, self._submit(Op.BLOCK_GET, fields))
 
     def block_delete(self, ns: str, keys=None) -> dict:

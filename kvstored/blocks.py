@@ -39,6 +39,7 @@ import numpy as np
 
 from kvdrive.protocol.blocks import block_geometry
 from kvstored.block_catalog import BlockRecord, add_blocks, delete_blocks
+from kvstored.buffers import MappedBuffer
 from kvstored.catalog import BLOCKS_NAME, Catalog, Contents, ExtentRecord
 from kvstored.config import DaemonConfig, format_size
 from kvstored.copy import address_tags
@@ -169,13 +170,15 @@ class Blocks:
         return {"found": found}
 
     def get(self, req: BlockGet, session: Session, picked: Picked | None = None) -> dict:
-        """Copy the blocks found to ``offset + i * block_bytes``; ``found`` per key, ``damaged``
+        """Copy the blocks found to ``offset + i * block_bytes`` (or ``offset + offsets[i]``);
+        ``found`` per key, ``damaged``
         the positions whose SSD copy failed its checksum (their bytes are not to be used).
         ``picked``, from :meth:`in_dram`, is used where no key was stored or deleted since."""
         table = self.tables.get((session.uid, req.ns))
         if table is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no block namespace {req.ns}")
-        session.buffers.lookup(req.buf).check_span(req.offset, len(req.keys) * table.block_bytes, "destination")
+        at = block_spans(session.buffers.lookup(req.buf), req.offset, req.offsets, len(req.keys), table.block_bytes,
+                         "destination")
         for _ in range(GET_TRIES):
             if self.tables.get((session.uid, req.ns)) is not table:
                 raise ProtocolError(ErrorCode.NOT_FOUND, f"no block namespace {req.ns} (deleted during this get)")
@@ -188,7 +191,7 @@ class Blocks:
                     table.slots.move_to_end(rec.key)
             picked = None  # a second try looks the keys up again
             try:
-                damaged = self._read(table, req, session, picks, whole)
+                damaged = self._read(table, req, session, picks, at, whole)
             except ProtocolError as exc:
                 if exc.code != ErrorCode.NOT_FOUND:
                     raise
@@ -209,11 +212,16 @@ class Blocks:
         table = self.tables.get((session.uid, req.ns))
         if table is None or len(req.keys) * table.block_bytes > max_bytes:
             return None
+        try:
+            at = block_spans(session.buffers.lookup(req.buf), req.offset, req.offsets, len(req.keys),
+                             table.block_bytes, "destination")
+        except ProtocolError:
+            return None  # get() refuses it
         with self.index.lock:
             picks, changes = self._pick(table, req), table.changes
         if not picks:
             return None
-        whole = self._get_of(table, req, picks)
+        whole = self._get_of(table, req, picks, at)
         return Picked(table, changes, picks, whole) if self.gets.in_dram(whole, session, max_bytes) else None
 
     @staticmethod
@@ -221,32 +229,32 @@ class Blocks:
         """(position, record) of each key of ``req`` the table holds (index lock held)."""
         return [(i, table.records[slot]) for i, key in enumerate(req.keys) if (slot := table.slots.get(key)) is not None]
 
-    def _read(self, table: BlockTable, req: BlockGet, session: Session, picks: list, whole: Get | None) -> set[int]:
+    def _read(self, table: BlockTable, req: BlockGet, session: Session, picks: list, at: np.ndarray,
+              whole: Get | None) -> set[int]:
         """Read ``picks`` (``whole``, where given, the get path's request for them all) into
-        the client's buffer; the positions of those that are damaged."""
+        the client's buffer, key i at ``offset + at[i]``; the positions of those that are damaged."""
         if not picks:
             return set()
         try:
-            self.gets.get(self._get_of(table, req, picks) if whole is None else whole, session, blocks=True)
+            self.gets.get(self._get_of(table, req, picks, at) if whole is None else whole, session, blocks=True)
             return set()
         except DamagedBlockError:
             pass
         damaged = set()  # one at a time, so that only the damaged ones are misses
         for i, rec in picks:
             try:
-                self.gets.get(self._get_of(table, req, [(i, rec)]), session, blocks=True)
+                self.gets.get(self._get_of(table, req, [(i, rec)], at), session, blocks=True)
             except DamagedBlockError:
                 damaged.add(i)
         return damaged
 
     @staticmethod
-    def _get_of(table: BlockTable, req: BlockGet, picks: list) -> Get:
+    def _get_of(table: BlockTable, req: BlockGet, picks: list, at: np.ndarray) -> Get:
         n, parts, part_bytes = len(picks), table.parts, table.entry.geometry.block_bytes
         rows = np.zeros((n * parts, 3), np.int32)
         rows[:, 0] = np.tile(np.arange(parts, dtype=np.int32), n)
         rows[:, 2] = np.repeat([rec.slot for _, rec in picks], parts)
-        dst = (np.repeat([i for i, _ in picks], parts) * table.block_bytes
-               + np.tile(np.arange(parts, dtype=np.int64), n) * part_bytes)
+        dst = np.repeat(at[[i for i, _ in picks]], parts) + np.tile(np.arange(parts, dtype=np.int64), n) * part_bytes
         return Get(table.entry.uid, req.buf, req.offset, rows, dst.astype(np.int64))
 
     # ------------------------------------------------------------ writer thread
@@ -272,7 +280,7 @@ class Blocks:
         """Stage and write the keys the namespace lacks, as one put of the put path (see the
         module); None when it lacks none."""
         mb = session.buffers.lookup(req.buf)  # before a new namespace is made for a put that fails
-        mb.check_span(req.offset, len(req.keys) * req.block_bytes, "source")
+        at = block_spans(mb, req.offset, req.offsets, len(req.keys), req.block_bytes, "source")
         table = self._table_for_put(req, session.uid)
         entry, parts = table.entry, table.parts
         with self.index.lock:
@@ -289,7 +297,7 @@ class Blocks:
         check_put_bytes(count, 1, part_bytes)
         slots = table.take(len(new))
         try:
-            return self._write(table, req, session, mb, list(new.items()), slots, reply)
+            return self._write(table, req, session, mb, [(k, int(at[i])) for k, i in new.items()], slots, reply)
         except BaseException:
             table.give(slots)
             raise
@@ -302,7 +310,7 @@ class Blocks:
         lay = np.tile(np.arange(parts, dtype=np.int64), n)
         hed = np.zeros(n * parts, np.int64)
         pag = np.repeat(slots, parts)
-        src = (np.repeat([i for _, i in new], parts) * req.block_bytes + lay * part_bytes + req.offset).astype(np.int64)
+        src = (np.repeat([at for _, at in new], parts) + lay * part_bytes + req.offset).astype(np.int64)
         wrote = self.puts.write_blocks(mb, session, req.buf, src, part_bytes, entry.owner)
         offsets = wrote.offsets
         crc = wrote.crc ^ address_tags(entry.uid, lay, hed, pag)
@@ -417,3 +425,21 @@ class Blocks:
             log.info("block namespace %s is over its quota %s: deleted its %d least recently used blocks",
                      table.entry.ns, format_size(limit), len(victims))
 
+
+def block_spans(mb: MappedBuffer, offset: int, offsets: np.ndarray | None, n: int, block_bytes: int,
+                what: str) -> np.ndarray:
+    """Where each of ``n`` blocks lies from ``offset`` in buffer ``mb``: ``i * block_bytes``, or
+    ``offsets[i]``; refused unless each lies in the buffer and, for a get's destinations,
+    no two share a byte."""
+    if offsets is None:
+        mb.check_span(offset, n * block_bytes, what)
+        return np.arange(n, dtype=np.int64) * block_bytes
+    mb.check_span(offset, int(offsets.max()) + block_bytes, what)
+    if what == "destination" and n > 1:
+        ranked = np.sort(offsets)
+        clash = np.flatnonzero(np.diff(ranked) < block_bytes)
+        if len(clash):
+            a, b = int(ranked[clash[0]]), int(ranked[clash[0] + 1])
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"'offsets' {a} and {b} overlap: blocks of {block_bytes} bytes "
+                                                     f"there share bytes; a get's destinations must not overlap")
+    return offsets

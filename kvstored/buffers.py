@@ -18,6 +18,12 @@ device memory. Both kinds are a :class:`MappedBuffer` to the store, which hands 
 byte move to the buffer: :meth:`MappedBuffer.write_blocks` (a get's DRAM hits),
 :meth:`MappedBuffer.write_verified` (its SSD reads) and :meth:`MappedBuffer.read_blocks`
 (a put's source). Both count against the same limits.
+
+A third kind, a *pool* (:class:`PoolBuffer`), is shared memory the client made without
+sealing (a serving engine's CPU KV pool: a memfd or a file in /dev/shm), so that gets
+land in it and puts leave from it with no copy on the client's side. The daemon maps it
+under a SIGBUS guard (kvstored/sigbus.py): a client that shrinks its file makes that
+request and every later one on the pool fail with ``buffer``, never the daemon fault.
 """
 
 from __future__ import annotations
@@ -26,16 +32,19 @@ import fcntl
 import logging
 import mmap
 import os
+import resource
 import stat
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from kvdrive.protocol.files import TMPFS_MAGIC, fs_type
 from kvstored.checksum import verify_scatter
 from kvstored.copy import gather_scatter
-from kvstored.limits import BufferLimits
+from kvstored.limits import RESERVED_FDS, BufferLimits
 from kvstored.protocol import ErrorCode, ProtocolError
+from kvstored.sigbus import SLOTS, guard
 
 if TYPE_CHECKING:
     from kvstored.cuda_ipc import CudaIpc
@@ -83,6 +92,10 @@ class MappedBuffer:
         """``dst[dst_offs[i]:+nbytes] = buffer[src_offs[i]:+nbytes]`` (``dst`` host memory)."""
         gather_scatter(self.array, src_offs, dst, dst_offs, nbytes)
 
+    def check_intact(self) -> None:
+        """Raise a ``buffer`` error where the bytes last moved through this buffer may not be
+        the client's (see PoolBuffer); a sealed or device buffer always holds them."""
+
     def close(self) -> None:
         """Unmap (once no reader can still copy through it: see ReclaimGate)."""
         self.array = np.zeros(0, dtype=np.uint8)
@@ -93,6 +106,53 @@ class MappedBuffer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(buf_id={self.buf_id}, size={self.size})"
+
+
+class PoolBuffer(MappedBuffer):
+    """``size`` bytes of a client's unsealed shared-memory file, mapped under the SIGBUS
+    guard (row ``row`` of :func:`kvstored.sigbus.guard`'s table).
+
+    Every copy through it is checked after it ends: where any access faulted (the client
+    shrank the file below ``size``) the bytes moved are not the client's, so the request
+    fails, and so does every later one (the guard has put anonymous pages in place of the
+    file's, so the mapping no longer shows the client's memory).
+    """
+
+    kind = "pool"
+
+    def __init__(self, buf_id: int, size: int, array: np.ndarray, owner: Any, row: int) -> None:
+        super().__init__(buf_id, size, array, owner)
+        self.row = row
+
+    def check_intact(self) -> None:
+        if self.row < 0 or guard().faulted(self.row):
+            raise ProtocolError(ErrorCode.BUFFER, f"pool buffer {self.buf_id}: the client shrank its file below the "
+                                                  f"{self.size} bytes it registered while the daemon used it; this and "
+                                                  f"every later request on it fail (register the pool again)")
+
+    def write_blocks(self, src: np.ndarray, src_offs: np.ndarray, dst_offs: np.ndarray, nbytes: int) -> None:
+        self.check_intact()
+        super().write_blocks(src, src_offs, dst_offs, nbytes)
+        self.check_intact()
+
+    def write_verified(self, src: np.ndarray, src_offs: np.ndarray, dst_offs: np.ndarray, nbytes: int,
+                       tags: np.ndarray, expect: np.ndarray) -> np.ndarray:
+        self.check_intact()
+        ok = super().write_verified(src, src_offs, dst_offs, nbytes, tags, expect)
+        self.check_intact()
+        return ok
+
+    def read_blocks(self, src_offs: np.ndarray, dst: np.ndarray, dst_offs: np.ndarray, nbytes: int) -> None:
+        self.check_intact()
+        super().read_blocks(src_offs, dst, dst_offs, nbytes)
+        self.check_intact()
+
+    def close(self) -> None:
+        """Unmap, then stop guarding the range (a mapping still referenced keeps its row)."""
+        super().close()
+        if self.row >= 0 and self.owner.closed:
+            guard().remove(self.row)
+            self.row = -1
 
 
 class BufferRegistry:
@@ -154,6 +214,20 @@ class BufferRegistry:
 
         return self._add(size, make)
 
+    def register_pool(self, fd: int, size: int) -> MappedBuffer:
+        """Map ``size`` bytes of the client's shared-memory file ``fd`` as a pool, under the
+        SIGBUS guard (the caller closes ``fd``; the mapping holds a duplicate of it, which
+        counts against the descriptors pools may hold)."""
+        def make() -> MappedBuffer:
+            self._budget.take_descriptor(self.uid)
+            try:
+                return _map_pool(fd, size)
+            except BaseException:
+                self._budget.give_back_descriptor(self.uid)
+                raise
+
+        return self._add(size, make)
+
     def register_cuda(self, spec: "RegisterCudaIpc", cuda: "CudaIpc") -> MappedBuffer:
         """Open the CUDA IPC handle of ``spec`` (refused, after the limits, where ``cuda`` is unavailable)."""
         return self._add(spec.size, lambda: cuda.open(spec))
@@ -182,18 +256,57 @@ class BufferRegistry:
             mb.close()
         finally:
             self._budget.give_back(self.uid, mb.size)
+            if isinstance(mb, PoolBuffer):
+                self._budget.give_back_descriptor(self.uid)
 
 
 class MappedBudget:
     """Bytes of client memory all sessions together may map (the daemon's address space),
-    and one user's share of it: a quarter, so no user can lock the others out."""
+    and one user's share of it: a quarter, so no user can lock the others out.
 
-    def __init__(self, max_bytes: int) -> None:
+    Also the descriptors pools hold open: at most ``max_fds`` (by default a quarter of the
+    daemon's descriptor limit past RESERVED_FDS; connections take at most half, see
+    ConnectionLimits.fit), a quarter of them per user, since running out of descriptors
+    aborts libzmq."""
+
+    def __init__(self, max_bytes: int, max_fds: int | None = None) -> None:
         self.max_bytes = max_bytes
         self.max_per_uid = max_bytes // 4
         self._lock = threading.Lock()
         self.used = 0
         self._by_uid: dict[int, int] = {}
+        self._max_fds = max_fds
+        self.fds = 0
+        self._fds_by_uid: dict[int, int] = {}
+
+    @property
+    def max_fds(self) -> int:
+        if self._max_fds is not None:
+            return self._max_fds
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]  # raised at start (admission.py): read when used
+        return max(4, (soft - RESERVED_FDS) // 4) if soft != resource.RLIM_INFINITY else 1 << 20
+
+    def take_descriptor(self, uid: int) -> None:
+        limit = self.max_fds
+        with self._lock:
+            mine = self._fds_by_uid.get(uid, 0)
+            if mine >= max(1, limit // 4) or self.fds >= limit:
+                raise ProtocolError(
+                    ErrorCode.BUFFER,
+                    f"pools hold {self.fds} descriptors open, {mine} of them uid {uid}'s; the daemon's limit is "
+                    f"{limit}, a quarter of it per user (from its RLIMIT_NOFILE): unregister some pools",
+                )
+            self.fds += 1
+            self._fds_by_uid[uid] = mine + 1
+
+    def give_back_descriptor(self, uid: int) -> None:
+        with self._lock:
+            self.fds -= 1
+            left = self._fds_by_uid[uid] - 1
+            if left:
+                self._fds_by_uid[uid] = left
+            else:
+                del self._fds_by_uid[uid]
 
     def take(self, uid: int, nbytes: int) -> None:
         with self._lock:
@@ -247,3 +360,42 @@ def _map_sealed(fd: int, size: int) -> tuple[np.ndarray, mmap.mmap]:
     except (OSError, ValueError, OverflowError) as exc:
         raise ProtocolError(ErrorCode.BUFFER, f"cannot map the buffer: {exc}") from None
     return np.frombuffer(m, dtype=np.uint8), m
+
+
+def _map_pool(fd: int, size: int) -> PoolBuffer:
+    """``size`` bytes of ``fd`` mapped under the SIGBUS guard once it is a shared-memory file
+    of at least that size, open for reading and writing (else a ``buffer`` refusal)."""
+    try:
+        st, flags = os.fstat(fd), fcntl.fcntl(fd, fcntl.F_GETFL)
+        fs = fs_type(fd) if stat.S_ISREG(st.st_mode) else None
+    except OSError as exc:
+        raise ProtocolError(ErrorCode.BUFFER, f"cannot inspect the pool descriptor: {exc.strerror}") from None
+    if fs is None:
+        raise ProtocolError(ErrorCode.BUFFER, "a pool must be a memfd or a file in /dev/shm (tmpfs); this descriptor "
+                                              f"is not a regular file ({_file_kind(st.st_mode)})")
+    if fs != TMPFS_MAGIC:
+        raise ProtocolError(ErrorCode.BUFFER, f"a pool must be a memfd or a file in /dev/shm (tmpfs); this file is on "
+                                              f"a file system of type {fs:#x}, not shared memory")
+    if flags & os.O_ACCMODE != os.O_RDWR or flags & os.O_APPEND:
+        raise ProtocolError(ErrorCode.BUFFER, "a pool descriptor must be open for reading and writing, without O_APPEND")
+    if st.st_size < size:
+        raise ProtocolError(ErrorCode.BUFFER, f"the pool file is {st.st_size} bytes, registered as {size}")
+    try:
+        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, ValueError, OverflowError) as exc:
+        raise ProtocolError(ErrorCode.BUFFER, f"cannot map the pool: {exc}") from None
+    array = np.frombuffer(m, dtype=np.uint8)
+    row = guard().add(array.ctypes.data, size)
+    if row is None:
+        del array
+        m.close()
+        raise ProtocolError(ErrorCode.BUFFER, f"the daemon guards {SLOTS} pools already; unregister some")
+    return PoolBuffer(0, size, array, m, row)
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a pipe"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"

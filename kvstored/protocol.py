@@ -21,7 +21,7 @@ import numpy as np
 from kvdrive.layout.geometry import MAX_PAGES, Geometry
 from kvdrive.protocol.blocks import MAX_BLOCK_BYTES
 from kvdrive.protocol import (
-    BUFFER_KIND_CUDA_IPC, BUFFER_KIND_MEMFD, CUDA_IPC_HANDLE_BYTES, MAX_BLOCK_KEY_BYTES, MAX_BLOCK_KEYS, MAX_BUFFER_BYTES, MAX_CUDA_DEVICE, GET_ARRAYS,
+    BUFFER_KIND_CUDA_IPC, BUFFER_KIND_MEMFD, BUFFER_KIND_POOL, CUDA_IPC_HANDLE_BYTES, MAX_BLOCK_KEY_BYTES, MAX_BLOCK_KEYS, MAX_BUFFER_BYTES, MAX_CUDA_DEVICE, GET_ARRAYS,
     MAX_HEADER_BYTES, MAX_LAYERS_PER_PUT, MAX_LIST, MAX_LOOKUP, MAX_NAME_BYTES, MAX_SEQS_PER_GET, PROTOCOL_VERSION,
     PUT_ARRAYS, SESSION_TOKEN_BYTES, ErrorCode, Op, encode, error_reply, ok_reply, request_frames,
 )
@@ -31,7 +31,7 @@ __all__ = [
     "GET_ARRAYS", "MAX_HEADER_BYTES", "MAX_LAYERS_PER_PUT", "MAX_LIST", "MAX_LOOKUP", "MAX_NAME_BYTES", "MAX_SEQS_PER_GET",
     "PROTOCOL_VERSION", "PUT_ARRAYS", "SESSION_TOKEN_BYTES", "ErrorCode", "Op", "encode", "error_reply", "ok_reply",
     "request_frames", "ProtocolError", "ErrorTally", "Hello", "Create", "OpenSeq", "ListSeqs", "Delete", "Put", "Get", "Stats", "Lookup",
-    "Request", "Envelope", "parse_request", "RegisterMemfd", "RegisterCudaIpc", "parse_register",
+    "Request", "Envelope", "parse_request", "RegisterMemfd", "RegisterPool", "RegisterCudaIpc", "parse_register",
     "MAX_IMPORTANCE", "clamp_importance", "BlockLookup", "BlockPut", "BlockGet", "BlockDelete", "BlockRequest",
 ]
 
@@ -165,24 +165,28 @@ class BlockLookup:
 
 @dataclass(frozen=True)
 class BlockPut:
-    """Store block i of ``keys`` from ``offset + i * block_bytes`` in buffer ``buf`` into the
-    caller's block namespace ``ns`` (made on the first put, with this block size)."""
+    """Store block i of ``keys`` from ``offset + i * block_bytes`` (``offset + offsets[i]``
+    where ``offsets`` is given) in buffer ``buf`` into the caller's block namespace ``ns``
+    (made on the first put, with this block size)."""
 
     ns: str
     block_bytes: int
     keys: tuple[bytes, ...]
     buf: int
     offset: int
+    offsets: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
 class BlockGet:
-    """Copy the block of each of ``keys`` that ``ns`` holds to ``offset + i * block size`` in ``buf``."""
+    """Copy the block of each of ``keys`` that ``ns`` holds to ``offset + i * block size``
+    (``offset + offsets[i]`` where ``offsets`` is given) in ``buf``."""
 
     ns: str
     keys: tuple[bytes, ...]
     buf: int
     offset: int
+    offsets: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -206,6 +210,14 @@ class RegisterMemfd:
 
 
 @dataclass(frozen=True)
+class RegisterPool:
+    """A session-socket register of an unsealed shared-memory file (memfd or tmpfs) the
+    daemon maps under its SIGBUS guard: ``size`` bytes of the one descriptor sent."""
+
+    size: int
+
+
+@dataclass(frozen=True)
 class RegisterCudaIpc:
     """A session-socket register of ``size`` bytes at ``offset`` in the CUDA allocation
     that ``handle`` (a ``cudaIpcMemHandle_t``) names, on device ``device``."""
@@ -219,23 +231,23 @@ class RegisterCudaIpc:
         return f"RegisterCudaIpc(device={self.device}, offset={self.offset}, size={self.size})"
 
 
-def parse_register(req: dict, num_fds: int) -> RegisterMemfd | RegisterCudaIpc:
+def parse_register(req: dict, num_fds: int) -> RegisterMemfd | RegisterPool | RegisterCudaIpc:
     """Check a ``register`` message of the session socket (see docs/protocol.md).
 
     Every field is checked here, before any limit is looked at or anything is opened.
     """
     kind = req.get("kind", BUFFER_KIND_MEMFD)
-    if kind in (BUFFER_KIND_MEMFD, "shm"):
+    if kind in (BUFFER_KIND_MEMFD, "shm", BUFFER_KIND_POOL):
         size = req.get("size")
         if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_BUFFER_BYTES:
             raise ProtocolError(ErrorCode.BAD_FIELD, "field 'size' must be an integer in 1..2^44")
         if num_fds != 1:
             raise ProtocolError(ErrorCode.BUFFER, f"a register carries exactly one file descriptor, got {num_fds}")
-        return RegisterMemfd(size)
+        return RegisterPool(size) if kind == BUFFER_KIND_POOL else RegisterMemfd(size)
     if kind != BUFFER_KIND_CUDA_IPC:
         raise ProtocolError(
             ErrorCode.BAD_FIELD,
-            f"buffer kind {kind!r:.32} is not {BUFFER_KIND_MEMFD} (or shm) or {BUFFER_KIND_CUDA_IPC}",
+            f"buffer kind {kind!r:.32} is not {BUFFER_KIND_MEMFD} (or shm), {BUFFER_KIND_POOL} or {BUFFER_KIND_CUDA_IPC}",
         )
     f = _Fields(req)
     handle = f._get("handle")
@@ -327,6 +339,21 @@ class _Fields:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must hold keys of 1..{MAX_BLOCK_KEY_BYTES} "
                                                      f"bytes (msgpack bin)")
         return tuple(v)
+
+    def offsets(self, name: str, count: int) -> np.ndarray | None:
+        """An optional list of one offset per key (``count``), each in 0..2^44."""
+        v = self._get(name, False)
+        if v is None:
+            return None
+        if not isinstance(v, list) or len(v) != count:
+            got = f"{len(v)} values" if isinstance(v, list) else type(v).__name__
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be a list of one integer per key "
+                                                     f"({count}), got {got}")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must hold integers only")
+        if not all(0 <= x <= MAX_BUFFER_BYTES for x in v):
+            raise ProtocolError(ErrorCode.OUT_OF_RANGE, f"field {name!r} has values outside 0..2^44")
+        return np.asarray(v, dtype=np.int64)
 
     def int_array(self, name: str, lo: int, hi: int, max_len: int) -> np.ndarray:
         v = self._get(name)
@@ -479,10 +506,12 @@ def _parse_block_op(op: Op, f: _Fields) -> BlockRequest:
     if op is Op.BLOCK_LOOKUP:
         return BlockLookup(f.name("ns"), f.keys("keys"))
     if op is Op.BLOCK_PUT:
-        return BlockPut(f.name("ns"), f.int("block_bytes", 4, MAX_BLOCK_BYTES), f.keys("keys"),
-                        f.int("buf", 0, 1 << 31), f.int("offset", 0, 1 << 44))
+        ns, block_bytes, keys = f.name("ns"), f.int("block_bytes", 4, MAX_BLOCK_BYTES), f.keys("keys")
+        return BlockPut(ns, block_bytes, keys, f.int("buf", 0, 1 << 31), f.int("offset", 0, 1 << 44),
+                        f.offsets("offsets", len(keys)))
     if op is Op.BLOCK_GET:
-        return BlockGet(f.name("ns"), f.keys("keys"), f.int("buf", 0, 1 << 31), f.int("offset", 0, 1 << 44))
+        ns, keys = f.name("ns"), f.keys("keys")
+        return BlockGet(ns, keys, f.int("buf", 0, 1 << 31), f.int("offset", 0, 1 << 44), f.offsets("offsets", len(keys)))
     if op is Op.BLOCK_DELETE:
         keys, every = f.keys("keys", required=False), f.bool("all", False)
         if bool(keys) == every:

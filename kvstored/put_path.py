@@ -272,8 +272,18 @@ class PutPath:
                 sums = self._crc_thread.submit(self._copy_and_sum, mb.array, src_offs, nbytes, slots)
                 try:
                     offsets = self.place(mb.array, count, nbytes, src_offs)
+                except ProtocolError:
+                    futures.wait([sums])
+                    mb.check_intact()  # EFAULT from a pool its client shrank is the client's doing
+                    raise
                 finally:
                     futures.wait([sums])  # it reads the client's buffer: not past the gate
+                try:
+                    mb.check_intact()  # a pool its client shrank meanwhile: not its bytes
+                except ProtocolError:
+                    self.unwrite(Written(nbytes, offsets, np.zeros(0, np.uint32), None, np.zeros(0, np.uint8),
+                                         src_offs, None))
+                    raise
         except BaseException:
             self.residency.release_reserved(nbytes, slots)
             raise

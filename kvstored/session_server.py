@@ -20,7 +20,9 @@ from pathlib import Path
 import msgpack
 
 from kvstored.limits import ConnectionLimits
-from kvstored.protocol import PROTOCOL_VERSION, ErrorCode, ErrorTally, ProtocolError, RegisterCudaIpc, parse_register
+from kvstored.protocol import (
+    PROTOCOL_VERSION, ErrorCode, ErrorTally, ProtocolError, RegisterCudaIpc, RegisterPool, parse_register,
+)
 from kvstored.session_conns import Connection, ConnectionTable
 from kvstored.sessions import Session, SessionTable
 
@@ -275,6 +277,8 @@ class SessionServer:
         spec = parse_register(req, len(fds))
         if isinstance(spec, RegisterCudaIpc):
             mb = session.buffers.register_cuda(spec, self.table.cuda)
+        elif isinstance(spec, RegisterPool):
+            mb = session.buffers.register_pool(fds[0], spec.size)
         else:
             mb = session.buffers.register_fd(fds[0], spec.size)
         return {"v": PROTOCOL_VERSION, "ok": True, "buf": mb.buf_id, "size": mb.size, "kind": mb.kind}

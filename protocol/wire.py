@@ -27,6 +27,7 @@ import numpy as np
 __all__ = [
     "BUFFER_KIND_CUDA_IPC",
     "BUFFER_KIND_MEMFD",
+    "BUFFER_KIND_POOL",
     "BadReplyError",
     "CUDA_IPC_HANDLE_BYTES",
     "ErrorCode",
@@ -76,6 +77,9 @@ MAX_BUFFER_BYTES = 1 << 44
 # the daemon can open CUDA IPC handles.
 BUFFER_KIND_MEMFD = "memfd"
 BUFFER_KIND_CUDA_IPC = "cuda_ipc"
+# An unsealed shared-memory file (memfd or /dev/shm) the daemon maps under a SIGBUS
+# guard (a serving engine's CPU KV pool; see docs/protocol.md).
+BUFFER_KIND_POOL = "pool"
 # sizeof(cudaIpcMemHandle_t): the handle travels as these bytes, unchanged.
 CUDA_IPC_HANDLE_BYTES = 64
 # Device ordinals a cuda_ipc register may name (the daemon refuses one it does not have).

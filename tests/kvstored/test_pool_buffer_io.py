@@ -1,0 +1,145 @@
+"""kvstored.buffers.PoolBuffer on its own: blocks moved through the daemon's mapping of an
+unsealed shared-memory file, the SIGBUS guard when the client shrinks it, and the
+registry's checks of the descriptor."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from kvstored.buffers import BufferRegistry, MappedBudget
+from kvstored.checksum import block_crcs
+from kvstored.limits import BufferLimits
+from kvstored.protocol import ErrorCode, ProtocolError
+
+NB = 8192 + 3  # not a multiple of 4 KiB: nothing here needs alignment
+SIZE = 64 * NB
+
+
+@pytest.fixture
+def memfd():
+    fd = os.memfd_create("pool-test", os.MFD_CLOEXEC)
+    os.ftruncate(fd, SIZE)
+    yield fd
+    os.close(fd)
+
+
+@pytest.fixture
+def registry():
+    budget = MappedBudget(1 << 30)
+    reg = BufferRegistry(BufferLimits(max_buffers=4, max_bytes=1 << 28), budget, os.getuid())
+    yield reg, budget
+    for buf_id in list(reg._buffers):
+        reg.close_mapping(reg.unregister(buf_id))
+
+
+def test_blocks_move_through_the_mapping_byte_exact(memfd, registry):
+    reg, budget = registry
+    pool = reg.register_pool(memfd, SIZE)
+    assert pool.kind == "pool" and budget.used == SIZE and budget.fds == 1
+    src = np.random.default_rng(0).integers(0, 256, 6 * NB, dtype=np.uint8)
+    dst = np.array([11, 10, 12, 30, 31, 50]) * NB
+    pool.write_blocks(src, np.arange(6) * NB, dst, NB)
+    raw = os.pread(memfd, SIZE, 0)  # in the client's file, not a copy of it
+    for i, d in enumerate(dst.tolist()):
+        assert raw[d: d + NB] == src[i * NB: (i + 1) * NB].tobytes()
+    back = np.zeros(6 * NB, np.uint8)
+    pool.read_blocks(dst, back, np.arange(6)[::-1] * NB, NB)
+    assert (back.reshape(6, NB)[::-1] == src.reshape(6, NB)).all()
+    reg.close_mapping(reg.unregister(pool.buf_id))
+    assert budget.used == 0 and budget.fds == 0 and pool.row == -1
+
+
+def test_write_verified_writes_only_blocks_that_check(memfd, registry):
+    pool = registry[0].register_pool(memfd, SIZE)
+    src = np.random.default_rng(1).integers(0, 256, 3 * NB, dtype=np.uint8)
+    offs = np.arange(3) * NB
+    tags = np.array([5, 6, 7], np.uint32)
+    expect = block_crcs(src, offs, NB) ^ tags
+    expect[1] ^= 1  # block 1 is damaged
+    os.pwrite(memfd, b"\xee" * (3 * NB), 0)
+    assert pool.write_verified(src, offs, offs, NB, tags, expect).tolist() == [True, False, True]
+    raw = os.pread(memfd, 3 * NB, 0)
+    assert raw[NB: 2 * NB] == b"\xee" * NB
+    assert raw[:NB] == src[:NB].tobytes() and raw[2 * NB:] == src[2 * NB:].tobytes()
+
+
+@pytest.mark.parametrize("first", ["write", "read", "write_verified"])
+def test_a_shrunk_pool_fails_that_copy_and_every_later_one_and_the_process_lives(memfd, registry, first):
+    pool = registry[0].register_pool(memfd, SIZE)
+    os.ftruncate(memfd, 10 * NB)
+    block = np.full(NB, 9, np.uint8)
+    with pytest.raises(ProtocolError) as exc:
+        if first == "write":
+            pool.write_blocks(block, np.array([0]), np.array([20 * NB]), NB)
+        elif first == "read":
+            pool.read_blocks(np.array([20 * NB]), block, np.array([0]), NB)
+        else:
+            pool.write_verified(block, np.array([0]), np.array([20 * NB]), NB, np.zeros(1, np.uint32),
+                                block_crcs(block, np.array([0]), NB))
+    assert exc.value.code is ErrorCode.BUFFER and "shrank" in str(exc.value)
+    assert os.fstat(memfd).st_size == 10 * NB, "the daemon grew the client's file"
+    with pytest.raises(ProtocolError, match="register the pool again"):
+        pool.read_blocks(np.array([0]), block, np.array([0]), NB)  # within what is left: still refused
+    # A new registration of what the file holds now works.
+    again = registry[0].register_pool(memfd, 10 * NB)
+    again.write_blocks(np.full(NB, 4, np.uint8), np.array([0]), np.array([NB]), NB)
+    assert os.pread(memfd, NB, NB) == b"\x04" * NB
+
+
+def test_a_fault_outside_every_pool_still_ends_the_process():
+    """The guard handles its own ranges only: any other SIGBUS goes to what was there before
+    (here faulthandler, which prints the stack, then the default: the process dies)."""
+    child = textwrap.dedent("""
+        import faulthandler, mmap, os
+        import numpy as np
+        faulthandler.enable()
+        from kvstored.sigbus import guard
+        fd = os.memfd_create("mine"); os.ftruncate(fd, 1 << 16)
+        g = guard()
+        row = g.add(np.frombuffer(mmap.mmap(fd, 1 << 16), np.uint8).ctypes.data, 1 << 16)
+        os.ftruncate(fd, 0)
+        print("guarded", row, flush=True)
+        other = os.memfd_create("other"); os.ftruncate(other, 8192)
+        a = np.frombuffer(mmap.mmap(other, 8192), np.uint8)
+        os.ftruncate(other, 0)
+        a[100] = 1
+        print("survived", flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert "guarded 0" in r.stdout and "survived" not in r.stdout
+    assert r.returncode == -signal.SIGBUS and "Bus error" in r.stderr
+
+
+def test_a_pool_must_be_a_shared_memory_file(registry):
+    reg, budget = registry
+    r, w = os.pipe()
+    with pytest.raises(ProtocolError, match="a pipe"):
+        reg.register_pool(r, 1)
+    assert budget.used == 0 and budget.fds == 0
+    os.close(r), os.close(w)
+
+
+def test_pools_hold_at_most_their_share_of_descriptors(memfd):
+    budget = MappedBudget(1 << 30, max_fds=8)  # a quarter per user: 2
+    reg = BufferRegistry(BufferLimits(max_buffers=16, max_bytes=1 << 28), budget, 1000)
+    held = [reg.register_pool(memfd, SIZE) for _ in range(2)]
+    with pytest.raises(ProtocolError, match="descriptors open") as exc:
+        reg.register_pool(memfd, SIZE)
+    assert exc.value.code is ErrorCode.BUFFER and budget.fds == 2 and budget.used == 2 * SIZE
+    other = BufferRegistry(BufferLimits(), budget, 1001)
+    other.close_mapping(other.unregister(other.register_pool(memfd, SIZE).buf_id))  # another user has room
+    r, w = os.pipe()
+    with pytest.raises(ProtocolError, match="a pipe"):
+        other.register_pool(r, 1)  # a refusal gives the descriptor back
+    os.close(r), os.close(w)
+    for mb in held:
+        reg.close_mapping(reg.unregister(mb.buf_id))
+    assert budget.fds == 0 and budget.used == 0
+    assert MappedBudget(1 << 30).max_fds >= 4
