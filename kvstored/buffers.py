@@ -123,9 +123,14 @@ class PoolBuffer(MappedBuffer):
     def __init__(self, buf_id: int, size: int, array: np.ndarray, owner: Any, row: int) -> None:
         super().__init__(buf_id, size, array, owner)
         self.row = row
+        self.broken = False
 
     def check_intact(self) -> None:
         if self.row < 0 or guard().faulted(self.row):
+            if not self.broken:
+                self.broken = True
+                log.warning("pool buffer %d (%d bytes): its client shrank the file under the daemon's mapping; its "
+                            "requests fail from now on", self.buf_id, self.size)
             raise ProtocolError(ErrorCode.BUFFER, f"pool buffer {self.buf_id}: the client shrank its file below the "
                                                   f"{self.size} bytes it registered while the daemon used it; this and "
                                                   f"every later request on it fail (register the pool again)")

@@ -20,7 +20,10 @@ block or a refused request turns into a miss (or a store not done), one log line
 counter (:attr:`BlockStore.counters`). After kvstored is found unavailable, calls are
 misses at once, without I/O, for ``retry_s`` seconds; then the next call tries again.
 
-Bytes move through shared buffers registered with kvstored: the engine's memory is
+Where the engine's rows are a shared-memory file (vLLM's CPU tier), :meth:`BlockStore.share`
+registers it with kvstored and rows move with no copy of this process's: kvstored's get
+writes them in place, its put reads them there (:mod:`~kvdrive_client.integrations.pool`).
+Elsewhere bytes move through shared buffers registered with kvstored: the engine's memory is
 copied into one (stores) and out of one (loads), one memcpy each way (out with
 non-temporal stores for large blocks: :data:`STREAM_OUT_BYTES`), counted in ``staging_us``. Loads and stores go through lanes of their own
 (:mod:`~kvdrive_client.integrations.lanes`): each has its connections and staging
@@ -53,10 +56,12 @@ Buffer = Any  # anything with the buffer protocol (memoryview, numpy, bytearray)
 
 import numpy as np
 
-from kvdrive.protocol import MAX_BLOCK_KEY_BYTES, MAX_BLOCK_KEYS, Op
+from kvdrive.protocol import MAX_BLOCK_KEYS, Op
 from kvdrive.protocol.blocks import MAX_BLOCK_BYTES, MAX_PART_BYTES, block_geometry  # noqa: F401 (re-exported)
 from kvdrive_client.errors import ChecksumError, KVDriveError, NotFoundError, StoreUnavailableError
 from kvdrive_client.integrations.lanes import Channel, Lane
+from kvdrive_client.integrations.pool import InPlace, SharedFile
+from kvdrive_client.integrations.rows import Rows, _copy_out, _movers, _parts, key_bytes  # noqa: F401 (key_bytes re-exported)
 from kvdrive_client.locate import DEFAULT, Default
 from kvdrive_client.store import PendingGet, PendingPut, StoreClient, connect
 
@@ -93,85 +98,7 @@ def namespace(engine: str, model: str, tenant: str, block_bytes: int, rank: str 
     return "/".join(parts)
 
 
-def key_bytes(key: bytes | str | int) -> bytes:
-    """The kvstored block key of an engine key: bytes as they are, a string as UTF-8, up to
-    48 bytes (MAX_BLOCK_KEY_BYTES); anything longer or of another type by the SHA-256 of its bytes or text."""
-    if isinstance(key, (bytes, bytearray, memoryview)):
-        raw = bytes(key)
-    elif isinstance(key, str):
-        raw = key.encode("utf-8", "surrogatepass")
-    else:
-        raw = b"\x00" + str(key).encode()  # apart from every bytes and string key
-    return raw if 0 < len(raw) <= MAX_BLOCK_KEY_BYTES else b"h" + hashlib.sha256(raw).digest()
-
-
-_movers_module: list = []  # kvdrive.protocol.copy once imported, or None where it cannot be
-
-
-def _movers():
-    """:mod:`kvdrive.protocol.copy`, imported (with numba) on first use: by :meth:`BlockStore.open_early`'s
-    thread, or else by the first load, so that a store used for lookups or stores alone never
-    loads it; None, logged once, where numba cannot load (loads then copy with numpy)."""
-    if not _movers_module:
-        try:
-            from kvdrive.protocol import copy as movers  # noqa: PLC0415
-        except Exception as exc:  # noqa: BLE001 - a broken numba must not fail the engine's loads
-            log.warning("KVDrive loads copy blocks out with numpy, without streaming stores: %s", exc)
-            movers = None
-        _movers_module.append(movers)
-    return _movers_module[0]
-
-
-def _copy_out():
-    """:func:`kvdrive.protocol.copy.copy_out`, or None (:func:`_movers`)."""
-    movers = _movers()
-    return None if movers is None else movers.copy_out
-
-
-class Rows:
-    """Load targets that are rows of one array (an engine's CPU tier, a block a row): key i's
-    block goes to row ``rows[i]``, the blocks of a get copied out of staging by one compiled
-    call (:func:`kvdrive.protocol.copy.scatter_out`) instead of a Python step per block."""
-
-    def __init__(self, array: np.ndarray, rows: Iterable[int], block_bytes: int) -> None:
-        if array.dtype != np.uint8 or array.ndim != 2 or array.shape[1] != block_bytes or not (
-                array.flags.c_contiguous and array.flags.writeable):
-            raise ValueError(f"rows of a writable, contiguous uint8 array of {block_bytes}-byte rows, not "
-                             f"{array.dtype} {array.shape}")
-        self.rows = np.fromiter(rows, np.int64)
-        if len(self.rows) and (self.rows.min() < 0 or self.rows.max() >= array.shape[0]):
-            raise ValueError(f"rows outside the array's {array.shape[0]}")
-        self.array, self.flat, self.block_bytes = array, array.reshape(-1), block_bytes
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        return self.array[self.rows[i]]
-
-    def copy_in(self, staging: np.ndarray, at: int, js: list[int], batch: list[int]) -> None:
-        """Blocks ``js`` of the slot at ``at`` into the rows of keys ``batch[j]``."""
-        movers = _movers()
-        if movers is None:
-            for j in js:
-                self[batch[j]][:] = staging[at + j * self.block_bytes: at + (j + 1) * self.block_bytes]
-            return
-        picks = np.asarray(js, np.int64)
-        movers.scatter_out(self.flat, self.rows[np.asarray(batch, np.int64)[picks]] * self.block_bytes, staging,
-                           at + picks * self.block_bytes, self.block_bytes)
-
-
-def _parts(block: Any, block_bytes: int, what: str) -> list[np.ndarray]:
-    """A block as uint8 arrays over its memory: one buffer, or a list or tuple of buffers
-    (the parts of a block that lies in several places, such as its K and V), in order."""
-    parts = [np.frombuffer(b, dtype=np.uint8) for b in (block if isinstance(block, (list, tuple)) else [block])]
-    total = sum(p.nbytes for p in parts)
-    if total != block_bytes:
-        raise ValueError(f"a {what} of {total} bytes; this store's blocks are {block_bytes}")
-    return parts
-
-
-class BlockStore:
+class BlockStore(InPlace):
     """Blocks of ``block_bytes`` bytes, by engine key, in kvstored (see the module).
 
     ``address``: the daemon (default: the one ``connect()`` finds); ``timeout``: per data
@@ -215,6 +142,8 @@ class BlockStore:
         self._down_until = 0.0
         self._closed = False
         self._opener: threading.Thread | None = None
+        self._shared: SharedFile | None = None  # the engine's rows, where share() found their file (None if refused)
+        self._shared_file: SharedFile | None = None  # the same, kept to close
 
     # ------------------------------------------------------------ connection
 
@@ -233,7 +162,7 @@ class BlockStore:
         try:
             for lane in (self.loads, self.stores):
                 if not self._closed:
-                    lane.open(self.timeout)
+                    lane.open(self.timeout, self._shared)
         except (KVDriveError, OSError) as exc:
             log.info("kvstored channels of %s not opened early (%s); the first call opens them", self.ns, exc)
         if (movers := _movers()) is not None:  # compiled, or read from numba's cache, now
@@ -399,7 +328,10 @@ class BlockStore:
     def load_rows(self, keys: Seq, array: np.ndarray, rows: Iterable[int]) -> list[bool]:
         """:meth:`load` of each key's block into row ``rows[i]`` of ``array`` (writable,
         contiguous uint8, a block a row: an engine's CPU tier), each get's blocks copied out
-        by one compiled call. ValueError for an array or rows that cannot take the blocks."""
+        by one compiled call, or written in place by kvstored where :meth:`share` shared
+        ``array``. ValueError for an array or rows that cannot take the blocks."""
+        if self._shared is not None and self._shared.covers(array):
+            return self._pooled("load", keys, array, rows)
         return self.load(keys, Rows(array, rows, self.block_bytes))
 
     def _load_all(self, ch: Channel, ks: list[bytes], targets: Seq[Buffer], got: list[bool]) -> None:
@@ -498,7 +430,8 @@ class BlockStore:
     def stats(self) -> dict:
         """The counters: lookups, keys_found/keys_missing, blocks_stored, stored_before,
         blocks_loaded, load_missing, bytes_stored/bytes_loaded, blocks_deleted, *_failed
-        and *_skipped (blocks), unavailable (outages seen), staging_us, store_s_us, load_s_us."""
+        and *_skipped (blocks), unavailable (outages seen), staging_us, store_s_us, load_s_us,
+        blocks_in_place (blocks kvstored moved straight from or into shared rows: share())."""
         with self._tally_lock:
             return dict(self.counters)
 
@@ -510,6 +443,9 @@ class BlockStore:
             self._opener.join(min(self.timeout, 1.0))
         self.loads.close(self.timeout)
         self.stores.close(self.timeout)
+        if self._shared_file is not None:
+            self._shared_file.close()
+            self._shared = self._shared_file = None
         with self._lookups_lock:
             if self._lookups is not None and self._own_lookups:
                 self._lookups.close()

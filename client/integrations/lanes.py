@@ -26,14 +26,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from kvdrive_client.errors import BusyError, KVDriveError
-from kvdrive_client.shm import SharedBuffer
+from kvdrive_client.integrations.pool import SharedFile
+from kvdrive_client.shm import PoolBuffer, SharedBuffer
 from kvdrive_client.store import StoreClient
 
 log = logging.getLogger(__name__)
 
 
 class Channel:
-    """One connection and one staging region of ``region_bytes``, both made on first use.
+    """One connection and one staging region of ``region_bytes``, both made on first use;
+    and, where the engine's memory is a shared file (:mod:`.pool`), that file registered
+    on the same session on its first use.
 
     ``shared``: a client given by the caller, used (not closed) instead of a connection of
     the channel's own; the region is still the channel's."""
@@ -44,6 +47,13 @@ class Channel:
         self._shared = shared
         self._client: StoreClient | None = shared
         self._region: SharedBuffer | None = None
+        self._pool: PoolBuffer | None = None
+
+    def pool(self, shared: SharedFile) -> PoolBuffer:
+        """``shared`` registered on this channel's session (once)."""
+        if self._pool is None:
+            self._pool = self.client.register_pool(shared.fd, shared.size)
+        return self._pool
 
     @property
     def client(self) -> StoreClient:
@@ -76,13 +86,16 @@ class Channel:
             return
         if self._shared is None:
             self._client.close()  # frees the region with the session
-        elif self._region is not None:
-            try:
-                self._client.unregister(self._region)
-            except KVDriveError as exc:  # the daemon is gone: it freed the region with the session
-                log.info("staging region not unregistered (%s); the daemon dropped it with the session", exc)
+        else:
+            for buf in (self._region, self._pool):
+                if buf is None:
+                    continue
+                try:
+                    self._client.unregister(buf)
+                except KVDriveError as exc:  # the daemon is gone: it freed the buffer with the session
+                    log.info("buffer not unregistered (%s); the daemon dropped it with the session", exc)
         self._client = self._shared
-        self._region = None
+        self._region = self._pool = None
 
 
 class Lane:
@@ -112,8 +125,9 @@ class Lane:
         finally:
             self._free.put(ch)
 
-    def open(self, timeout: float) -> int:
-        """Connect and register the region of every channel not yet open; how many it opened.
+    def open(self, timeout: float, shared: SharedFile | None = None) -> int:
+        """Connect and register the region of every channel not yet open, and ``shared`` where
+        given (the engine's file, :mod:`.pool`); how many it opened.
         It holds each channel it takes until all are open (a call meanwhile waits as it would
         for a busy lane; it would have paid the same opening its own). KVDriveError or
         OSError if the daemon cannot be reached: the channels not yet open stay so."""
@@ -128,6 +142,8 @@ class Lane:
                 if not held[-1].opened:
                     held[-1].region  # noqa: B018 - connects, then registers
                     opened += 1
+                if shared is not None:
+                    held[-1].pool(shared)
             return opened
         finally:
             for ch in held:

@@ -25,8 +25,9 @@ instead of loading as garbage).
 ``batch_exists`` is one lookup request; ``batch_set_v1`` / ``batch_get_v1`` (with
 ``interface_v1``) take the regions of each page in SGLang's host pool from
 ``get_page_buffer_meta`` and copy them into / out of the shared buffer registered with
-kvstored: one memcpy each way. It is not zero-copy: SGLang's host pool is not memory
-kvstored can map. Without ``interface_v1`` SGLang passes flat page tensors (``batch_set``
+kvstored: one memcpy each way. It is not zero-copy: SGLang's default host pool is pinned
+memory of its own process (with ``"allocator": "shm"`` it is a memfd, which kvstored could
+move in place as it does vLLM's CPU tier; this backend does not do that yet). Without ``interface_v1`` SGLang passes flat page tensors (``batch_set``
 / ``batch_get``), which are copied the same way. Pages are write-once: a page stored
 already (by this process, another or an earlier run) is not written again. ``clear()``
 deletes the namespace's pages (on the storage-writer ranks). Prefetches never wait for

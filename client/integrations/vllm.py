@@ -30,9 +30,13 @@ instead of a lookup, a put and a commit per job, each job told of its own keys; 
 jobs queued together are loaded by one call, up to ``LOAD_COALESCE_BYTES`` (16 MiB, two
 gets). A daemon that is down or dies makes lookups misses and jobs
 failures within about a second (no exception reaches vLLM, nothing waits on it); one
-that comes back is used again. Blocks are copied between vLLM's CPU tier and shared
-buffers registered with kvstored (one memcpy per block each way; a load's by one
-compiled call per get, ``BlockStore.load_rows``); a chunk over 64 MiB
+that comes back is used again. vLLM's CPU tier is a file in /dev/shm (its
+``SharedOffloadRegion``), so the tier registers that file with kvstored as a pool and
+kvstored writes loaded blocks into their chunks, and reads stored ones from theirs, in
+place: no copy in vLLM's process (``zero_copy``, default on; ``BlockStore.share``).
+Where the CPU tier is other memory (or ``zero_copy`` is off), blocks are copied between
+it and shared buffers registered with kvstored (one memcpy per block each way; a load's
+by one compiled call per get, ``BlockStore.load_rows``). A chunk over 64 MiB
 (Llama-3-70B with ``block_size`` 256: 80 MiB) is kept as parts of one sequence.
 
 Keys match across restarts with vLLM's default ``--prefix-caching-hash-algo sha256``;
@@ -152,7 +156,7 @@ if _IMPORT_ERROR is None:
                      tenant: str = "default", lookup_timeout: float = 1.0, timeout: float = 10.0,
                      retry_s: float = 1.0, staging_bytes: int = 64 << 20, load_channels: int = 2,
                      store_channels: int = 1, known_keys: int = DEFAULT_CAPACITY, enable_kv_events: bool = False,
-                     locality: str = "LOCAL") -> None:
+                     locality: str = "LOCAL", zero_copy: bool = True) -> None:
             super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view, tier_type=tier_type,
                              backpressure_detector=backpressure_detector)
             spec_model, layout = _model_namespace(offloading_spec)
@@ -177,6 +181,8 @@ if _IMPORT_ERROR is None:
                                     address=DEFAULT if address is None else address, timeout=timeout,
                                     lookup_timeout=lookup_timeout, retry_s=retry_s, staging_bytes=staging_bytes,
                                     load_channels=load_channels, store_channels=store_channels)
+            if zero_copy:
+                self.store.share(flat)  # vLLM's CPU tier is a file in /dev/shm: kvstored moves its rows in place
             self.store.open_early()  # vLLM builds its tiers at start-up: the first job pays no set-up
             self._asked: set[bytes] = set()  # keys whose lookup is queued or in flight
             # Answers of the last two steps, kept whatever the bound: a request needing more
@@ -375,7 +381,7 @@ if _IMPORT_ERROR is None:
             """Store jobs by one call (one lookup, puts of up to a staging slot each); each job's
             result, its share of the call's time by its blocks."""
             def store(keys: list) -> list[bool]:
-                return self.store.store(keys, [self._rows[int(c)] for job in jobs for c in job.chunk_ids])
+                return self.store.store_rows(keys, self._rows, (int(c) for job in jobs for c in job.chunk_ids))
 
             out = []
             for job, stored, lost, took in self._by_job(jobs, store):

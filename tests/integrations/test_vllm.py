@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+import os
 import sys
 import threading
 import time
@@ -98,10 +99,22 @@ def job(vllm, job_id, ks, chunks, promotion):
                                     is_promotion=promotion, req_context=ctx(vllm))
 
 
-@pytest.fixture
-def primary():
-    rng = np.random.default_rng(0)
-    return rng.integers(0, 256, (CHUNKS, BLOCK), dtype=np.uint8)
+@pytest.fixture(params=["shared-region", "private"])
+def primary(request, vllm_installed):
+    """vLLM's CPU tier: its own SharedOffloadRegion (a file in /dev/shm, which kvstored
+    reads and writes in place), or memory of this process only (moved through staging)."""
+    data = np.random.default_rng(0).integers(0, 256, (CHUNKS, BLOCK), dtype=np.uint8)
+    if request.param == "private":
+        yield data
+        return
+    regions = importlib.import_module("vllm.v1.kv_offload.cpu.shared_offload_region")
+    region = regions.SharedOffloadRegion(engine_id=f"kvdrive-test-{os.getpid()}-{time.monotonic_ns()}",
+                                         num_chunks=CHUNKS, rank=None, kv_bytes_per_chunk=BLOCK, cpu_page_size=BLOCK)
+    rows = np.frombuffer(region.create_kv_memoryview().cast("B"), dtype=np.uint8).reshape(CHUNKS, BLOCK)
+    rows[:] = data
+    yield rows
+    del rows
+    region.cleanup()
 
 
 def test_every_abstract_method_is_implemented(vllm):
@@ -116,7 +129,7 @@ def test_every_abstract_method_is_implemented(vllm):
     assert tier_cls.cache_hit_source is not None and tier_cls.medium is vllm.base.Medium.STORAGE
 
 
-def test_lookup_store_load_and_a_restart_between_store_and_load(vllm, daemon, primary):
+def test_lookup_store_load_and_a_restart_between_store_and_load(vllm, daemon, primary, request):
     LR = vllm.base.LookupResult
     tier = make_tier(vllm, daemon, primary)
     ks = keys(8)
@@ -142,6 +155,10 @@ def test_lookup_store_load_and_a_restart_between_store_and_load(vllm, daemon, pr
     r = finish(tier, 2)
     assert r.success and r.successful_keys is None and r.transfer_bytes == 8 * BLOCK
     np.testing.assert_array_equal(primary[8:16], primary[0:8])  # loaded bytes are the stored bytes
+    # vLLM's own region is moved in place by kvstored (after its restart too), other memory through staging.
+    shared = request.node.callspec.params["primary"] == "shared-region"
+    assert tier.store.stats().get("blocks_in_place", 0) == (16 if shared else 0)
+    assert (tier.store.stats().get("staging_us", 0) == 0) == shared
 
     # Storing again is write-once and idempotent.
     before = tier.store.stats().get("blocks_stored", 0)
@@ -238,14 +255,18 @@ def test_a_load_completes_while_a_large_store_is_in_flight(vllm, daemon, primary
     assert finish(tier, 1).success
 
     blocks = type(tier.store)
-    original, entered, release = blocks._store_batch, threading.Event(), threading.Event()
+    entered, release = threading.Event(), threading.Event()
 
-    def held(self, *args):
-        entered.set()
-        assert release.wait(30), "the store was never released"
-        return original(self, *args)
+    def holding(original):  # inside the store's channel: a staging copy, or the moves of shared rows
+        def held(self, *args):
+            if args[0] != "load":
+                entered.set()
+                assert release.wait(30), "the store was never released"
+            return original(self, *args)
+        return held
 
-    monkeypatch.setattr(blocks, "_store_batch", held)
+    monkeypatch.setattr(blocks, "_store_batch", holding(blocks._store_batch))
+    monkeypatch.setattr(blocks, "_pool_moves", holding(blocks._pool_moves))
     large = keys(CHUNKS - 8, b"L")
     tier.submit_store(job(vllm, 2, large, range(8, CHUNKS), promotion=False))
     assert entered.wait(10)
@@ -369,16 +390,16 @@ def test_store_jobs_queued_together_are_stored_by_one_call(vllm, daemon, primary
     one call of the block store, and each gets its own result, for its own keys."""
     tier = make_tier(vllm, daemon, primary)
     blocks = type(tier.store)
-    original, entered, release, calls = blocks.store, threading.Event(), threading.Event(), []
+    original, entered, release, calls = blocks.store_rows, threading.Event(), threading.Event(), []
 
-    def held(self, ks, sources):
+    def held(self, ks, array, rows):
         calls.append(len(ks))
         if len(calls) == 1:
             entered.set()
             assert release.wait(30), "the first store was never released"
-        return original(self, ks, sources)
+        return original(self, ks, array, rows)
 
-    monkeypatch.setattr(blocks, "store", held)
+    monkeypatch.setattr(blocks, "store_rows", held)
     batches = [keys(4, b"c%d" % j) for j in range(5)]
     tier.submit_store(job(vllm, 1, batches[0], range(0, 4), promotion=False))
     assert entered.wait(10)

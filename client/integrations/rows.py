@@ -1,0 +1,95 @@
+"""Keys, rows and block parts as a :class:`~kvdrive_client.integrations.blocks.BlockStore`
+moves them: an engine key as kvstored's (:func:`key_bytes`), the compiled movers of its
+staging copies (:mod:`kvdrive.protocol.copy`, loaded on first use), rows of one array
+(:class:`Rows`), and a block given as parts."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from kvdrive.protocol import MAX_BLOCK_KEY_BYTES
+
+log = logging.getLogger(__name__)
+
+
+def key_bytes(key: bytes | str | int) -> bytes:
+    """The kvstored block key of an engine key: bytes as they are, a string as UTF-8, up to
+    48 bytes (MAX_BLOCK_KEY_BYTES); anything longer or of another type by the SHA-256 of its bytes or text."""
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        raw = bytes(key)
+    elif isinstance(key, str):
+        raw = key.encode("utf-8", "surrogatepass")
+    else:
+        raw = b"\x00" + str(key).encode()  # apart from every bytes and string key
+    return raw if 0 < len(raw) <= MAX_BLOCK_KEY_BYTES else b"h" + hashlib.sha256(raw).digest()
+
+
+_movers_module: list = []  # kvdrive.protocol.copy once imported, or None where it cannot be
+
+
+def _movers():
+    """:mod:`kvdrive.protocol.copy`, imported (with numba) on first use: by :meth:`BlockStore.open_early`'s
+    thread, or else by the first load, so that a store used for lookups or stores alone never
+    loads it; None, logged once, where numba cannot load (loads then copy with numpy)."""
+    if not _movers_module:
+        try:
+            from kvdrive.protocol import copy as movers  # noqa: PLC0415
+        except Exception as exc:  # noqa: BLE001 - a broken numba must not fail the engine's loads
+            log.warning("KVDrive loads copy blocks out with numpy, without streaming stores: %s", exc)
+            movers = None
+        _movers_module.append(movers)
+    return _movers_module[0]
+
+
+def _copy_out():
+    """:func:`kvdrive.protocol.copy.copy_out`, or None (:func:`_movers`)."""
+    movers = _movers()
+    return None if movers is None else movers.copy_out
+
+
+class Rows:
+    """Load targets that are rows of one array (an engine's CPU tier, a block a row): key i's
+    block goes to row ``rows[i]``, the blocks of a get copied out of staging by one compiled
+    call (:func:`kvdrive.protocol.copy.scatter_out`) instead of a Python step per block."""
+
+    def __init__(self, array: np.ndarray, rows: Iterable[int], block_bytes: int) -> None:
+        if array.dtype != np.uint8 or array.ndim != 2 or array.shape[1] != block_bytes or not (
+                array.flags.c_contiguous and array.flags.writeable):
+            raise ValueError(f"rows of a writable, contiguous uint8 array of {block_bytes}-byte rows, not "
+                             f"{array.dtype} {array.shape}")
+        self.rows = np.fromiter(rows, np.int64)
+        if len(self.rows) and (self.rows.min() < 0 or self.rows.max() >= array.shape[0]):
+            raise ValueError(f"rows outside the array's {array.shape[0]}")
+        self.array, self.flat, self.block_bytes = array, array.reshape(-1), block_bytes
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.array[self.rows[i]]
+
+    def copy_in(self, staging: np.ndarray, at: int, js: list[int], batch: list[int]) -> None:
+        """Blocks ``js`` of the slot at ``at`` into the rows of keys ``batch[j]``."""
+        movers = _movers()
+        if movers is None:
+            for j in js:
+                self[batch[j]][:] = staging[at + j * self.block_bytes: at + (j + 1) * self.block_bytes]
+            return
+        picks = np.asarray(js, np.int64)
+        movers.scatter_out(self.flat, self.rows[np.asarray(batch, np.int64)[picks]] * self.block_bytes, staging,
+                           at + picks * self.block_bytes, self.block_bytes)
+
+
+def _parts(block: Any, block_bytes: int, what: str) -> list[np.ndarray]:
+    """A block as uint8 arrays over its memory: one buffer, or a list or tuple of buffers
+    (the parts of a block that lies in several places, such as its K and V), in order."""
+    parts = [np.frombuffer(b, dtype=np.uint8) for b in (block if isinstance(block, (list, tuple)) else [block])]
+    total = sum(p.nbytes for p in parts)
+    if total != block_bytes:
+        raise ValueError(f"a {what} of {total} bytes; this store's blocks are {block_bytes}")
+    return parts

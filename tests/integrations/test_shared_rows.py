@@ -1,0 +1,160 @@
+"""BlockStore.share: an engine's rows in a shared-memory file moved in place by a real
+kvstored (no staging copy on the engine's side), and every other kind of memory moved
+through staging as before, with the reason logged."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvdrive_client.errors import StoreUnavailableError
+from kvdrive_client.integrations.blocks import BlockStore
+from kvdrive_client.integrations.pool import find_shared_file
+
+BB = 64 << 10
+ROWS = 16
+
+
+def mapped_rows(fd: int, flags: int = mmap.MAP_SHARED) -> np.ndarray:
+    os.ftruncate(fd, ROWS * BB)
+    return np.frombuffer(mmap.mmap(fd, ROWS * BB, flags=flags), dtype=np.uint8).reshape(ROWS, BB)
+
+
+def keys(n: int) -> list[bytes]:
+    return [b"row" + i.to_bytes(4, "little") for i in range(n)]
+
+
+def fill(rows: np.ndarray) -> None:
+    rows[:] = np.random.default_rng(7).integers(0, 256, rows.shape, dtype=np.uint8)
+
+
+def store_then_load(daemon, rows: np.ndarray, shared: bool) -> BlockStore:
+    """Store rows 0-7, clear rows 8-15, load the blocks back there; the store, for its counters."""
+    store = BlockStore(BB, engine="test", model="m", address=daemon.address, staging_bytes=8 * BB)
+    assert store.share(rows) is shared
+    fill(rows)
+    assert store.store_rows(keys(8), rows, range(8)) == [True] * 8
+    rows[8:] = 0
+    assert store.load_rows(keys(8) + [b"never"], rows, [8, 9, 10, 11, 12, 13, 14, 15, 0]) == [True] * 8 + [False]
+    np.testing.assert_array_equal(rows[8:], rows[:8])
+    return store
+
+
+def test_rows_of_a_memfd_are_moved_in_place(daemon):
+    fd = os.memfd_create("engine-tier", os.MFD_CLOEXEC)
+    rows = mapped_rows(fd)
+    store = store_then_load(daemon, rows, shared=True)
+    s = store.stats()
+    assert s["blocks_in_place"] == 16 and s["blocks_stored"] == 8 and s["blocks_loaded"] == 8
+    assert s.get("staging_us", 0) == 0, "a staging copy ran"
+    # Stored again: write-once, nothing written, every key stored.
+    assert store.store_rows(keys(8) + keys(1), rows, list(range(8)) + [3]) == [True] * 9
+    assert store.stats()["blocks_stored"] == 8
+    with pytest.raises(ValueError, match="once per store"):
+        store.share(rows)
+    store.close()
+    os.close(fd)
+
+
+def libc_mapped_rows(fd: int) -> np.ndarray:
+    """Rows of ``fd`` mapped by libc itself: unlike Python's mmap, no descriptor is kept."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    os.ftruncate(fd, ROWS * BB)
+    addr = libc.mmap(None, ROWS * BB, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * (ROWS * BB)).from_address(addr)).reshape(ROWS, BB)
+
+
+def test_a_file_in_dev_shm_is_found_by_its_path_until_it_is_unlinked(daemon, tmp_path):
+    path = f"/dev/shm/kvdrive-test-{os.getpid()}-{time.monotonic_ns()}"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        rows = libc_mapped_rows(fd)
+        os.close(fd)  # no descriptor of this process is open on it: the path finds the file
+        found, why = find_shared_file(rows[2:5])
+        assert found is not None and why == "" and (found.base, found.size) == (2 * BB, 5 * BB)
+        found.close()
+        store_then_load(daemon, rows, shared=True).close()
+    finally:
+        os.unlink(path)
+    found, why = find_shared_file(rows)
+    assert found is None and "unlinked" in why
+
+
+def test_memory_kvstored_cannot_share_moves_through_staging(daemon, tmp_path, caplog):
+    on_disk = os.open(tmp_path / "tier", os.O_CREAT | os.O_RDWR, 0o600)
+    memfd = os.memfd_create("private", os.MFD_CLOEXEC)
+    kinds = {
+        "anonymous": (np.zeros((ROWS, BB), np.uint8), "anonymous memory"),
+        "private mapping": (mapped_rows(memfd, mmap.MAP_PRIVATE), "not shared"),
+        "file on disk": (mapped_rows(on_disk), "not shared memory"),
+    }
+    for name, (rows, why) in kinds.items():
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="kvdrive_client.integrations.pool"):
+            store = store_then_load(daemon, rows, shared=False)
+        assert why in caplog.text, name
+        assert store.stats().get("blocks_in_place", 0) == 0 and store.stats()["staging_us"] > 0, name
+        store.delete_all()
+        store.close()
+    os.close(on_disk)
+    os.close(memfd)
+
+
+def test_rows_kvstored_refuses_to_map_move_through_staging(daemon_factory, caplog):
+    d = daemon_factory(extra=["--max-client-buffers", "768K"]).start()  # staging fits, the rows (1 MiB) do not
+    fd = os.memfd_create("big-tier", os.MFD_CLOEXEC)
+    rows = mapped_rows(fd)
+    with caplog.at_level(logging.WARNING, logger="kvdrive_client.integrations.pool"):
+        store = store_then_load(d, rows, shared=True)
+    assert "refuses the engine's shared rows" in caplog.text
+    assert store.stats().get("blocks_in_place", 0) == 0 and store.stats()["blocks_loaded"] == 8
+    store.close()
+    os.close(fd)
+
+
+def test_a_move_in_place_is_waited_for_past_its_timeout(daemon, caplog):
+    """Rows go back to the engine only once kvstored has said what became of their request: a
+    daemon that answers late (stopped here for 1.5 s) is waited for, where a plain wait gives
+    up at its timeout. (Its answer here: the request's deadline passed before it could
+    start, so it did not run, and the rows are as they were.)"""
+    fd = os.memfd_create("engine-tier", os.MFD_CLOEXEC)
+    rows = mapped_rows(fd)
+    store = BlockStore(BB, engine="test", model="m", address=daemon.address, staging_bytes=8 * BB, timeout=0.5)
+    assert store.share(rows)
+    fill(rows)
+    assert store.store_rows(keys(4), rows, range(4)) == [True] * 4
+    assert store.load_rows(keys(1), rows, [15]) == [True]  # the load channel is open: a request goes out
+    rows[8:12] = 0
+    pid = daemon.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    threading.Timer(1.5, os.kill, (pid, signal.SIGCONT)).start()
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="kvdrive_client.store"):
+        got = store.load_rows(keys(4), rows, range(8, 12))
+    assert got == [False] * 4 and time.monotonic() - t0 >= 1.4
+    assert "has not answered request" in caplog.text and "it did not run" in caplog.text
+    assert not rows[8:12].any()
+    assert store.load_rows(keys(4), rows, range(8, 12)) == [True] * 4
+    np.testing.assert_array_equal(rows[8:12], rows[:4])
+    # The same late answer ends a plain wait with an error, as before.
+    client = daemon.client(timeout=0.5)
+    buf = client.register(BB)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(StoreUnavailableError):
+            client.block_get_async(store.ns, keys(1), buf).wait()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    store.close()
+    os.close(fd)
