@@ -45,6 +45,7 @@ machine without dependencies (:mod:`kvdrive.tools.engines`).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import mmap
@@ -71,12 +72,14 @@ JOB_BLOCKS = 32
 MODES = ("rate", "contention", "fill")
 DEFAULT_ROUNDS, QUICK_ROUNDS, LOADS_PER_ROUND = 10, 4, 10
 DEFAULT_FILL_DRAM, QUICK_FILL_DRAM = 256 << 20, 64 << 20
-ADAPTERS = ("vllm", "sglang")
+ADAPTERS = ("vllm", "sglang", "vllm-staging")
+DEFAULT_ADAPTERS = ("vllm", "sglang")
 TIERS = ("dram", "ssd")
 SYNCS = ("durable", "write-behind")  # kvstored's --sync policies
 ENGINE_OWN = {"vllm": "vllm fs tier", "sglang": "sglang file"}  # each engine's own backend, as rows name it
 DISK_WRITES = 3  # the disk's durable sequential write, per daemon: before the stores, after them, after the loads
 WRITE_BEHIND_TARGET, DURABLE_TARGET = 1.0, 0.8  # vs the engine's own store; vs the disk's durable write
+LOAD_TARGET = 0.5  # a load from the DRAM tier vs a memcpy
 
 
 @dataclass
@@ -133,15 +136,6 @@ def _memcpy_gbps(src: np.ndarray, dst: np.ndarray, repeats: int = 3) -> float:
     return src.nbytes / statistics.median(times) / 1e9
 
 
-def _page_aligned(rows: int, width: int) -> np.ndarray:
-    """Zeroed ``rows`` x ``width`` bytes in an anonymous mapping: page-aligned, as vLLM's CPU
-    tier (a file mapping) is and as O_DIRECT from it needs, and faulted in, as vLLM
-    pre-faults its tier (else the first load into each page pays its fault)."""
-    out = np.frombuffer(mmap.mmap(-1, rows * width), dtype=np.uint8)
-    out[:: mmap.PAGESIZE] = 0
-    return out.reshape(rows, width)
-
-
 def _timed(step) -> tuple[float, object]:
     t0 = time.perf_counter()
     out = step()
@@ -157,8 +151,27 @@ def _check_loaded(what: str, loaded: np.ndarray, rows: np.ndarray) -> None:
 # ---------------------------------------------------------------- the two adapters, as their engines drive them
 
 
+def engine_of(adapter: str) -> str:
+    """The engine an adapter name stands for (``vllm-staging`` is vLLM's tier too)."""
+    return adapter.split("-")[0]
+
+
+def _vllm_region(rows: int, width: int):
+    """vLLM's own CPU tier of ``rows`` chunks of ``width`` bytes, as its tiering spec makes it
+    in the scheduler (``SharedOffloadRegion``, rank None: a file in /dev/shm, mapped and
+    pre-faulted); the region and its rows as an array."""
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: PLC0415
+
+    region = SharedOffloadRegion(engine_id=f"kvdrive-bench-{os.getpid()}-{time.monotonic_ns()}", num_chunks=rows,
+                                 rank=None, kv_bytes_per_chunk=width, cpu_page_size=width)
+    return region, np.frombuffer(region.create_kv_memoryview().cast("B"), dtype=np.uint8).reshape(rows, width)
+
+
 class VllmDriver:
-    """vLLM's tiering manager's side: jobs of ``JOB_BLOCKS`` chunks, results polled."""
+    """vLLM's tiering manager's side: jobs of ``JOB_BLOCKS`` chunks, results polled, its CPU
+    tier vLLM's own shared region."""
+
+    zero_copy = True
 
     def __init__(self, address: str, rows: np.ndarray, out: np.ndarray) -> None:
         from vllm.v1.kv_offload.base import ReqContext  # noqa: PLC0415 - needs vLLM on the path
@@ -167,9 +180,12 @@ class VllmDriver:
         self.n = len(rows)
         self._job, self._ctx = TransferJob, ReqContext(req_id="bench")
         # Stores read the source rows; loads land in the second half of one CPU tier.
-        self.primary = _page_aligned(2 * self.n, rows.shape[1])
+        self.region, self.primary = _vllm_region(2 * self.n, rows.shape[1])
         self.primary[: self.n] = rows
         self.tier = self._make_tier(address, memoryview(self.primary))
+        opener = getattr(getattr(self.tier, "store", None), "_opener", None)
+        if opener is not None:  # vLLM builds its tiers at start-up, long before the first job
+            opener.join()
         self.keys = [b"bench" + i.to_bytes(8, "little") for i in range(self.n)]
         self._next_job = 0
 
@@ -177,7 +193,7 @@ class VllmDriver:
         from kvdrive_client.integrations.vllm import KVDriveTier  # noqa: PLC0415
 
         return KVDriveTier(SimpleNamespace(config=None), view, "KVDriveTier", address=address, model="llama-3-8b",
-                           timeout=600.0)
+                           timeout=600.0, zero_copy=self.zero_copy)
 
     def submit(self, keys: list, chunk_ids: np.ndarray, promotion: bool) -> int:
         """Submit a load (``promotion``) or store job of ``keys`` to or from those CPU-tier
@@ -222,6 +238,15 @@ class VllmDriver:
 
     def close(self) -> None:
         self.tier.shutdown()
+        self.tier = self.primary = None
+        gc.collect()  # the tier's views of the region, held in reference cycles, go before it is unmapped
+        self.region.cleanup()  # its file in /dev/shm goes
+
+
+class VllmStagingDriver(VllmDriver):
+    """The same, with the tier's ``zero_copy`` off: blocks copied through staging regions."""
+
+    zero_copy = False
 
 
 class VllmFsDriver(VllmDriver):
@@ -415,7 +440,7 @@ class SglangFileDriver(SglangDriver):
             self.pool.set_from_flat_data_page(idx[i * BLOCK_TOKENS], page)
 
 
-DRIVERS = {"vllm": VllmDriver, "sglang": SglangDriver}
+DRIVERS = {"vllm": VllmDriver, "sglang": SglangDriver, "vllm-staging": VllmStagingDriver}
 ENGINE_DRIVERS = {"vllm": VllmFsDriver, "sglang": SglangFileDriver}
 
 
@@ -527,8 +552,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated, of rate (store and load GB/s), contention (a load's latency alone and "
                         "during stores), fill (store throughput of the first and last tenth of 10 x the DRAM tier) "
                         "(default rate,contention)")
-    p.add_argument("--adapters", type=lambda s: s.split(","), default=list(ADAPTERS),
-                   help="comma-separated, of " + ", ".join(ADAPTERS) + " (default both)")
+    p.add_argument("--adapters", type=lambda s: s.split(","), default=list(DEFAULT_ADAPTERS),
+                   help="comma-separated, of " + ", ".join(ADAPTERS) + " (default vllm,sglang; vllm-staging is "
+                        "vLLM's tier with zero_copy off: its blocks copied through staging, as beside vllm to "
+                        "compare)")
     p.add_argument("--tiers", type=lambda s: s.split(","), default=list(TIERS),
                    help="comma-separated, of dram (every block in the DRAM tier), ssd (DRAM tier off) (default both)")
     p.add_argument("--sync", type=lambda s: s.split(","), default=list(SYNCS),
@@ -568,7 +595,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for adapter in args.adapters:
-        put_on_path(adapter)
+        put_on_path(engine_of(adapter))
     root = args.dir or Path(tempfile.gettempdir())
     block_bytes = LAYER_BYTES * args.layers
     stressed = bool({"contention", "fill"} & set(args.modes))
@@ -611,7 +638,7 @@ def _rates(args: argparse.Namespace, rows: np.ndarray, root: Path) -> dict:
     _note(f"  memcpy here: {memcpy:.2f} GB/s")
     out: list[Row] = []
     for adapter in args.adapters:
-        if not args.no_baselines:
+        if not args.no_baselines and adapter in ENGINE_DRIVERS:
             out += measure_engine(adapter, rows, root, memcpy)
         for tier in args.tiers:
             for sync in args.sync:
@@ -648,28 +675,35 @@ def _against_engine(rows: list[Row]) -> None:
     engine's own backend, where that ran."""
     own = {(r.adapter, r.op): r.gbps for r in rows if r.backend != "kvdrive"}
     for r in rows:
-        if r.backend == "kvdrive" and (r.adapter, r.op) in own:
-            r.vs_engine = r.gbps / own[r.adapter, r.op]
+        if r.backend == "kvdrive" and (engine_of(r.adapter), r.op) in own:
+            r.vs_engine = r.gbps / own[engine_of(r.adapter), r.op]
 
 
 def _targets(rows: list[Row]) -> list[dict]:
     """The ratios the bench is judged by, per adapter and tier: the write-behind store
-    against the engine's own store, the durable store against the disk's durable write."""
+    against the engine's own store, the durable store against the disk's durable write,
+    a load from the DRAM tier against a memcpy."""
     found = []
     for r in rows:
         if r.backend != "kvdrive" or r.op != "store":
             continue
         if r.sync == "write-behind" and r.vs_engine is not None:
-            found.append({"adapter": r.adapter, "tier": r.tier, "sync": r.sync, "against": ENGINE_OWN[r.adapter],
+            own = ENGINE_OWN[engine_of(r.adapter)]
+            found.append({"adapter": r.adapter, "tier": r.tier, "sync": r.sync, "op": "store", "against": own,
                           "ratio": r.vs_engine, "target": WRITE_BEHIND_TARGET,
-                          "what": f"{r.adapter} {r.tier} write-behind store / {ENGINE_OWN[r.adapter]} store"})
+                          "what": f"{r.adapter} {r.tier} write-behind store / {own} store"})
         elif r.sync == "durable":
             disk = next(d for d in rows if d.op == "disk seq write" and (d.adapter, d.tier, d.sync, d.backend) ==
                         (r.adapter, r.tier, r.sync, r.backend))
-            found.append({"adapter": r.adapter, "tier": r.tier, "sync": r.sync, "against": "disk seq write",
+            found.append({"adapter": r.adapter, "tier": r.tier, "sync": r.sync, "op": "store", "against": "disk seq write",
                           "ratio": r.vs_disk_write, "target": DURABLE_TARGET,
                           "what": f"{r.adapter} {r.tier} durable store / disk seq write (median {disk.gbps:.2f} GB/s, "
                                   f"range {disk.gbps_min:.2f}-{disk.gbps_max:.2f})"})
+    for r in rows:
+        if r.backend == "kvdrive" and r.op == "load" and r.tier == "dram":
+            found.append({"adapter": r.adapter, "tier": r.tier, "sync": r.sync, "op": "load", "against": "memcpy",
+                          "ratio": r.vs_memcpy, "target": LOAD_TARGET,
+                          "what": f"{r.adapter} dram load ({r.sync}) / memcpy"})
     for t in found:
         t["met"] = t["ratio"] >= t["target"]
     return found

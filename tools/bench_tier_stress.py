@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvdrive.tools.bench_tier import DRIVERS, JOB_BLOCKS, _note
+from kvdrive.tools.bench_tier import DRIVERS, JOB_BLOCKS, _note, engine_of
 
 STORE_JOBS_IN_FLIGHT = 2  # vLLM: store jobs kept submitted during the "during stores" loads
 FILL_TIMES = 10  # the fill stores this many times the DRAM tier
@@ -87,7 +87,7 @@ class _Fresh:
         return keys
 
     def key(self, i: int):
-        return b"fresh" + i.to_bytes(8, "little") if self.adapter == "vllm" else f"f{i:063x}"
+        return b"fresh" + i.to_bytes(8, "little") if engine_of(self.adapter) == "vllm" else f"f{i:063x}"
 
 
 # ---------------------------------------------------------------- loads during stores
@@ -169,13 +169,13 @@ def contention(adapter: str, rows: np.ndarray, root: Path, rounds: int, loads: i
     try:
         d = DRIVERS[adapter](daemon.address, rows, out)
         try:
-            if adapter == "vllm":
+            if engine_of(adapter) == "vllm":
                 for promotion in (False, True):  # stored, then loaded once untimed: connections up
                     job = d.submit(d.keys[:JOB_BLOCKS], np.arange(JOB_BLOCKS) + d.n * promotion, promotion)
                     while job not in d.finished():
                         time.sleep(0.001)
                 alone, during, stored, store_s = _vllm_rounds(d, rounds, loads)
-                loaded = d.primary[d.n: d.n + JOB_BLOCKS]
+                loaded = d.primary[d.n: d.n + JOB_BLOCKS].copy()  # no view of the region once it closes
             else:
                 d.put(d.keys[:JOB_BLOCKS], 0, JOB_BLOCKS)
                 d.get(d.keys[:JOB_BLOCKS], JOB_BLOCKS, 2 * JOB_BLOCKS)  # once untimed: connections up
@@ -235,7 +235,7 @@ def fill(adapter: str, rows: np.ndarray, root: Path, dram_bytes: int) -> FillRow
 
 
 def _store_job(adapter: str, d, keys: list) -> None:
-    if adapter == "vllm":
+    if engine_of(adapter) == "vllm":
         job = d.submit(keys, np.arange(JOB_BLOCKS), promotion=False)
         while job not in d.finished():
             time.sleep(0.0005)
@@ -245,7 +245,7 @@ def _store_job(adapter: str, d, keys: list) -> None:
 
 def _check_first(adapter: str, d, keys: list, rows: np.ndarray) -> None:
     """Load the fill's first job back (long out of the DRAM tier) and compare its bytes."""
-    if adapter == "vllm":
+    if engine_of(adapter) == "vllm":
         job = d.submit(keys, d.n + np.arange(JOB_BLOCKS), promotion=True)
         while job not in d.finished():
             time.sleep(0.001)

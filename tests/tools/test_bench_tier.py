@@ -86,19 +86,23 @@ def test_kvdrive_is_set_against_the_engines_own_backend_and_the_targets_are_prin
     for r in rows:
         if r["vs_engine"] is not None:
             assert r["vs_engine"] == pytest.approx(r["gbps"] / own[r["adapter"], r["op"]], rel=0.01)
-    targets = {(t["adapter"], t["tier"], t["sync"]): t for t in data["targets"]}
-    assert set(targets) == {(a, t, s) for a in ADAPTERS for t in TIERS for s in SYNCS}
-    store = {(r["adapter"], r["tier"], r["sync"]): r for r in rows if r["op"] == "store" and r["tier"] != "fs"}
+    targets = {(t["adapter"], t["tier"], t["sync"], t["op"]): t for t in data["targets"]}
+    assert set(targets) == ({(a, t, s, "store") for a in ADAPTERS for t in TIERS for s in SYNCS}
+                            | {(a, "dram", s, "load") for a in ADAPTERS for s in SYNCS})
+    moved = {(r["adapter"], r["tier"], r["sync"], r["op"]): r for r in rows if r["tier"] != "fs"}
     for key, t in targets.items():
-        if t["sync"] == "write-behind":
-            assert (t["against"], t["target"], t["ratio"]) == (ENGINE_OWN[t["adapter"]], 1.0, store[key]["vs_engine"])
+        if t["op"] == "load":
+            assert (t["against"], t["target"], t["ratio"]) == ("memcpy", 0.5, moved[key]["vs_memcpy"])
+        elif t["sync"] == "write-behind":
+            assert (t["against"], t["target"], t["ratio"]) == (ENGINE_OWN[t["adapter"]], 1.0, moved[key]["vs_engine"])
         else:
-            assert (t["against"], t["target"], t["ratio"]) == ("disk seq write", 0.8, store[key]["vs_disk_write"])
+            assert (t["against"], t["target"], t["ratio"]) == ("disk seq write", 0.8, moved[key]["vs_disk_write"])
         assert t["met"] == (t["ratio"] >= t["target"])
         assert f"{t['what']}: {t['ratio']:.3f}x (target >= {t['target']:.1f}: {'met' if t['met'] else 'missed'})" \
             in stdout
     assert "vllm dram write-behind store / vllm fs tier store: " in stdout
     assert "sglang ssd durable store / disk seq write (median " in stdout
+    assert "vllm dram load (durable) / memcpy: " in stdout
 
 
 def test_loads_during_stores_and_a_fill_print_their_ratios(one_run):
@@ -117,14 +121,14 @@ def test_loads_during_stores_and_a_fill_print_their_ratios(one_run):
 def test_a_chosen_sync_policy_without_the_baselines_runs_only_those_rows(tmp_path, engines):
     out = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "kvdrive.tools.bench", "tier", "--blocks", "2", "--layers", "1", "--modes", "rate",
-           "--adapters", "sglang", "--tiers", "ssd", "--sync", "write-behind", "--no-baselines", "--dir",
+           "--adapters", "sglang,vllm-staging", "--tiers", "ssd", "--sync", "write-behind", "--no-baselines", "--dir",
            str(tmp_path), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
-    assert sorted(r["op"] for r in data["rows"]) == sorted(["store", "load", *DISK_OPS])
+    assert sorted(r["op"] for r in data["rows"]) == sorted(["store", "load", *DISK_OPS] * 2)
     assert {(r["adapter"], r["tier"], r["sync"], r["backend"]) for r in data["rows"]} == {
-        ("sglang", "ssd", "write-behind", "kvdrive")}
+        ("sglang", "ssd", "write-behind", "kvdrive"), ("vllm-staging", "ssd", "write-behind", "kvdrive")}
     # No engine's own backend ran: nothing to set the write-behind store against, and no durable store.
     assert data["targets"] == [] and all(r["vs_engine"] is None for r in data["rows"])
 
