@@ -269,10 +269,11 @@ class MappedBudget:
     """Bytes of client memory all sessions together may map (the daemon's address space),
     and one user's share of it: a quarter, so no user can lock the others out.
 
-    Also the descriptors pools hold open: at most ``max_fds`` (by default a quarter of the
-    daemon's descriptor limit past RESERVED_FDS; connections take at most half, see
-    ConnectionLimits.fit), a quarter of them per user, since running out of descriptors
-    aborts libzmq."""
+    Also the pools mapped: each holds a descriptor open and a row of the SIGBUS guard's
+    table. At most ``max_fds`` (by default a quarter of the daemon's descriptor limit past
+    RESERVED_FDS, since running out of descriptors aborts libzmq and connections take at
+    most half, see ConnectionLimits.fit; and at most the guard's SLOTS rows), a quarter of
+    them per user, so no user can take every row."""
 
     def __init__(self, max_bytes: int, max_fds: int | None = None) -> None:
         self.max_bytes = max_bytes
@@ -289,7 +290,8 @@ class MappedBudget:
         if self._max_fds is not None:
             return self._max_fds
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]  # raised at start (admission.py): read when used
-        return max(4, (soft - RESERVED_FDS) // 4) if soft != resource.RLIM_INFINITY else 1 << 20
+        by_fds = max(4, (soft - RESERVED_FDS) // 4) if soft != resource.RLIM_INFINITY else 1 << 20
+        return min(by_fds, SLOTS)  # each pool also takes a row of the SIGBUS guard's table
 
     def take_descriptor(self, uid: int) -> None:
         limit = self.max_fds

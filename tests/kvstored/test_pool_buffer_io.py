@@ -17,6 +17,7 @@ from kvstored.buffers import BufferRegistry, MappedBudget
 from kvstored.checksum import block_crcs
 from kvstored.limits import BufferLimits
 from kvstored.protocol import ErrorCode, ProtocolError
+from kvstored.sigbus import SLOTS
 
 NB = 8192 + 3  # not a multiple of 4 KiB: nothing here needs alignment
 SIZE = 64 * NB
@@ -143,3 +144,15 @@ def test_pools_hold_at_most_their_share_of_descriptors(memfd):
         reg.close_mapping(reg.unregister(mb.buf_id))
     assert budget.fds == 0 and budget.used == 0
     assert MappedBudget(1 << 30).max_fds >= 4
+
+
+def test_no_user_can_take_every_row_of_the_guard(memfd):
+    budget = MappedBudget(1 << 40, max_fds=None)
+    assert budget.max_fds <= SLOTS
+    small = MappedBudget(1 << 40, max_fds=min(budget.max_fds, 16))  # the same share rule, fewer rows to fill
+    reg = BufferRegistry(BufferLimits(max_buffers=64, max_bytes=1 << 30), small, 1000)
+    held = [reg.register_pool(memfd, SIZE) for _ in range(small.max_fds // 4)]
+    with pytest.raises(ProtocolError, match="descriptors open"):
+        reg.register_pool(memfd, SIZE)
+    for mb in held:
+        reg.close_mapping(reg.unregister(mb.buf_id))
