@@ -28,7 +28,10 @@ def prefill_queries(cfg: AttachConfig) -> int:
     """How many of the prompt's last tokens' queries a prefill reads: the importance's
     ``obs_window`` and, for an index that fits itself to the queries, its fit's. A reused
     prompt runs at least these through the model, so that its index and cache seed are a
-    fresh prompt's."""
+    fresh prompt's. At budget 1 every page is attended whatever the index says, so its fit
+    does not count: a short prompt still restores its pages."""
+    if cfg.budget >= 1 and cfg.budget_tokens is None:
+        return cfg.obs_window
     fit = make_selector(cfg.index, cfg.page_size, 1.0).FIT_QUERIES
     return max(cfg.obs_window, fit)
 

@@ -35,9 +35,10 @@ def test_second_generate_reuses_stored_prompt_pages_across_a_restart(daemon_fact
     assert torch.equal(first.sequences, ref.sequences) and torch.equal(second.sequences, ref.sequences)
     assert s1["prefill_tokens"] == 1000 and "restored_pages" not in s1
     # Pages end where the prompt does: 8 tokens of KVDrive's padding, then the 1000. The first
-    # 62 of the 63 pages were stored; the last 512 tokens, whose queries the low-rank index
-    # fits itself to, run through the model again: 31 pages come from the store.
-    assert s2["restored_pages"] == 31 and s2["prefill_tokens"] == 512
+    # 62 of the 63 pages were stored; the last 32 tokens, whose queries seed the device cache,
+    # run through the model again (at budget 1 the index's fit to the last 512 does not
+    # count): 61 pages come from the store.
+    assert s2["restored_pages"] == 61 and s2["prefill_tokens"] == 32
     assert max((a - b).abs().max().item() for a, b in zip(second.logits, ref.logits)) < 1e-4
 
 
@@ -75,20 +76,27 @@ def test_a_reused_prompt_decodes_as_the_fresh_one(smollm2, license_ids, daemon):
     assert stats["restored_pages"] == (1100 + 4 - 512) // 16
 
 
-def test_a_prompt_shorter_than_the_fit_runs_in_full_and_keeps_its_stored_pages(daemon, make_tiny):
+@pytest.mark.parametrize("budget", [0.5, 1.0])
+def test_a_prompt_shorter_than_the_fit_runs_in_full_and_keeps_its_stored_pages(daemon, make_tiny, budget):
     model = make_tiny("qwen2")
     ids = torch.randint(1, 512, (1, 150), generator=torch.Generator().manual_seed(5))
     with daemon.client() as store:
-        handle = attach(model, store, budget=0.5, reuse=True)
+        handle = attach(model, store, budget=budget, reuse=True)
         first = run(model, ids, new=4)
         kept = store.list("kvdrive")
         second = run(model, ids, new=4)
         stats = handle.stats()
         handle.detach()
         assert store.list("kvdrive") == kept and len(kept) == 1  # stored by the first, left as it was
-    # Its last 512 tokens' queries are all of it: nothing is loaded, the prompt runs again.
-    assert "restored_pages" not in stats and stats["prefill_tokens"] == 300
     assert torch.equal(second.sequences, first.sequences)
+    if budget < 1:
+        # Its last 512 tokens' queries are all of it: nothing is loaded, the prompt runs again.
+        assert "restored_pages" not in stats and stats["prefill_tokens"] == 300
+    else:
+        # Every page is attended, so the index's fit does not count: only the cache seed's
+        # obs_window runs again. 8 pages of 16 are restored, 118 prompt tokens (page 0 starts
+        # with the 10 tokens of padding that end the prompt on a page), and 32 run again.
+        assert stats["restored_pages"] == 8 and stats["prefill_tokens"] == 150 + 32
 
 
 def flip_a_stored_bit(d, stored) -> None:
@@ -176,7 +184,7 @@ def _gemma3_with_window(window: int):
     return model
 
 
-@pytest.mark.parametrize("window", [48, 1000])  # narrower and wider than the 512 tokens a reused prompt runs
+@pytest.mark.parametrize("window", [48, 1000])  # wider than the 32 tokens a reused prompt runs again at budget 1
 def test_a_hybrid_models_reused_prompt_starts_its_sliding_layers_with_their_windows(daemon, window):
     # Their windows live in transformers' own cache layers: stored beside the prompt's pages and
     # loaded into them, the reused prompt decodes as the fresh one (before, it started them
@@ -190,8 +198,8 @@ def test_a_hybrid_models_reused_prompt_starts_its_sliding_layers_with_their_wind
         stats = handle.stats()
         handle.detach()
         names = sorted(s["seq"] for s in store.list("kvdrive"))
-    assert len(names) == 2 and names[1] == names[0] + "-w43"  # the prompt's pages, its windows at page 43
-    assert stats["restored_pages"] == 43
+    assert len(names) == 2 and names[1] == names[0] + "-w73"  # the prompt's pages, its windows at page 73
+    assert stats["restored_pages"] == 73
     for out in (fresh, reused):
         assert torch.equal(out.sequences, ref.sequences)
         assert max((a - b).abs().max().item() for a, b in zip(out.logits, ref.logits)) < 1e-4
@@ -214,7 +222,7 @@ def test_a_hybrid_prompt_stored_without_its_windows_is_prefilled_and_they_are_st
         handle.detach()
         assert windows in [s["seq"] for s in store.list("kvdrive")]  # stored again by the second run
     assert "stored without the sliding-window layers' windows" in caplog.text and first == 0
-    assert stats["restored_pages"] == 43
+    assert stats["restored_pages"] == 73
     assert torch.equal(again.sequences, ref.sequences) and torch.equal(reused.sequences, ref.sequences)
 
 
