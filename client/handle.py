@@ -15,7 +15,8 @@ from kvdrive.kernels import compiles_on_cpu, warm_up
 from kvdrive_client.architecture import SLIDING, attention_modules, model_shape
 from kvdrive_client.config import AttachConfig
 from kvdrive_client.decode.prefill import prefill_queries
-from kvdrive_client.errors import StoreError
+from kvdrive_client.decode.prefix import on_damage
+from kvdrive_client.errors import ChecksumError, StoreError
 from kvdrive_client.first_use import KernelNotice
 from kvdrive_client.hooks import ATTN_NAME, KVDriveCache
 from kvdrive_client.lowrank import fitted_layout
@@ -74,6 +75,11 @@ class Handle:
                 if self.cfg.reuse and cache.session is not None:
                     self._restore(cache, args, kwargs)
                 return original(*args, cache=cache, **kwargs)
+            except ChecksumError as exc:
+                err = exc if cache.session is None else on_damage(cache.session.io, exc)
+                if err is exc:
+                    raise
+                raise err from exc
             finally:
                 cache.close()
                 self.active = None

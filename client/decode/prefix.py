@@ -6,7 +6,8 @@ They are only what the prompt computes, so a session never writes over stored pa
 not create, nor waits for them: where they are incomplete (another process is storing them
 now, or one stopped while storing them), or a row's name is taken when the prefill would
 create it, the session keeps every page in its own sequences and leaves them alone; where
-they fail their checksum as they load, it deletes them (:func:`drop_prefix`).
+they fail their checksum as they load, or a decode fetch finds one damaged later, it deletes
+them (:func:`drop_prefix`, :func:`on_damage`).
 """
 
 from __future__ import annotations
@@ -123,5 +124,17 @@ def drop_prefix(io: StoreIO, exc: ChecksumError) -> ChecksumError:
             io.store.delete(seq.ns, seq.name)
         except StoreError as err:
             log.warning("could not delete the damaged stored prompt %s/%s: %s", seq.ns, seq.name, err)
-    return ChecksumError(f"{exc}; this reused prompt's stored pages were deleted: the next generate() "
-                         "prefills it and stores it again")
+    err = ChecksumError(f"{exc}; this reused prompt's stored pages were deleted: the next generate() "
+                        "prefills it and stores it again")
+    err.prompt_dropped = True
+    return err
+
+
+def on_damage(io: StoreIO, exc: ChecksumError) -> ChecksumError:
+    """A checksum failure that ends a generate() of a reused prompt (a decode fetch found a
+    page damaged after the restore had loaded it whole): the page may be the prompt's, so
+    its stored pages go too (:func:`drop_prefix`); ``exc`` itself where nothing was restored
+    or they went already."""
+    if not io.restored or getattr(exc, "prompt_dropped", False):
+        return exc
+    return drop_prefix(io, exc)

@@ -249,3 +249,47 @@ def test_a_damaged_stored_prompt_is_dropped_and_prefilled_again(daemon_factory, 
         assert len(store.list("kvdrive")) == 2
     assert torch.equal(again.sequences, ref.sequences)
     assert d.alive()
+
+
+def test_a_stored_prompt_a_decode_fetch_finds_damaged_is_dropped_too(daemon_factory, make_tiny):
+    # The prefill loads every stored page of the prompt and checks it; a page damaged after
+    # that (here: every block of the prompt's, once the prefill is done) is met by a decode
+    # step's fetch.
+    from kvdrive.layout.format import DATA_FILE, META_DIR
+    from kvdrive_client import ChecksumError
+    from kvstored.catalog import Catalog
+
+    model = make_tiny("llama", layers=2)
+    ids = torch.randint(1, 512, (1, 1000), generator=torch.Generator().manual_seed(12))
+    d = daemon_factory(dram="0").start()  # every fetch reads the SSD
+    with d.client() as store:
+        handle = attach(model, store, budget=0.25, cache_multiplier=1, reuse=True)
+        first = run(model, ids, new=16)
+        (prompt,) = [store.open("kvdrive", s["seq"]) for s in store.list("kvdrive")]
+
+        def damage_after_the_prefill(module, args, kwargs, out):
+            if kwargs["input_ids"].shape[1] > 1:  # the prefill's forward
+                catalog = Catalog(d.ssd / META_DIR, 1 << 30, durable=False, readonly=True)
+                try:
+                    extents = [e for e in catalog.iter_extents() if e.uid == prompt.uid]
+                finally:
+                    catalog.close()
+                bb = prompt.geometry.block_bytes
+                with open(d.ssd / DATA_FILE, "r+b") as f:
+                    for e in extents:
+                        for i in range(len(e.pages)):
+                            f.seek(e.offset + i * bb + 7)
+                            byte = f.read(1)[0]
+                            f.seek(e.offset + i * bb + 7)
+                            f.write(bytes([byte ^ 0x01]))
+
+        hook = model.register_forward_hook(damage_after_the_prefill, with_kwargs=True)
+        with pytest.raises(ChecksumError, match="stored pages were deleted: the next generate"):
+            run(model, ids, new=16)
+        hook.remove()
+        assert store.list("kvdrive") == []
+        again = run(model, ids, new=16)  # prefilled in full, and stored again
+        handle.detach()
+        assert len(store.list("kvdrive")) == 1
+    assert torch.equal(again.sequences, first.sequences)
+    assert d.alive()
