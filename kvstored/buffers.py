@@ -28,6 +28,7 @@ request and every later one on the pool fail with ``buffer``, never the daemon f
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import logging
 import mmap
@@ -110,7 +111,8 @@ class MappedBuffer:
 
 class PoolBuffer(MappedBuffer):
     """``size`` bytes of a client's unsealed shared-memory file, mapped under the SIGBUS
-    guard (row ``row`` of :func:`kvstored.sigbus.guard`'s table).
+    guard (row ``row`` of :func:`kvstored.sigbus.guard`'s table). ``owner`` is the
+    :class:`_PoolMap` it shares with every other pool on the same file and size.
 
     Every copy through it is checked after it ends: where any access faulted (the client
     shrank the file below ``size``) the bytes moved are not the client's, so the request
@@ -153,11 +155,57 @@ class PoolBuffer(MappedBuffer):
         self.check_intact()
 
     def close(self) -> None:
-        """Unmap, then stop guarding the range (a mapping still referenced keeps its row)."""
+        """Let go of the mapping (unmapped, and no longer guarded, with its last pool)."""
         super().close()
-        if self.row >= 0 and self.owner.closed:
-            guard().remove(self.row)
-            self.row = -1
+        self.row = -1
+
+
+class _PoolMap:
+    """One mapping of a shared-memory file (``key``: its device, inode and mapped size), for
+    every pool registered on it: an engine registers its CPU tier once per connection, and
+    one mapping of a 100 GiB tier takes 200 MiB of page tables. Its pages are faulted in by
+    a thread of its own (``MADV_POPULATE_WRITE``), so that neither the register nor the
+    first copies pay a fault per 4 KiB page. A mapping that met a fault (its file shrank)
+    is never given to a new registration."""
+
+    def __init__(self, key: tuple[int, int, int], m: mmap.mmap, row: int) -> None:
+        self.key, self.m, self.row, self.refs = key, m, row, 0
+        self.array = np.frombuffer(m, dtype=np.uint8)
+        self._populating = threading.Lock()
+
+    def populate(self) -> None:
+        """Fault the mapping's pages in, 256 MiB at a time, by ctypes (which lets go of the GIL
+        for the call, where mmap.madvise holds it), until done or the last pool goes."""
+        step, base, size = 256 << 20, self.array.ctypes.data, len(self.array)
+        for start in range(0, size, step):
+            with self._populating:  # the unmap waits for this call to end
+                if self.refs == 0:
+                    return
+                if _libc.madvise(ctypes.c_void_p(base + start), ctypes.c_size_t(min(step, size - start)),
+                                 MADV_POPULATE_WRITE) != 0:
+                    log.debug("pool mapping %s not populated ahead (%s)", self.key, os.strerror(ctypes.get_errno()))
+                    return
+
+    def close(self) -> None:
+        """One pool less; the last unmaps it (once no view of it is left) and frees its row."""
+        with _pool_maps_lock:
+            self.refs -= 1
+            if self.refs:
+                return
+            if _pool_maps.get(self.key) is self:
+                del _pool_maps[self.key]
+        self.array = np.zeros(0, dtype=np.uint8)
+        with self._populating:
+            self.m.close()  # BufferError where a view is left: MappedBuffer.close logs it, the row stays
+        guard().remove(self.row)
+
+
+# Linux's MADV_POPULATE_WRITE (5.14; Python's mmap module has no name for it).
+MADV_POPULATE_WRITE = 23
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_pool_maps: dict[tuple[int, int, int], _PoolMap] = {}
+_pool_maps_lock = threading.Lock()
 
 
 class BufferRegistry:
@@ -387,17 +435,29 @@ def _map_pool(fd: int, size: int) -> PoolBuffer:
         raise ProtocolError(ErrorCode.BUFFER, "a pool descriptor must be open for reading and writing, without O_APPEND")
     if st.st_size < size:
         raise ProtocolError(ErrorCode.BUFFER, f"the pool file is {st.st_size} bytes, registered as {size}")
+    key = (st.st_dev, st.st_ino, size)
+    with _pool_maps_lock:
+        pm = _pool_maps.get(key)
+        fresh = pm is None or guard().faulted(pm.row)
+        if fresh:
+            pm = _pool_maps[key] = _new_pool_map(fd, key)
+        pm.refs += 1
+    if fresh:
+        threading.Thread(target=pm.populate, name="kvstored-pool-populate", daemon=True).start()
+    return PoolBuffer(0, size, pm.array, pm, pm.row)
+
+
+def _new_pool_map(fd: int, key: tuple[int, int, int]) -> _PoolMap:
+    size = key[2]
     try:
-        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except (OSError, ValueError, OverflowError) as exc:
         raise ProtocolError(ErrorCode.BUFFER, f"cannot map the pool: {exc}") from None
-    array = np.frombuffer(m, dtype=np.uint8)
-    row = guard().add(array.ctypes.data, size)
+    row = guard().add(np.frombuffer(m, dtype=np.uint8).ctypes.data, size)
     if row is None:
-        del array
         m.close()
         raise ProtocolError(ErrorCode.BUFFER, f"the daemon guards {SLOTS} pools already; unregister some")
-    return PoolBuffer(0, size, array, m, row)
+    return _PoolMap(key, m, row)
 
 
 def _file_kind(mode: int) -> str:

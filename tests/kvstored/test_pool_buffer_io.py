@@ -156,3 +156,20 @@ def test_no_user_can_take_every_row_of_the_guard(memfd):
         reg.register_pool(memfd, SIZE)
     for mb in held:
         reg.close_mapping(reg.unregister(mb.buf_id))
+
+
+def test_pools_on_one_file_share_one_mapping_until_it_faults(memfd, registry):
+    reg, _ = registry
+    a, b = reg.register_pool(memfd, SIZE), reg.register_pool(memfd, SIZE)
+    assert a.array.ctypes.data == b.array.ctypes.data and a.row == b.row  # one mapping, one guard row
+    reg.close_mapping(reg.unregister(a.buf_id))
+    b.write_blocks(np.full(NB, 3, np.uint8), np.array([0]), np.array([NB]), NB)  # the other still maps it
+    assert os.pread(memfd, NB, NB) == b"\x03" * NB
+    os.ftruncate(memfd, NB)
+    with pytest.raises(ProtocolError, match="shrank"):
+        b.write_blocks(np.full(NB, 3, np.uint8), np.array([0]), np.array([4 * NB]), NB)
+    os.ftruncate(memfd, SIZE)  # grown back: a new registration maps it anew, not the faulted mapping
+    c = reg.register_pool(memfd, SIZE)
+    assert c.row != b.row
+    c.write_blocks(np.full(NB, 5, np.uint8), np.array([0]), np.array([4 * NB]), NB)
+    assert os.pread(memfd, NB, 4 * NB) == b"\x05" * NB
