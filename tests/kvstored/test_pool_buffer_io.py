@@ -1,4 +1,4 @@
-"""kvstored.buffers.PoolBuffer on its own: blocks moved through the daemon's mapping of an
+"""kvstored.pools.PoolBuffer on its own: blocks moved through the daemon's mapping of an
 unsealed shared-memory file, the SIGBUS guard when the client shrinks it, and the
 registry's checks of the descriptor."""
 
