@@ -269,11 +269,11 @@ class BlockStore(InPlace):
         try:
             for n, start in enumerate(range(0, len(order), self.sub_blocks)):
                 if len(inflight) == self.depth:  # the slot this one takes is the oldest's
-                    self._stored(inflight.popleft(), ks, done)
+                    self._stored(inflight.popleft(), done)
                 batch = order[start: start + self.sub_blocks]
                 inflight.append((self._store_batch(ch, ks, sources, batch, (n % self.depth) * self.slot_bytes), batch))
             while inflight:
-                self._stored(inflight.popleft(), ks, done)
+                self._stored(inflight.popleft(), done)
         except BaseException:
             if inflight:  # the daemon may still read their slots: the region is not used again
                 ch.discard()
@@ -291,16 +291,19 @@ class BlockStore(InPlace):
         self._tally(staging_us=int((time.perf_counter() - t0) * 1e6))
         return ch.client.block_put_async(self.ns, bb, [ks[i] for i in batch], staging, offset=at)
 
-    def _stored(self, sent: tuple[PendingPut, list[int]], ks: list[bytes], done: list[bool]) -> None:
+    def _stored(self, sent: tuple[PendingPut, list[int]], done: list[bool], in_place: bool = False) -> None:
+        """The end of a put of keys ``batch``; ``in_place``: one from shared rows, waited for to
+        its end (:mod:`.pool`)."""
         pending, batch = sent
         try:
-            r = pending.wait()
+            r = pending.settle() if in_place else pending.wait()
         except StoreUnavailableError:
             raise
         except KVDriveError as exc:  # these blocks only (a full store, say)
             self._failed("store", exc, len(batch))
             return
-        self._tally(blocks_stored=r["stored"], bytes_stored=r["stored"] * self.block_bytes, stored_before=r["present"])
+        self._tally(blocks_stored=r["stored"], bytes_stored=r["stored"] * self.block_bytes, stored_before=r["present"],
+                    blocks_in_place=r["stored"] if in_place else 0)
         for i in batch:
             done[i] = True
 

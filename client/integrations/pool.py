@@ -34,7 +34,7 @@ import numpy as np
 
 from kvdrive.protocol import MAX_BLOCK_KEYS
 from kvdrive.protocol.files import TMPFS_MAGIC, fs_type
-from kvdrive_client.errors import BufferError_, ChecksumError, KVDriveError, NotFoundError, StoreUnavailableError
+from kvdrive_client.errors import BufferError_, ChecksumError, KVDriveError, NotFoundError
 from kvdrive_client.integrations.rows import Rows, key_bytes
 from kvdrive_client.shm import PoolBuffer
 
@@ -248,21 +248,11 @@ class InPlace:
                     pass
 
     def _pool_done(self, op: str, sent: tuple, done: list[bool]) -> None:
+        if op == "store":
+            self._stored(sent, done, in_place=True)
+            return
         pending, idx = sent
         bb = self.block_bytes
-        if op == "store":
-            try:
-                r = pending.settle()
-            except StoreUnavailableError:
-                raise
-            except KVDriveError as exc:  # these blocks only (a full store, say)
-                self._failed("store", exc, len(idx))
-                return
-            self._tally(blocks_stored=r["stored"], bytes_stored=r["stored"] * bb, stored_before=r["present"],
-                        blocks_in_place=r["stored"])
-            for i in idx:
-                done[i] = True
-            return
         r = pending.settle()
         if r["damaged"]:
             self._failed("load", ChecksumError(f"{len(r['damaged'])} block(s) failed their checksum"), len(r["damaged"]))

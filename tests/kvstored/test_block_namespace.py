@@ -163,16 +163,12 @@ def test_a_namespace_over_its_quota_loses_its_least_recently_used_blocks(daemon_
     assert d.stop() == 0
 
 
-@pytest.mark.damages_store
-def test_a_damaged_block_is_a_checksum_miss_not_other_bytes(daemon_factory):
-    d = daemon_factory(dram="0").start()
-    c = d.client()
-    put(c, "eng", range(4))
-    assert d.stop() == 0
+def damage_block(d, k: bytes) -> None:
+    """Overwrite 8 bytes of the stored block of key ``k`` on stopped daemon ``d``'s SSD."""
     cat = Catalog(d.ssd / META_DIR, 1 << 30, durable=True, readonly=True)
     try:
         contents = cat.load()
-        rec = next(b for b in contents.blocks if b.key == key(2))
+        rec = next(b for b in contents.blocks if b.key == k)
         assert isinstance(rec, BlockRecord)
         off = next(e.offset for e in contents.extents if e.extent_id == rec.extent_ids[0])
     finally:
@@ -180,6 +176,15 @@ def test_a_damaged_block_is_a_checksum_miss_not_other_bytes(daemon_factory):
     with open(d.ssd / DATA_FILE, "r+b") as f:
         f.seek(off + 100)
         f.write(b"\xff" * 8)
+
+
+@pytest.mark.damages_store
+def test_a_damaged_block_is_a_checksum_miss_not_other_bytes(daemon_factory):
+    d = daemon_factory(dram="0").start()
+    c = d.client()
+    put(c, "eng", range(4))
+    assert d.stop() == 0
+    damage_block(d, key(2))
     d.start()
     c = d.client()
     found, data, r = get(c, "eng", range(4))

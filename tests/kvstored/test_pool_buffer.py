@@ -10,11 +10,10 @@ import signal
 import numpy as np
 import pytest
 
-from kvdrive.layout.format import DATA_FILE, META_DIR
 from kvdrive.protocol import ErrorCode
 from kvdrive_client.errors import StoreError
 from kvdrive_client.shm import PoolBuffer
-from kvstored.catalog import Catalog
+from test_block_namespace import damage_block
 
 BB = 64 << 10  # one part
 POOL = 4 << 20
@@ -202,16 +201,7 @@ def test_a_damaged_block_never_reaches_the_pool(daemon_factory):
     fill(engine, SRC[:4], range(4))
     c.block_put_async("eng", BB, [key(i) for i in range(4)], pool, offsets=SRC[:4]).wait()
     assert d.stop() == 0
-    cat = Catalog(d.ssd / META_DIR, 1 << 30, durable=True, readonly=True)
-    try:
-        contents = cat.load()
-        rec = next(b for b in contents.blocks if b.key == key(2))
-        off = next(e.offset for e in contents.extents if e.extent_id == rec.extent_ids[0])
-    finally:
-        cat.close()
-    with open(d.ssd / DATA_FILE, "r+b") as f:
-        f.seek(off + 100)
-        f.write(b"\xff" * 8)
+    damage_block(d, key(2))
     d.start()
     c = d.client()
     pool = c.register_pool(fd, POOL, array=engine)
