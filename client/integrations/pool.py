@@ -187,8 +187,9 @@ class InPlace:
         done = [False] * len(ks)
         if not self._guard(op, len(ks)):
             return done
-        first = {k: i for i, k in reversed(list(enumerate(ks)))}  # a key given twice moves once
-        order = sorted(first.values())
+        # A key given twice is stored once, and loaded into each of its rows.
+        first = {k: i for i, k in reversed(list(enumerate(ks)))} if op == "store" else {}
+        order = sorted(first.values()) if op == "store" else list(range(len(ks)))
         t0 = time.perf_counter()
         try:
             with (self.loads if op == "load" else self.stores).channel(self.timeout) as ch:
@@ -202,7 +203,7 @@ class InPlace:
         except (KVDriveError, OSError) as exc:
             self._failed(op, exc, len(order) - sum(done[i] for i in order))
         for i, k in enumerate(ks):
-            done[i] = done[first[k]]
+            done[i] = done[first.get(k, i)]
         self._tally(**{f"{op}_s_us": int((time.perf_counter() - t0) * 1e6)})
         return done
 

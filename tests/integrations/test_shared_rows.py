@@ -58,6 +58,9 @@ def test_rows_of_a_memfd_are_moved_in_place(daemon):
     # Stored again: write-once, nothing written, every key stored.
     assert store.store_rows(keys(8) + keys(1), rows, list(range(8)) + [3]) == [True] * 9
     assert store.stats()["blocks_stored"] == 8
+    rows[8:10] = 0  # a key given twice lands in both its rows
+    assert store.load_rows(keys(1) * 2, rows, [8, 9]) == [True, True]
+    np.testing.assert_array_equal(rows[8:10], rows[[0, 0]])
     with pytest.raises(ValueError, match="once per store"):
         store.share(rows)
     store.close()
