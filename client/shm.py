@@ -25,7 +25,46 @@ from kvdrive_client.errors import CudaUnavailableError
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
-class SharedBuffer:
+class _FileBuffer:
+    """What a registered file buffer of this process is (a memfd of its own, or an engine's
+    pool): ``size`` bytes of file ``fd`` (this object's descriptor, kept open to register
+    the buffer again with a restarted daemon), seen here as ``array``."""
+
+    kind = ""
+    fd: int
+    size: int
+    array: np.ndarray
+    _map: mmap.mmap | None
+    buf_id: int | None
+
+    def register_message(self) -> tuple[dict, list[int]]:
+        """The session socket's register message, and the descriptor it carries."""
+        return {"op": "register", "kind": self.kind, "size": self.size}, [self.fd]
+
+    def view(self, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
+        end = self.size if nbytes is None else offset + nbytes
+        if offset < 0 or end > self.size:
+            raise ValueError(f"view [{offset}, {end}) outside {self.kind} buffer of {self.size} bytes")
+        return self.array[offset:end]
+
+    def close(self) -> None:
+        self.array = np.zeros(0, dtype=np.uint8)
+        self.buf_id = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping goes with it
+            self._map = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(fd={self.fd}, size={self.size}, buf_id={self.buf_id})"
+
+
+class SharedBuffer(_FileBuffer):
     """A pre-faulted memfd mapped here and, once registered, in the daemon.
 
     The memfd has no name in any file system, so nothing is left behind if either
@@ -54,29 +93,8 @@ class SharedBuffer:
 
     kind = BUFFER_KIND_MEMFD
 
-    def register_message(self) -> tuple[dict, list[int]]:
-        """The session socket's register message, and the descriptor it carries."""
-        return {"op": "register", "kind": BUFFER_KIND_MEMFD, "size": self.size}, [self.fd]
 
-    def view(self, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
-        end = self.size if nbytes is None else offset + nbytes
-        if offset < 0 or end > self.size:
-            raise ValueError(f"view [{offset}, {end}) outside buffer of {self.size} bytes")
-        return self.array[offset:end]
-
-    def close(self) -> None:
-        self.array = np.zeros(0, dtype=np.uint8)
-        self.buf_id = None
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a caller still holds a view; the mapping goes with it
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-class PoolBuffer:
+class PoolBuffer(_FileBuffer):
     """``size`` bytes of shared memory the caller already has (a serving engine's CPU KV
     pool): a memfd or a file in /dev/shm, unsealed, open for reading and writing.
 
@@ -116,31 +134,6 @@ class PoolBuffer:
         except BaseException:
             os.close(dup)
             raise
-
-    def register_message(self) -> tuple[dict, list[int]]:
-        return {"op": "register", "kind": BUFFER_KIND_POOL, "size": self.size}, [self.fd]
-
-    def view(self, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
-        end = self.size if nbytes is None else offset + nbytes
-        if offset < 0 or end > self.size:
-            raise ValueError(f"view [{offset}, {end}) outside pool of {self.size} bytes")
-        return self.array[offset:end]
-
-    def close(self) -> None:
-        self.array = np.zeros(0, dtype=np.uint8)
-        self.buf_id = None
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                pass  # a caller still holds a view; the mapping goes with it
-            self._map = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __repr__(self) -> str:
-        return f"PoolBuffer(fd={self.fd}, size={self.size}, buf_id={self.buf_id})"
 
 
 class CudaIpcBuffer:
