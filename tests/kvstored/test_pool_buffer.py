@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -248,4 +249,51 @@ def test_a_put_from_a_pool_shrunk_under_it_stores_nothing(daemon_factory, offset
     assert c.block_get_async("eng", [key(1)], buf).wait()["found"] == [True] and (buf.array == block(1)).all()
     os.close(fd)
     del engine
+    assert d.stop() == 0
+
+
+def test_pools_shrunk_mid_copy_fail_alone_while_another_client_loads(daemon_factory):
+    """A client shrinks its pool while the daemon copies into it, again and again; another
+    client loads all the while: its blocks come back byte-exact and the daemon lives."""
+    d = daemon_factory(dram="256M").start()
+    n, bb = 32, 256 << 10
+    stop, seen = threading.Event(), {"failed": 0, "honest": 0, "wrong": 0}
+
+    def hostile():
+        try:
+            c = d.client()
+            fd, _ = memfd_pool(n * bb)
+            c.block_put_async("h", bb, [key(i) for i in range(n)], c.register_pool(fd, n * bb)).wait()
+            for i in range(30):
+                os.ftruncate(fd, n * bb)
+                pool = c.register_pool(fd, n * bb)
+                shrink = threading.Timer(0.0002 * (i % 8), os.ftruncate, (fd, bb))
+                shrink.start()
+                try:
+                    c.block_get_async("h", [key(j) for j in range(n)], pool).wait()
+                except StoreError as exc:
+                    seen["failed"] += exc.code is ErrorCode.BUFFER
+                shrink.join()
+                c.unregister(pool)
+        finally:
+            stop.set()
+
+    def honest():
+        c = d.client()
+        buf = c.register(n * bb)
+        data = np.random.default_rng(3).integers(0, 256, n * bb, dtype=np.uint8)
+        buf.array[:] = data
+        c.block_put_async("b", bb, [key(i) for i in range(n)], buf).wait()
+        while not stop.is_set():
+            buf.array[:] = 0
+            r = c.block_get_async("b", [key(i) for i in range(n)], buf).wait()
+            seen["honest" if all(r["found"]) and (buf.array == data).all() else "wrong"] += 1
+
+    threads = [threading.Thread(target=hostile), threading.Thread(target=honest)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert seen["failed"] > 0, "no shrink landed during a copy"
+    assert seen["honest"] > 0 and seen["wrong"] == 0 and d.alive()
     assert d.stop() == 0
