@@ -218,8 +218,9 @@ class MappedBudget:
     """Bytes of client memory all sessions together may map (the daemon's address space),
     and one user's share of it: a quarter, so no user can lock the others out.
 
-    Also the pools mapped: each holds a descriptor open and a row of the SIGBUS guard's
-    table. At most ``max_fds`` (by default a quarter of the daemon's descriptor limit past
+    Also the pools registered: each is counted as a descriptor held open and a row of the
+    SIGBUS guard's table (registrations of one file at one size share both, so this counts
+    high). At most ``max_fds`` (by default a quarter of the daemon's descriptor limit past
     RESERVED_FDS, since running out of descriptors aborts libzmq and connections take at
     most half, see ConnectionLimits.fit; and at most the guard's SLOTS rows), a quarter of
     them per user, so no user can take every row."""
@@ -249,8 +250,9 @@ class MappedBudget:
             if mine >= max(1, limit // 4) or self.fds >= limit:
                 raise ProtocolError(
                     ErrorCode.BUFFER,
-                    f"pools hold {self.fds} descriptors open, {mine} of them uid {uid}'s; the daemon's limit is "
-                    f"{limit}, a quarter of it per user (from its RLIMIT_NOFILE): unregister some pools",
+                    f"{self.fds} pools are registered, {mine} of them uid {uid}'s; the daemon's limit is {limit} "
+                    f"(from its RLIMIT_NOFILE, at most the SIGBUS guard's {SLOTS} rows), a quarter of it per user: "
+                    f"unregister some pools",
                 )
             self.fds += 1
             self._fds_by_uid[uid] = mine + 1

@@ -58,10 +58,9 @@ class SharedFile:
 
     def file_offsets(self, array: np.ndarray, rows: np.ndarray, row_bytes: int) -> np.ndarray:
         """The file offsets of rows ``rows`` of ``array`` (a view within this file's mapping)."""
-        start = array.ctypes.data - self.address
-        if start < 0 or start + array.nbytes > self.nbytes:
+        if not self.covers(array):
             raise ValueError("the array lies outside the shared file's mapping")
-        return self.base + start + rows.astype(np.int64) * row_bytes
+        return self.base + (array.ctypes.data - self.address) + rows.astype(np.int64) * row_bytes
 
     def covers(self, array: np.ndarray) -> bool:
         start = array.ctypes.data - self.address

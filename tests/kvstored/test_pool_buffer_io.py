@@ -131,7 +131,7 @@ def test_pools_hold_at_most_their_share_of_descriptors(memfd):
     budget = MappedBudget(1 << 30, max_fds=8)  # a quarter per user: 2
     reg = BufferRegistry(BufferLimits(max_buffers=16, max_bytes=1 << 28), budget, 1000)
     held = [reg.register_pool(memfd, SIZE) for _ in range(2)]
-    with pytest.raises(ProtocolError, match="descriptors open") as exc:
+    with pytest.raises(ProtocolError, match="pools are registered") as exc:
         reg.register_pool(memfd, SIZE)
     assert exc.value.code is ErrorCode.BUFFER and budget.fds == 2 and budget.used == 2 * SIZE
     other = BufferRegistry(BufferLimits(), budget, 1001)
@@ -152,7 +152,7 @@ def test_no_user_can_take_every_row_of_the_guard(memfd):
     small = MappedBudget(1 << 40, max_fds=min(budget.max_fds, 16))  # the same share rule, fewer rows to fill
     reg = BufferRegistry(BufferLimits(max_buffers=64, max_bytes=1 << 30), small, 1000)
     held = [reg.register_pool(memfd, SIZE) for _ in range(small.max_fds // 4)]
-    with pytest.raises(ProtocolError, match="descriptors open"):
+    with pytest.raises(ProtocolError, match="pools are registered"):
         reg.register_pool(memfd, SIZE)
     for mb in held:
         reg.close_mapping(reg.unregister(mb.buf_id))
