@@ -452,26 +452,26 @@ class StoreClient:
         return found
 
     def block_put_async(self, ns: str, block_bytes: int, keys, buffer: SharedBuffer | PoolBuffer, offset: int = 0,
-                        offsets=None) -> PendingPut:
+                        offsets=None, regions: int = 1) -> PendingPut:
         """Start storing block i of ``keys`` from ``buffer`` at ``offset + i * block_bytes`` (at
         ``offset + offsets[i]`` where ``offsets`` is given; at most MAX_BLOCK_KEYS keys);
         write-once: keys stored already are skipped. ``wait()`` gives ``stored`` (blocks
-        written) and ``present`` (skipped), once they are durable."""
+        written) and ``present`` (skipped), once they are durable. A block in ``regions``
+        equal regions has an offset per region: ``offsets[i * regions + r]``."""
         fields = {"ns": ns, "block_bytes": block_bytes, "keys": [bytes(k) for k in keys], "buf": buffer.buf_id,
                   "offset": offset}
-        if offsets is not None:
-            fields["offsets"] = _int_list(offsets)
+        _place(fields, offsets, regions)
         return PendingPut(self, self._submit(Op.BLOCK_PUT, fields))
 
     def block_get_async(self, ns: str, keys, buffer: SharedBuffer | PoolBuffer, offset: int = 0,
-                        offsets=None) -> PendingGet:
+                        offsets=None, regions: int = 1) -> PendingGet:
         """Start copying the block of each of ``keys`` that ``ns`` holds to ``offset + i *
-        block_bytes`` of ``buffer`` (``offset + offsets[i]`` where ``offsets`` is given: no
+        block_bytes`` of ``buffer`` (``offset + offsets[i]`` where ``offsets`` is given, or
+        ``offsets[i * regions + r]`` for region r of blocks in ``regions`` equal regions: no
         two may overlap); ``wait()`` gives ``found`` per key and ``damaged``, the positions
         whose stored copy failed its checksum (not found, their bytes not to be used)."""
         fields = {"ns": ns, "keys": [bytes(k) for k in keys], "buf": buffer.buf_id, "offset": offset}
-        if offsets is not None:
-            fields["offsets"] = _int_list(offsets)
+        _place(fields, offsets, regions)
         return PendingGet(self, self._submit(Op.BLOCK_GET, fields))
 
     def block_delete(self, ns: str, keys=None) -> dict:
@@ -547,6 +547,14 @@ def _connect_embedded(dram: str, ssd_max: str, timeout: float, daemon_args: list
         client.close()
         raise
     return client
+
+
+def _place(fields: dict, offsets, regions: int) -> None:
+    """A block request's ``offsets`` and ``regions`` fields, where not the defaults."""
+    if offsets is not None:
+        fields["offsets"] = _int_list(offsets)
+    if regions != 1:
+        fields["regions"] = int(regions)
 
 
 def _int_list(x) -> list[int]:

@@ -8,6 +8,11 @@ block is one slot, each of its parts an extent of one page, so one block can be
 deleted alone. Beside the index, a :class:`BlockTable` per namespace keeps key -> slot
 (least recently used first, for quotas), slot -> catalog record, and the free slots.
 
+In the client's buffer a block is contiguous, at ``offset + i * block_bytes`` or at an
+offset of its own, or in ``regions`` equal regions with an offset each (an engine page
+whose K and V lie apart): then the namespace's parts must each lie whole in one region,
+and a namespace made by such a put is split so (``block_geometry(block_bytes, regions)``).
+
 Life cycle, on the writer thread but for lookups and gets:
 
 - ``block_put`` (:meth:`Blocks.prepare_put`): the keys the namespace lacks (not stored,
@@ -37,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvdrive.layout.geometry import Geometry
 from kvdrive.protocol.blocks import block_geometry
 from kvstored.block_catalog import BlockRecord, add_blocks, delete_blocks
 from kvstored.buffers import MappedBuffer
@@ -170,15 +176,14 @@ class Blocks:
         return {"found": found}
 
     def get(self, req: BlockGet, session: Session, picked: Picked | None = None) -> dict:
-        """Copy the blocks found to ``offset + i * block_bytes`` (or ``offset + offsets[i]``);
-        ``found`` per key, ``damaged``
+        """Copy the blocks found to ``offset + i * block_bytes`` (or to their ``offsets``, one per
+        key or per region of each); ``found`` per key, ``damaged``
         the positions whose SSD copy failed its checksum (their bytes are not to be used).
         ``picked``, from :meth:`in_dram`, is used where no key was stored or deleted since."""
         table = self.tables.get((session.uid, req.ns))
         if table is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no block namespace {req.ns}")
-        at = block_spans(session.buffers.lookup(req.buf), req.offset, req.offsets, len(req.keys), table.block_bytes,
-                         "destination")
+        at = part_spans(session.buffers.lookup(req.buf), req, table.block_bytes, table.parts, "destination")
         for _ in range(GET_TRIES):
             if self.tables.get((session.uid, req.ns)) is not table:
                 raise ProtocolError(ErrorCode.NOT_FOUND, f"no block namespace {req.ns} (deleted during this get)")
@@ -213,8 +218,7 @@ class Blocks:
         if table is None or len(req.keys) * table.block_bytes > max_bytes:
             return None
         try:
-            at = block_spans(session.buffers.lookup(req.buf), req.offset, req.offsets, len(req.keys),
-                             table.block_bytes, "destination")
+            at = part_spans(session.buffers.lookup(req.buf), req, table.block_bytes, table.parts, "destination")
         except ProtocolError:
             return None  # get() refuses it
         with self.index.lock:
@@ -232,7 +236,7 @@ class Blocks:
     def _read(self, table: BlockTable, req: BlockGet, session: Session, picks: list, at: np.ndarray,
               whole: Get | None) -> set[int]:
         """Read ``picks`` (``whole``, where given, the get path's request for them all) into
-        the client's buffer, key i at ``offset + at[i]``; the positions of those that are damaged."""
+        the client's buffer, part p of key i at ``offset + at[i, p]``; the positions of those that are damaged."""
         if not picks:
             return set()
         try:
@@ -250,12 +254,11 @@ class Blocks:
 
     @staticmethod
     def _get_of(table: BlockTable, req: BlockGet, picks: list, at: np.ndarray) -> Get:
-        n, parts, part_bytes = len(picks), table.parts, table.entry.geometry.block_bytes
+        n, parts = len(picks), table.parts
         rows = np.zeros((n * parts, 3), np.int32)
         rows[:, 0] = np.tile(np.arange(parts, dtype=np.int32), n)
         rows[:, 2] = np.repeat([rec.slot for _, rec in picks], parts)
-        dst = np.repeat(at[[i for i, _ in picks]], parts) + np.tile(np.arange(parts, dtype=np.int64), n) * part_bytes
-        return Get(table.entry.uid, req.buf, req.offset, rows, dst.astype(np.int64))
+        return Get(table.entry.uid, req.buf, req.offset, rows, at[[i for i, _ in picks]].reshape(-1))
 
     # ------------------------------------------------------------ writer thread
 
@@ -266,21 +269,29 @@ class Blocks:
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"block namespace {req.ns} holds blocks of {table.block_bytes} "
                                                          f"bytes, not {req.block_bytes}")
             return table
-        try:
-            geometry = block_geometry(req.block_bytes)
-        except ValueError as exc:
-            raise ProtocolError(ErrorCode.BAD_FIELD, str(exc)) from None
+        geometry = self._geometry(req, owner)
         made = self.sequences.create_many([(Create(req.ns, BLOCKS_NAME, geometry, True), owner)])[0]
         if isinstance(made, ProtocolError):
             raise made
         log.info("block namespace %s of uid %d: blocks of %d bytes", req.ns, owner, req.block_bytes)
         return self._add_table(self.index.find(owner, req.ns, BLOCKS_NAME))
 
+    def _geometry(self, req: BlockPut, owner: int) -> Geometry:
+        """The geometry of ``req`` 's namespace: the one it has, or the one a put makes."""
+        table = self.tables.get((owner, req.ns))
+        if table is not None and table.block_bytes == req.block_bytes:
+            return table.entry.geometry
+        try:
+            return block_geometry(req.block_bytes, req.regions)
+        except ValueError as exc:
+            raise ProtocolError(ErrorCode.BAD_FIELD, str(exc)) from None
+
     def prepare_put(self, req: BlockPut, session: Session) -> PreparedPut | None:
         """Stage and write the keys the namespace lacks, as one put of the put path (see the
         module); None when it lacks none."""
         mb = session.buffers.lookup(req.buf)  # before a new namespace is made for a put that fails
-        at = block_spans(mb, req.offset, req.offsets, len(req.keys), req.block_bytes, "source")
+        parts = self._geometry(req, session.uid).num_layers
+        at = part_spans(mb, req, req.block_bytes, parts, "source")
         table = self._table_for_put(req, session.uid)
         entry, parts = table.entry, table.parts
         with self.index.lock:
@@ -297,12 +308,12 @@ class Blocks:
         check_put_bytes(count, 1, part_bytes)
         slots = table.take(len(new))
         try:
-            return self._write(table, req, session, mb, [(k, int(at[i])) for k, i in new.items()], slots, reply)
+            return self._write(table, req, session, mb, list(new), at[list(new.values())].reshape(-1), slots, reply)
         except BaseException:
             table.give(slots)
             raise
 
-    def _write(self, table, req, session, mb, new, slots, reply) -> PreparedPut:
+    def _write(self, table, req, session, mb, new, at, slots, reply) -> PreparedPut:
         entry, parts, part_bytes = table.entry, table.parts, table.entry.geometry.block_bytes
         growth = self.puts.plan_growth(entry, slots)
         self.space.check_room("put")
@@ -310,7 +321,7 @@ class Blocks:
         lay = np.tile(np.arange(parts, dtype=np.int64), n)
         hed = np.zeros(n * parts, np.int64)
         pag = np.repeat(slots, parts)
-        src = (np.repeat([at for _, at in new], parts) + lay * part_bytes + req.offset).astype(np.int64)
+        src = at + req.offset
         wrote = self.puts.write_blocks(mb, session, req.buf, src, part_bytes, entry.owner)
         offsets = wrote.offsets
         crc = wrote.crc ^ address_tags(entry.uid, lay, hed, pag)
@@ -321,7 +332,7 @@ class Blocks:
             raise ProtocolError(ErrorCode.FULL, f"no memory for the block index of {entry.ns}: lower --index-max to "
                                                 f"what this host can hold, or delete blocks") from None
         records, blocks = [], []
-        for j, (key, _) in enumerate(new):
+        for j, key in enumerate(new):
             ids = []
             for layer in range(parts):
                 k = j * parts + layer
@@ -426,20 +437,30 @@ class Blocks:
                      table.entry.ns, format_size(limit), len(victims))
 
 
-def block_spans(mb: MappedBuffer, offset: int, offsets: np.ndarray | None, n: int, block_bytes: int,
-                what: str) -> np.ndarray:
-    """Where each of ``n`` blocks lies from ``offset`` in buffer ``mb``: ``i * block_bytes``, or
-    ``offsets[i]``; refused unless each lies in the buffer and, for a get's destinations,
-    no two share a byte."""
+def part_spans(mb: MappedBuffer, req: BlockGet | BlockPut, block_bytes: int, parts: int, what: str) -> np.ndarray:
+    """Where part p of block i of ``req`` lies from its ``offset`` in buffer ``mb`` (an array of
+    blocks x parts): ``i * block_bytes + p * part_bytes``, or, with ``offsets``, that part's
+    place in its region, from ``offsets[i * regions + r]``. Refused unless each lies in the
+    buffer, the namespace's parts lie whole in the regions and, for a get's destinations,
+    no two regions share a byte."""
+    n, regions, offsets = len(req.keys), req.regions, req.offsets
+    part_bytes = block_bytes // parts
     if offsets is None:
-        mb.check_span(offset, n * block_bytes, what)
-        return np.arange(n, dtype=np.int64) * block_bytes
-    mb.check_span(offset, int(offsets.max()) + block_bytes, what)
-    if what == "destination" and n > 1:
+        mb.check_span(req.offset, n * block_bytes, what)
+        return np.arange(n * parts, dtype=np.int64).reshape(n, parts) * part_bytes
+    if parts % regions:
+        raise ProtocolError(ErrorCode.UNSUPPORTED, f"namespace {req.ns} keeps a block as {parts} part(s) of {part_bytes} "
+                                                 f"bytes, which do not lie whole in {regions} regions of "
+                                                 f"{block_bytes // regions} bytes: move its blocks whole, or in regions "
+                                                 f"that hold whole parts")
+    span = block_bytes // regions
+    mb.check_span(req.offset, int(offsets.max()) + span, what)
+    if what == "destination" and len(offsets) > 1:
         ranked = np.sort(offsets)
-        clash = np.flatnonzero(np.diff(ranked) < block_bytes)
+        clash = np.flatnonzero(np.diff(ranked) < span)
         if len(clash):
             a, b = int(ranked[clash[0]]), int(ranked[clash[0] + 1])
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"'offsets' {a} and {b} overlap: blocks of {block_bytes} bytes "
-                                                     f"there share bytes; a get's destinations must not overlap")
-    return offsets
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"'offsets' {a} and {b} overlap: {span} bytes there share "
+                                                     f"bytes; a get's destinations must not overlap")
+    per = parts // regions
+    return (np.repeat(offsets, per) + np.tile(np.arange(per, dtype=np.int64) * part_bytes, n * regions)).reshape(n, parts)

@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from kvdrive.layout.geometry import MAX_PAGES, Geometry
+from kvdrive.layout.geometry import MAX_LAYERS, MAX_PAGES, Geometry
 from kvdrive.protocol.blocks import MAX_BLOCK_BYTES
 from kvdrive.protocol import (
     BUFFER_KIND_CUDA_IPC, BUFFER_KIND_MEMFD, BUFFER_KIND_POOL, CUDA_IPC_HANDLE_BYTES, MAX_BLOCK_KEY_BYTES, MAX_BLOCK_KEYS, MAX_BUFFER_BYTES, MAX_CUDA_DEVICE, GET_ARRAYS,
@@ -167,7 +167,9 @@ class BlockLookup:
 class BlockPut:
     """Store block i of ``keys`` from ``offset + i * block_bytes`` (``offset + offsets[i]``
     where ``offsets`` is given) in buffer ``buf`` into the caller's block namespace ``ns``
-    (made on the first put, with this block size)."""
+    (made on the first put, with this block size). A block in ``regions`` equal regions
+    (its K and V, say) has ``offsets[i * regions + r]`` for its region r; a namespace made
+    by such a put keeps each part of a block within one region."""
 
     ns: str
     block_bytes: int
@@ -175,18 +177,21 @@ class BlockPut:
     buf: int
     offset: int
     offsets: np.ndarray | None = None
+    regions: int = 1
 
 
 @dataclass(frozen=True)
 class BlockGet:
     """Copy the block of each of ``keys`` that ``ns`` holds to ``offset + i * block size``
-    (``offset + offsets[i]`` where ``offsets`` is given) in ``buf``."""
+    (``offset + offsets[i]`` where ``offsets`` is given; ``offsets[i * regions + r]`` for
+    region r of a block in ``regions`` equal regions) in ``buf``."""
 
     ns: str
     keys: tuple[bytes, ...]
     buf: int
     offset: int
     offsets: np.ndarray | None = None
+    regions: int = 1
 
 
 @dataclass(frozen=True)
@@ -340,15 +345,16 @@ class _Fields:
                                                      f"bytes (msgpack bin)")
         return tuple(v)
 
-    def offsets(self, name: str, count: int) -> np.ndarray | None:
-        """An optional list of one offset per key (``count``), each in 0..2^44."""
+    def offsets(self, name: str, count: int, regions: int = 1) -> np.ndarray | None:
+        """An optional list of ``regions`` offsets per key (``count`` keys), each in 0..2^44."""
         v = self._get(name, False)
         if v is None:
             return None
-        if not isinstance(v, list) or len(v) != count:
+        if not isinstance(v, list) or len(v) != count * regions:
             got = f"{len(v)} values" if isinstance(v, list) else type(v).__name__
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be a list of one integer per key "
-                                                     f"({count}), got {got}")
+            each = "one integer per key" if regions == 1 else f"{regions} integers (regions) per key"
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be a list of {each} "
+                                                     f"({count * regions}), got {got}")
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must hold integers only")
         if not all(0 <= x <= MAX_BUFFER_BYTES for x in v):
@@ -507,11 +513,14 @@ def _parse_block_op(op: Op, f: _Fields) -> BlockRequest:
         return BlockLookup(f.name("ns"), f.keys("keys"))
     if op is Op.BLOCK_PUT:
         ns, block_bytes, keys = f.name("ns"), f.int("block_bytes", 4, MAX_BLOCK_BYTES), f.keys("keys")
+        regions = f.int("regions", 1, MAX_LAYERS, 1)
         return BlockPut(ns, block_bytes, keys, f.int("buf", 0, 1 << 31), f.int("offset", 0, 1 << 44),
-                        f.offsets("offsets", len(keys)))
+                        f.offsets("offsets", len(keys), regions), regions)
     if op is Op.BLOCK_GET:
         ns, keys = f.name("ns"), f.keys("keys")
-        return BlockGet(ns, keys, f.int("buf", 0, 1 << 31), f.int("offset", 0, 1 << 44), f.offsets("offsets", len(keys)))
+        regions = f.int("regions", 1, MAX_LAYERS, 1)
+        return BlockGet(ns, keys, f.int("buf", 0, 1 << 31), f.int("offset", 0, 1 << 44),
+                        f.offsets("offsets", len(keys), regions), regions)
     if op is Op.BLOCK_DELETE:
         keys, every = f.keys("keys", required=False), f.bool("all", False)
         if bool(keys) == every:
