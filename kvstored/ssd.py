@@ -36,6 +36,23 @@ class DiskFullError(OSError):
     """The filesystem could not back any free range of the data file for a put."""
 
 
+MAX_GATHER = 1024  # extents per write at most: each is at most one of the write's iovecs (IOV_MAX)
+
+
+def _runs(source: np.ndarray, src: list[int], i: int, j: int, ext_bytes: int) -> list[np.ndarray]:
+    """Extents ``i`` to ``j`` of ``source`` (extent k at ``src[k]``), as the fewest runs: those
+    back to back in the source are one."""
+    runs, start = [], i
+    for k in range(i + 1, j + 1):
+        if k == j or src[k] != src[k - 1] + ext_bytes:
+            data = source[src[start]: src[start] + (k - start) * ext_bytes]
+            if len(data) != (k - start) * ext_bytes:
+                raise ValueError(f"extents {start} to {k} lie past the end of their {len(source)} B source")
+            runs.append(data)
+            start = k
+    return runs
+
+
 class SsdTier(Tier):
     """Owns the data file and its free space.
 
@@ -120,14 +137,13 @@ class SsdTier(Tier):
                 offsets.append(self.allocator.allocate(ext_bytes))
             i = 0
             while i < count:
-                j = i + 1  # extents back to back both in the file and in the source become one write
-                while j < count and offsets[j] == offsets[j - 1] + ext_bytes and src[j] == src[j - 1] + ext_bytes:
+                # Extents back to back in the file become one write, gathered from wherever
+                # they lie in the source (an engine page's K and V, apart in its pool).
+                j = i + 1
+                while j < count and j - i < MAX_GATHER and offsets[j] == offsets[j - 1] + ext_bytes:
                     j += 1
-                data = source[src[i] : src[i] + (j - i) * ext_bytes]
-                if len(data) != (j - i) * ext_bytes:
-                    raise ValueError(f"extents {i} to {j} lie past the end of their {len(source)} B source")
                 try:
-                    self.write(offsets[i], data)
+                    self.write(offsets[i], _runs(source, src, i, j, ext_bytes))
                 except OSError as exc:
                     if exc.errno not in NO_SPACE or offsets[i] >= tail:
                         raise
@@ -161,14 +177,24 @@ class SsdTier(Tier):
                                 f"({format_size(self._parked_bytes)} of punched free space tried)") from None
         offsets[i:i] = replaced
 
-    def write(self, offset: int, data: np.ndarray) -> None:
-        view = memoryview(data)
+    def write(self, offset: int, data: np.ndarray | list[np.ndarray]) -> None:
+        """Write ``data`` (bytes, or a list of runs written one after another, in one
+        ``pwritev``) at ``offset`` of the data file."""
+        views = [memoryview(d) for d in (data if isinstance(data, list) else [data])]
         done = 0
-        while done < len(view):
-            n = os.pwrite(self.fd, view[done:], offset + done)
+        while views:
+            n = os.pwritev(self.fd, views, offset + done) if len(views) > 1 else os.pwrite(self.fd, views[0],
+                                                                                          offset + done)
             if n <= 0:
                 raise OSError(errno.EIO, f"pwrite wrote {n} bytes at {offset + done}")
             done += n
+            k = 0
+            while k < len(views) and n >= len(views[k]):
+                n -= len(views[k])
+                k += 1
+            views = views[k:]
+            if n:
+                views[0] = views[0][n:]
 
     def sync(self) -> None:
         os.fdatasync(self.fd)
