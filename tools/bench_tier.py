@@ -5,7 +5,10 @@ V, 16-bit: 2 MiB each. Through each adapter (vLLM's ``KVDriveTier``, SGLang's
 ``KVDriveHiCacheStorage``, driven as their engines drive them: vLLM's store and load jobs
 of 32 blocks polled through ``get_finished_jobs``, SGLang's ``batch_set_v1`` /
 ``batch_get_v1`` of its ``STORAGE_BATCH_SIZE`` (128) pages, as its cache controller
-calls them), ``--blocks`` blocks are stored and loaded back against a
+calls them; SGLang's host pool in shared memory, as its ``shm`` allocator keeps it, so
+that kvstored moves its pages in place; ``vllm-staging`` and ``sglang-staging`` are the
+same with blocks copied through staging: vLLM's tier with ``zero_copy`` off, SGLang's
+host pool in its default private memory), ``--blocks`` blocks are stored and loaded back against a
 real kvstored in two set-ups: the DRAM tier holding every block, and the DRAM tier off
 (every load reads the SSD, O_DIRECT); and with the daemon's two ``--sync`` policies:
 durable (a store is acknowledged once on the SSD) and write-behind (acknowledged before
@@ -72,7 +75,7 @@ JOB_BLOCKS = 32
 MODES = ("rate", "contention", "fill")
 DEFAULT_ROUNDS, QUICK_ROUNDS, LOADS_PER_ROUND = 10, 4, 10
 DEFAULT_FILL_DRAM, QUICK_FILL_DRAM = 256 << 20, 64 << 20
-ADAPTERS = ("vllm", "sglang", "vllm-staging")
+ADAPTERS = ("vllm", "sglang", "vllm-staging", "sglang-staging")
 DEFAULT_ADAPTERS = ("vllm", "sglang")
 TIERS = ("dram", "ssd")
 SYNCS = ("durable", "write-behind")  # kvstored's --sync policies
@@ -152,7 +155,7 @@ def _check_loaded(what: str, loaded: np.ndarray, rows: np.ndarray) -> None:
 
 
 def engine_of(adapter: str) -> str:
-    """The engine an adapter name stands for (``vllm-staging`` is vLLM's tier too)."""
+    """The engine an adapter name stands for (``vllm-staging`` is vLLM's tier too, ``sglang-staging`` SGLang's)."""
     return adapter.split("-")[0]
 
 
@@ -336,18 +339,22 @@ class FlatPages:
 
 class SglangDriver:
     """SGLang's cache controller's side: ``batch_set_v1`` / ``batch_get_v1`` of ``STORAGE_BATCH_SIZE``
-    pages, host indices into a host pool with SGLang's page_first layout."""
+    pages, host indices into a host pool with SGLang's page_first layout, in shared memory
+    as SGLang's ``shm`` allocator makes it (``"allocator": "shm"``): moved in place."""
+
+    shm = True
 
     def __init__(self, address: str, rows: np.ndarray, out: np.ndarray) -> None:
         import torch  # noqa: PLC0415
         from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE  # noqa: PLC0415 - needs SGLang
 
-        from kvdrive.tools.engines import PageFirstHostPool  # noqa: PLC0415
+        from kvdrive.tools.engines import PageFirstHostPool, ShmHostAllocator  # noqa: PLC0415
 
         self.n, self.torch, self.out = len(rows), torch, out
         self.batch = STORAGE_BATCH_SIZE  # the pages of one call, as SGLang's cache controller makes them
         pool_class = type("HostPool", (FlatPages, PageFirstHostPool), {})
-        self.pool = pool_class(self.n, BLOCK_TOKENS, rows.shape[1] // LAYER_BYTES, KV_HEADS, HEAD_DIM, torch.bfloat16)
+        self.pool = pool_class(self.n, BLOCK_TOKENS, rows.shape[1] // LAYER_BYTES, KV_HEADS, HEAD_DIM, torch.bfloat16,
+                               ShmHostAllocator() if self.shm else None)
         half = rows.shape[1] // 2
         for i, row in enumerate(rows):  # page i holds block i's bytes: its K region, then its V region
             page = self.pool.page(i)
@@ -370,7 +377,8 @@ class SglangDriver:
 
         return StorageBackendFactory.create_backend("dynamic", self._config(
             {"backend_name": "kvdrive", "module_path": "kvdrive_client.integrations.sglang",
-             "class_name": "KVDriveHiCacheStorage", "interface_v1": 1, "address": address, "timeout": 600.0}),
+             "class_name": "KVDriveHiCacheStorage", "interface_v1": 1, "address": address, "timeout": 600.0,
+             **({"allocator": "shm"} if self.shm else {})}),
             self.pool)
 
     def _indices(self, start: int, end: int):
@@ -414,11 +422,19 @@ class SglangDriver:
             self.backend.close()
 
 
+class SglangStagingDriver(SglangDriver):
+    """The same, the host pool in SGLang's default private memory: pages copied through staging."""
+
+    shm = False
+
+
 class SglangFileDriver(SglangDriver):
     """The same pages through SGLang's own file backend, its files under the directory given
     in place of an address, as SGLang's cache controller drives a backend that is not
     zero-copy: ``batch_set`` of the pages' flat copies, ``batch_get`` into empty flat pages
     then copied into the pool."""
+
+    shm = False
 
     def _make_backend(self, address: str):
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: PLC0415
@@ -440,7 +456,8 @@ class SglangFileDriver(SglangDriver):
             self.pool.set_from_flat_data_page(idx[i * BLOCK_TOKENS], page)
 
 
-DRIVERS = {"vllm": VllmDriver, "sglang": SglangDriver, "vllm-staging": VllmStagingDriver}
+DRIVERS = {"vllm": VllmDriver, "sglang": SglangDriver, "vllm-staging": VllmStagingDriver,
+           "sglang-staging": SglangStagingDriver}
 ENGINE_DRIVERS = {"vllm": VllmFsDriver, "sglang": SglangFileDriver}
 
 
@@ -553,9 +570,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "during stores), fill (store throughput of the first and last tenth of 10 x the DRAM tier) "
                         "(default rate,contention)")
     p.add_argument("--adapters", type=lambda s: s.split(","), default=list(DEFAULT_ADAPTERS),
-                   help="comma-separated, of " + ", ".join(ADAPTERS) + " (default vllm,sglang; vllm-staging is "
-                        "vLLM's tier with zero_copy off: its blocks copied through staging, as beside vllm to "
-                        "compare)")
+                   help="comma-separated, of " + ", ".join(ADAPTERS) + " (default vllm,sglang, each moved in place; "
+                        "vllm-staging is vLLM's tier with zero_copy off, sglang-staging SGLang's host pool in its "
+                        "default private memory: their blocks copied through staging, to compare)")
     p.add_argument("--tiers", type=lambda s: s.split(","), default=list(TIERS),
                    help="comma-separated, of dram (every block in the DRAM tier), ssd (DRAM tier off) (default both)")
     p.add_argument("--sync", type=lambda s: s.split(","), default=list(SYNCS),

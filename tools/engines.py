@@ -65,6 +65,24 @@ def put_on_path(name: str) -> Path:
     return path
 
 
+class ShmHostAllocator:
+    """What SGLang's ``shm`` host allocator (``ShmHostTensorAllocator``, chosen by
+    ``"allocator": "shm"`` in a dynamic backend's extra config) does, over SGLang's own
+    ``alloc_shm``: each tensor in a memfd mapped shared, its descriptor kept open. (Its
+    own module imports much of SGLang's server.) Needs SGLang on the path."""
+
+    def __init__(self) -> None:
+        from sglang.srt.mem_cache.storage.mmap.mmap_allocator import alloc_shm  # noqa: PLC0415
+
+        self.alloc_shm, self.fds, self.mms = alloc_shm, [], []
+
+    def allocate(self, dims: tuple, dtype, device: str):
+        tensor, fd, mm = self.alloc_shm(dims, dtype)
+        self.fds.append(fd)
+        self.mms.append(mm)
+        return tensor
+
+
 class PageFirstHostPool:
     """A host KV pool laid out as SGLang's ``MHATokenToKVPoolHost`` with its ``page_first``
     layout: one CPU tensor ``[2 (K, V), tokens, layers, heads, head_dim]``.
@@ -72,18 +90,24 @@ class PageFirstHostPool:
     SGLang's own pool needs a GPU device pool to be built; this one has the attributes and
     the one method a HiCache storage backend reads (``page_size``, ``kv_buffer``,
     ``get_size_per_token``, ``get_page_buffer_meta``), computed as SGLang's pool computes
-    them for that layout, so a backend sees the same pointers and sizes.
+    them for that layout, so a backend sees the same pointers and sizes. ``allocator``:
+    SGLang's host tensor allocator that makes ``kv_buffer`` (``allocate(dims, dtype,
+    device)``; its ``shm`` one keeps it in a memfd); default, a plain CPU tensor.
     """
 
     layout = "page_first"
 
-    def __init__(self, pages: int, page_size: int, layers: int, heads: int, head_dim: int, dtype=None) -> None:
+    def __init__(self, pages: int, page_size: int, layers: int, heads: int, head_dim: int, dtype=None,
+                 allocator=None) -> None:
         import torch  # noqa: PLC0415 - only the SGLang cases need it
 
         self.dtype = dtype or torch.bfloat16
         self.page_size, self.layer_num, self.head_num, self.head_dim = page_size, layers, heads, head_dim
         self.size = pages * page_size
-        self.kv_buffer = torch.zeros((2, self.size, layers, heads, head_dim), dtype=self.dtype)
+        dims = (2, self.size, layers, heads, head_dim)
+        self.allocator = allocator  # holds the memfd, where it made one, as SGLang's pool holds it
+        self.kv_buffer = torch.zeros(dims, dtype=self.dtype) if allocator is None else \
+            allocator.allocate(dims, self.dtype, "cpu").zero_()
 
     def get_size_per_token(self) -> int:
         return self.head_dim * self.head_num * self.layer_num * self.dtype.itemsize * 2

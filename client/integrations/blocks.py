@@ -56,7 +56,7 @@ Buffer = Any  # anything with the buffer protocol (memoryview, numpy, bytearray)
 
 import numpy as np
 
-from kvdrive.protocol import MAX_BLOCK_KEYS, Op
+from kvdrive.protocol import MAX_BLOCK_KEYS, ErrorCode, Op
 from kvdrive.protocol.blocks import MAX_BLOCK_BYTES, MAX_PART_BYTES, block_geometry  # noqa: F401 (re-exported)
 from kvdrive_client.errors import ChecksumError, KVDriveError, NotFoundError, StoreUnavailableError
 from kvdrive_client.integrations.lanes import Channel, Lane
@@ -110,15 +110,18 @@ class BlockStore(InPlace):
     use). One store at a time is the default: stores are bound by the disk's durable
     write, and the CPU and memory bandwidth a second would take are the loads'.
     ``client``: one client every channel uses instead of connections of their own (the
-    caller closes it).
+    caller closes it). ``regions``: blocks are given as that many equal buffers each (an
+    engine page's K and V), which a namespace this store makes keeps whole in its parts,
+    so that kvstored can move them in place where :meth:`share` shares their memory.
     """
 
     def __init__(self, block_bytes: int, *, engine: str, model: str, tenant: str = "default",
                  rank: str | None = None, address: str | Default = DEFAULT, timeout: float = 10.0,
                  lookup_timeout: float = 1.0, retry_s: float = 1.0, staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 load_channels: int = 2, store_channels: int = 1, client: StoreClient | None = None) -> None:
-        self.geometry = block_geometry(block_bytes)
-        self.block_bytes = block_bytes
+                 load_channels: int = 2, store_channels: int = 1, client: StoreClient | None = None,
+                 regions: int = 1) -> None:
+        self.geometry = block_geometry(block_bytes, regions)
+        self.block_bytes, self.regions = block_bytes, regions
         self.parts = self.geometry.num_layers
         self.ns = namespace(engine, model, tenant, block_bytes, rank)
         self.address = address
@@ -236,6 +239,8 @@ class BlockStore(InPlace):
         this call or before it)."""
         if len(keys) != len(sources):
             raise ValueError(f"{len(keys)} keys for {len(sources)} blocks")
+        if (offs := self._in_place(sources)) is not None:
+            return self._pooled("store", keys, offs, self.regions, sources)
         ks = [key_bytes(k) for k in keys]
         done = [False] * len(ks)
         if not self._guard("store", len(ks)):
@@ -289,7 +294,7 @@ class BlockStore(InPlace):
                 staging.array[to: to + part.nbytes] = part
                 to += part.nbytes
         self._tally(staging_us=int((time.perf_counter() - t0) * 1e6))
-        return ch.client.block_put_async(self.ns, bb, [ks[i] for i in batch], staging, offset=at)
+        return ch.client.block_put_async(self.ns, bb, [ks[i] for i in batch], staging, offset=at, regions=self.regions)
 
     def _stored(self, sent: tuple[PendingPut, list[int]], done: list[bool], in_place: bool = False) -> None:
         """The end of a put of keys ``batch``; ``in_place``: one from shared rows, waited for to
@@ -300,6 +305,8 @@ class BlockStore(InPlace):
         except StoreUnavailableError:
             raise
         except KVDriveError as exc:  # these blocks only (a full store, say)
+            if in_place and getattr(exc, "code", None) is ErrorCode.UNSUPPORTED:
+                raise  # not in these regions: the whole call moves through staging (InPlace._pooled)
             self._failed("store", exc, len(batch))
             return
         self._tally(blocks_stored=r["stored"], bytes_stored=r["stored"] * self.block_bytes, stored_before=r["present"],
@@ -313,6 +320,8 @@ class BlockStore(InPlace):
         or fails its checksum, is False."""
         if len(keys) != len(targets):
             raise ValueError(f"{len(keys)} keys for {len(targets)} targets")
+        if (offs := self._in_place(targets)) is not None:
+            return self._pooled("load", keys, offs, self.regions, targets)
         ks = [key_bytes(k) for k in keys]
         got = [False] * len(ks)
         if not self._guard("load", len(ks)):
@@ -334,7 +343,7 @@ class BlockStore(InPlace):
         by one compiled call, or written in place by kvstored where :meth:`share` shared
         ``array``. ValueError for an array or rows that cannot take the blocks."""
         if self._shared is not None and self._shared.covers(array):
-            return self._pooled("load", keys, array, rows)
+            return self._rows_in_place("load", keys, array, rows)
         return self.load(keys, Rows(array, rows, self.block_bytes))
 
     def _load_all(self, ch: Channel, ks: list[bytes], targets: Seq[Buffer], got: list[bool]) -> None:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvdrive.protocol import MAX_BLOCK_KEYS
+from kvdrive.protocol import MAX_BLOCK_KEYS, ErrorCode
 from kvdrive.protocol.files import TMPFS_MAGIC, fs_type
 from kvdrive_client.errors import BufferError_, ChecksumError, KVDriveError, NotFoundError
 from kvdrive_client.integrations.rows import Rows, key_bytes
@@ -61,6 +61,14 @@ class SharedFile:
         if not self.covers(array):
             raise ValueError("the array lies outside the shared file's mapping")
         return self.base + (array.ctypes.data - self.address) + rows.astype(np.int64) * row_bytes
+
+    def place(self, addresses: np.ndarray, nbytes: int) -> np.ndarray | None:
+        """The file offsets of runs of ``nbytes`` at ``addresses`` in this process, or None
+        unless every one lies within the array's mapping."""
+        rel = addresses - self.address
+        if not len(rel) or rel.min() < 0 or rel.max() + nbytes > self.nbytes:
+            return None
+        return self.base + rel
 
     def covers(self, array: np.ndarray) -> bool:
         start = array.ctypes.data - self.address
@@ -141,16 +149,23 @@ def _open_same(dev: str, inode: int, path: str) -> int | None:
     return None
 
 
+def addresses(buffers: Seq) -> np.ndarray:
+    """The address of each buffer's first byte (anything with the buffer protocol)."""
+    return np.fromiter((np.frombuffer(b, dtype=np.uint8).ctypes.data for b in buffers), np.int64, len(buffers))
+
+
 class InPlace:
     """:class:`~kvdrive_client.integrations.blocks.BlockStore`'s moves of rows in place: its
-    ``share``, ``store_rows`` and the pool path of ``load_rows``. It uses the store's
-    namespace, lanes, pipeline sizes and counters (``ns``, ``block_bytes``, ``loads``,
-    ``stores``, ``depth``, ``sub_blocks``, ``_load_step``, ``_guard``, ``_failed``,
-    ``_tally``), and ``_shared``, the file :meth:`share` found."""
+    ``share``, ``store_rows``, the pool path of ``load_rows`` and of ``load`` / ``store``
+    of blocks given as their regions. It uses the store's namespace, lanes, pipeline sizes
+    and counters (``ns``, ``block_bytes``, ``regions``, ``loads``, ``stores``, ``depth``,
+    ``sub_blocks``, ``_load_step``, ``_guard``, ``_failed``, ``_tally``), and ``_shared``,
+    the file :meth:`share` found."""
 
     def share(self, array: np.ndarray) -> bool:
         """Move blocks of :meth:`load_rows` / :meth:`store_rows` on rows of ``array`` (an
-        engine's CPU tier) with no copy of this process's, where ``array`` is a shared-memory
+        engine's CPU tier), and of :meth:`load` / :meth:`store` given as ``regions`` buffers
+        each within it, with no copy of this process's, where ``array`` is a shared-memory
         file's mapping (:mod:`.pool`); whether it is. Elsewhere they go through staging.
         Once per store: its channels register the file on their first move."""
         if self._shared_file is not None:
@@ -168,22 +183,43 @@ class InPlace:
         """:meth:`store` of row ``rows[i]`` of ``array`` (contiguous uint8, a block a row) as
         ``keys[i]``; read in place by kvstored where :meth:`share` shared ``array``."""
         if self._shared is not None and self._shared.covers(array):
-            return self._pooled("store", keys, array, rows)
+            return self._rows_in_place("store", keys, array, rows)
         return self.store(keys, Rows(array, rows, self.block_bytes))
 
-    def _pooled(self, op: str, keys: Seq, array: np.ndarray, rows: Iterable[int]) -> list[bool]:
-        """:meth:`load_rows` or :meth:`store_rows` on the shared file: ``block_get`` s or
-        ``block_put`` s naming each row's offset in it, up to ``depth`` in flight, each
-        waited for to its end, whatever fails meanwhile (see :mod:`.pool`)."""
-        ks = [key_bytes(k) for k in keys]
+    def _rows_in_place(self, op: str, keys: Seq, array: np.ndarray, rows: Iterable[int]) -> list[bool]:
+        """:meth:`load_rows` or :meth:`store_rows` on the shared file."""
         at = Rows(array, rows, self.block_bytes).rows
-        if len(at) != len(ks):
-            raise ValueError(f"{len(ks)} keys for {len(at)} rows")
-        shared = self._shared
+        if len(at) != len(keys):
+            raise ValueError(f"{len(keys)} keys for {len(at)} rows")
+        shared, whole = self._shared, Rows(array, at, self.block_bytes)
         if shared is None:  # refused by kvstored since this call was routed here
-            return (self.load if op == "load" else self.store)(keys, Rows(array, at, self.block_bytes))
-        offs = shared.file_offsets(array, at, self.block_bytes)
-        done = [False] * len(ks)
+            return (self.load if op == "load" else self.store)(keys, whole)
+        return self._pooled(op, keys, shared.file_offsets(array, at, self.block_bytes), 1, whole)
+
+    def _in_place(self, blocks: Seq) -> np.ndarray | None:
+        """Where :meth:`share` shared a file and each of ``blocks`` is ``regions`` buffers of
+        equal size within it, their file offsets (``regions`` per block); else None."""
+        shared, r = self._shared, self.regions
+        if shared is None or not isinstance(blocks, (list, tuple)) or not blocks:
+            return None
+        if not all(isinstance(b, (list, tuple)) and len(b) == r for b in blocks):
+            return None
+        span = self.block_bytes // r
+        flat = [part for b in blocks for part in b]
+        if any(memoryview(part).nbytes != span for part in flat):
+            return None
+        return shared.place(addresses(flat), span)
+
+    def _pooled(self, op: str, keys: Seq, offs: np.ndarray, regions: int, blocks: Seq) -> list[bool]:
+        """A load or store on the shared file: ``block_get`` s or ``block_put`` s naming the
+        file offset of each block (or of each of its ``regions``), up to ``depth`` in flight,
+        each waited for to its end, whatever fails meanwhile (see :mod:`.pool`). ``blocks``:
+        the same blocks as :meth:`load` / :meth:`store` take them, for a fallback to staging."""
+        ks = [key_bytes(k) for k in keys]
+        offs = offs.reshape(len(ks), regions)
+        shared, done = self._shared, [False] * len(ks)
+        if shared is None:  # refused by kvstored since this call was routed here
+            return (self.load if op == "load" else self.store)(keys, blocks)
         if not self._guard(op, len(ks)):
             return done
         # A key given twice is stored once, and loaded into each of its rows.
@@ -196,10 +232,16 @@ class InPlace:
                 if pool is not None:
                     self._pool_moves(op, ch, pool, ks, offs, order, done)
             if pool is None:
-                return (self.load if op == "load" else self.store)(keys, Rows(array, at, self.block_bytes))
+                return (self.load if op == "load" else self.store)(keys, blocks)
         except NotFoundError:  # a load from a namespace with nothing stored yet
             self._tally(load_missing=len(ks) - sum(done))
         except (KVDriveError, OSError) as exc:
+            if getattr(exc, "code", None) is ErrorCode.UNSUPPORTED:
+                # A namespace made before its blocks moved in regions: its parts straddle them.
+                log.warning("KVDrive %s: kvstored moves this namespace's blocks whole only (%s); they move "
+                            "through staging from now on", self.ns, exc)
+                self._shared = None
+                return (self.load if op == "load" else self.store)(keys, blocks)
             self._failed(op, exc, len(order) - sum(done[i] for i in order))
         for i, k in enumerate(ks):
             done[i] = done[first.get(k, i)]
@@ -235,9 +277,10 @@ class InPlace:
                     self._pool_done(op, inflight.popleft(), done)
                 idx = order[start: start + step]
                 batch = [ks[i] for i in idx]
-                inflight.append((client.block_get_async(self.ns, batch, pool, offsets=offs[idx]) if op == "load"
-                                 else client.block_put_async(self.ns, self.block_bytes, batch, pool, offsets=offs[idx]),
-                                 idx))
+                at, r = offs[idx], offs.shape[1]
+                inflight.append((client.block_get_async(self.ns, batch, pool, offsets=at, regions=r) if op == "load"
+                                 else client.block_put_async(self.ns, self.block_bytes, batch, pool, offsets=at,
+                                                             regions=r), idx))
             while inflight:
                 self._pool_done(op, inflight.popleft(), done)
         finally:

@@ -25,9 +25,13 @@ instead of loading as garbage).
 ``batch_exists`` is one lookup request; ``batch_set_v1`` / ``batch_get_v1`` (with
 ``interface_v1``) take the regions of each page in SGLang's host pool from
 ``get_page_buffer_meta`` and copy them into / out of the shared buffer registered with
-kvstored: one memcpy each way. It is not zero-copy: SGLang's default host pool is pinned
-memory of its own process (with ``"allocator": "shm"`` it is a memfd, which kvstored could
-move in place as it does vLLM's CPU tier; this backend does not do that yet). Without ``interface_v1`` SGLang passes flat page tensors (``batch_set``
+kvstored: one memcpy each way. With ``"allocator": "shm"`` in the extra config, SGLang
+keeps its host pool in a memfd, which this backend shares with kvstored
+(:mod:`~kvdrive_client.integrations.pool`): kvstored then reads and writes each page's
+regions (K and V, for the ``page_first`` layouts) in place, with no copy in SGLang's
+process. Pages of ``layer_first`` pools lie in 2 x layers regions and move through
+staging (:data:`MAX_REGIONS_IN_PLACE`), as do pages of SGLang's default pinned host pool.
+Without ``interface_v1`` SGLang passes flat page tensors (``batch_set``
 / ``batch_get``), which are copied the same way. Pages are write-once: a page stored
 already (by this process, another or an earlier run) is not written again. ``clear()``
 deletes the namespace's pages (on the storage-writer ranks). Prefetches never wait for
@@ -95,6 +99,9 @@ from kvdrive_client.locate import DEFAULT
 log = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
+# A page of more regions than this (layer_first: 2 x layers) moves through staging: in
+# place, kvstored would keep it in as many parts, each an extent and a catalog record.
+MAX_REGIONS_IN_PLACE = 8
 
 try:
     import torch
@@ -160,6 +167,22 @@ if _IMPORT_ERROR is None:
     def _dtype_name(dtype: Any) -> str:
         return str(dtype).removeprefix("torch.")
 
+    def _in_place_regions(host: Any, sizes: list) -> int:
+        """How many regions each page of the host pool ``host`` lies in (``sizes``: one page's,
+        from ``get_page_buffer_meta``), where kvstored can move its pages in place: one
+        tensor, pages of at most :data:`MAX_REGIONS_IN_PLACE` equal regions. 0 (and a log
+        line) elsewhere: its pages move through staging."""
+        buf = getattr(host, "kv_buffer", None)
+        if not isinstance(buf, torch.Tensor) or _bytes_of(buf) is None:
+            why = "its pages are not in one contiguous CPU tensor"
+        elif len(set(sizes)) != 1 or len(sizes) > MAX_REGIONS_IN_PLACE:
+            why = (f"a page lies in {len(sizes)} regions (layout {host.layout}): in place, kvstored would keep it "
+                   f"in as many parts; page_first layouts lie in 2 (K, V)")
+        else:
+            return len(sizes)
+        log.info("KVDrive storage: pages move through staging, one copy each way on this side: %s", why)
+        return 0
+
     class _Pool:
         """One host pool of the v2 interface and the block store of its pages.
 
@@ -213,22 +236,26 @@ if _IMPORT_ERROR is None:
                                  f"holds none of its own (a logical KV anchor, as DeepSeek V4's, is not supported)")
             super().register_mem_pool_host(mem_pool_host)
             page_bytes = mem_pool_host.get_size_per_token() * mem_pool_host.page_size
+            regions = 1
             if self.interface_v1:  # a layout the pool has no page regions for fails here, not at each call
                 _, sizes = mem_pool_host.get_page_buffer_meta(torch.arange(mem_pool_host.page_size))
                 if sum(sizes) != page_bytes:
                     raise ValueError(f"KVDriveHiCacheStorage: the host pool's page regions are {sum(sizes)} bytes, "
                                      f"its pages {page_bytes} (layout {mem_pool_host.layout} is not supported)")
+                regions = _in_place_regions(mem_pool_host, sizes)
             layout = mem_pool_host.layout if self.interface_v1 else f"{mem_pool_host.layout}-flat"
             dtype = _dtype_name(mem_pool_host.dtype)
             with self._make:
                 if self.store is not None:
                     self.store.close()
-                self.store = self._new_store(page_bytes, f"{self.shard}.{layout}.{dtype}")
+                self.store = self._new_store(page_bytes, f"{self.shard}.{layout}.{dtype}", regions or 1)
+                if regions:
+                    self.store.share(_bytes_of(mem_pool_host.kv_buffer))
                 self.store.open_early()  # the first prefetch or backup pays no set-up
 
-        def _new_store(self, page_bytes: int, rank: str) -> BlockStore:
+        def _new_store(self, page_bytes: int, rank: str, regions: int = 1) -> BlockStore:
             store = BlockStore(page_bytes, engine="sglang", model=self.model, tenant=self.tenant, rank=rank,
-                               **self._store_args)
+                               regions=regions, **self._store_args)
             log.info("KVDrive storage for SGLang: namespace %s, pages of %d bytes", store.ns, page_bytes)
             return store
 

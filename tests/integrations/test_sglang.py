@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvdrive.tools.engines import PageFirstHostPool
+from kvdrive.tools.engines import PageFirstHostPool, ShmHostAllocator
 
 PAGE, LAYERS, HEADS, HEAD_DIM = 4, 2, 2, 16  # a page: 2 x 4 tokens x 2 layers x 2 heads x 16, bf16: 1 KiB
 POOL_PAGES = 24
@@ -55,9 +55,11 @@ def backend(sgl, daemon, pool=None, **config):
     return b
 
 
-def host_pool(sgl, seed=None):
-    """A host pool of SGLang's page_first layout, zeros or random bytes."""
-    pool = PageFirstHostPool(POOL_PAGES, PAGE, LAYERS, HEADS, HEAD_DIM, sgl.torch.bfloat16)
+def host_pool(sgl, seed=None, shm=False):
+    """A host pool of SGLang's page_first layout, zeros or random bytes; ``shm``: in a memfd,
+    made by SGLang's own ``shm`` host allocator (``"allocator": "shm"``)."""
+    pool = PageFirstHostPool(POOL_PAGES, PAGE, LAYERS, HEADS, HEAD_DIM, sgl.torch.bfloat16,
+                             ShmHostAllocator() if shm else None)
     if seed is not None:
         raw = pool.kv_buffer.view(sgl.torch.uint8)
         gen = sgl.torch.Generator().manual_seed(seed)
@@ -160,6 +162,58 @@ def test_controller_sequence_stores_and_loads_pages(sgl, daemon):
     after = b.stats()
     assert after["blocks_stored"] == before["blocks_stored"] == 8
     assert after["stored_before"] == before.get("stored_before", 0) + 8
+    b.close()
+
+
+def test_a_shared_memory_host_pool_moves_in_place(sgl, daemon):
+    torch = sgl.torch
+    pool = host_pool(sgl, seed=2, shm=True)
+    b = backend(sgl, daemon, pool, extra={"allocator": "shm"})
+    assert b.store.regions == 2 and b.store._shared is not None  # K and V: two regions a page
+    ks = keys(8, "shm")
+    assert b.batch_set_v1(ks, host_indices(sgl, SRC)) == [True] * 8
+    stored = [page_bytes(sgl, pool, p) for p in SRC]
+    pool.kv_buffer.zero_()
+    assert b.batch_get_v1(ks, host_indices(sgl, DST)) == [True] * 8
+    for want, p in zip(stored, DST):
+        assert torch.equal(page_bytes(sgl, pool, p), want)
+    assert all(not page_bytes(sgl, pool, p).any() for p in range(POOL_PAGES) if p not in DST)
+    st = b.stats()
+    assert st["blocks_in_place"] == 16 and st["blocks_loaded"] == 8 and st.get("staging_us", 0) == 0
+    # A backend on a pool of SGLang's default (private) memory loads the same pages through staging.
+    plain = host_pool(sgl)
+    other = backend(sgl, daemon, plain)
+    assert other.store._shared is None and other.store.regions == 2
+    assert other.batch_get_v1(ks, host_indices(sgl, SRC)) == [True] * 8
+    for want, p in zip(stored, SRC):
+        assert torch.equal(page_bytes(sgl, plain, p), want)
+    assert other.stats().get("blocks_in_place", 0) == 0
+    b.close()
+    other.close()
+
+
+def test_pages_stored_whole_before_move_through_staging_with_a_warning(sgl, daemon, caplog):
+    """A namespace made with a page in one part (by a store not split by regions) cannot be
+    moved in K and V regions: the shared pool's pages go through staging instead."""
+    torch = sgl.torch
+    pool = host_pool(sgl, seed=3, shm=True)
+    ks = keys(4, "whole")
+    old = sgl.adapter.BlockStore(pool.get_size_per_token() * PAGE, engine="sglang", model="test-model",
+                                 rank="tp0of1.page_first.bfloat16", address=daemon.address)
+    assert old.geometry.num_layers == 1
+    assert old.store(ks[:2], [page_bytes(sgl, pool, p).numpy() for p in SRC[:2]]) == [True, True]
+    old.close()
+    b = backend(sgl, daemon, pool, extra={"allocator": "shm"})
+    assert b.store._shared is not None
+    with caplog.at_level("WARNING", logger="kvdrive_client.integrations.pool"):
+        assert b.batch_set_v1(ks, host_indices(sgl, SRC[:4])) == [True] * 4
+    assert "moves this namespace's blocks whole only" in caplog.text and b.store._shared is None
+    stored = [page_bytes(sgl, pool, p) for p in SRC[:4]]
+    pool.kv_buffer.zero_()
+    assert b.batch_get_v1(ks, host_indices(sgl, DST[:4])) == [True] * 4
+    for want, p in zip(stored, DST[:4]):
+        assert torch.equal(page_bytes(sgl, pool, p), want)
+    assert b.stats().get("blocks_in_place", 0) == 0
     b.close()
 
 

@@ -121,14 +121,14 @@ def test_loads_during_stores_and_a_fill_print_their_ratios(one_run):
 def test_a_chosen_sync_policy_without_the_baselines_runs_only_those_rows(tmp_path, engines):
     out = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "kvdrive.tools.bench", "tier", "--blocks", "2", "--layers", "1", "--modes", "rate",
-           "--adapters", "sglang,vllm-staging", "--tiers", "ssd", "--sync", "write-behind", "--no-baselines", "--dir",
+           "--adapters", "sglang-staging,vllm-staging", "--tiers", "ssd", "--sync", "write-behind", "--no-baselines", "--dir",
            str(tmp_path), "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert sorted(r["op"] for r in data["rows"]) == sorted(["store", "load", *DISK_OPS] * 2)
     assert {(r["adapter"], r["tier"], r["sync"], r["backend"]) for r in data["rows"]} == {
-        ("sglang", "ssd", "write-behind", "kvdrive"), ("vllm-staging", "ssd", "write-behind", "kvdrive")}
+        ("sglang-staging", "ssd", "write-behind", "kvdrive"), ("vllm-staging", "ssd", "write-behind", "kvdrive")}
     # No engine's own backend ran: nothing to set the write-behind store against, and no durable store.
     assert data["targets"] == [] and all(r["vs_engine"] is None for r in data["rows"])
 
