@@ -22,6 +22,7 @@ daemon that ended the session (it stopped or restarted) moves nothing more.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -151,7 +152,13 @@ def _open_same(dev: str, inode: int, path: str) -> int | None:
 
 def addresses(buffers: Seq) -> np.ndarray:
     """The address of each buffer's first byte (anything with the buffer protocol)."""
-    return np.fromiter((np.frombuffer(b, dtype=np.uint8).ctypes.data for b in buffers), np.int64, len(buffers))
+    return np.fromiter((_address(b) for b in buffers), np.int64, len(buffers))
+
+
+def _address(b) -> int:
+    if isinstance(b, ctypes.Array):  # the regions SGLang's backend makes: the fast way
+        return ctypes.addressof(b)
+    return np.frombuffer(b, dtype=np.uint8).__array_interface__["data"][0]
 
 
 class InPlace:
