@@ -26,10 +26,11 @@ instead of loading as garbage).
 ``interface_v1``) take the regions of each page in SGLang's host pool from
 ``get_page_buffer_meta`` and copy them into / out of the shared buffer registered with
 kvstored: one memcpy each way. With ``"allocator": "shm"`` in the extra config, SGLang
-keeps its host pool in a memfd, which this backend shares with kvstored
+keeps its host pools in memfds, which this backend shares with kvstored
 (:mod:`~kvdrive_client.integrations.pool`): kvstored then reads and writes each page's
 regions (K and V, for the ``page_first`` layouts) in place, with no copy in SGLang's
-process. Pages of ``layer_first`` pools lie in 2 x layers regions and move through
+process; so for the KV pool and for each v2 pool whose pages lie in equal regions of
+one tensor (an SWA pool's; a Mamba pool's state pages do not). Pages of ``layer_first`` pools lie in 2 x layers regions and move through
 staging (:data:`MAX_REGIONS_IN_PLACE`), as do pages of SGLang's default pinned host pool.
 Without ``interface_v1`` SGLang passes flat page tensors (``batch_set``
 / ``batch_get``), which are copied the same way. Pages are write-once: a page stored
@@ -341,7 +342,8 @@ if _IMPORT_ERROR is None:
                                 "register_mem_pool_host took; KV pages stay the anchor's")
                 return
             page_bytes = host_pool.get_size_per_token() * host_pool.page_size
-            regions = self._has_regions(host_pool, page_bytes)
+            sizes = self._page_regions_of(host_pool, page_bytes)
+            regions = sizes is not None
             if not regions and not all(hasattr(host_pool, m) for m in ("get_data_page", "get_dummy_flat_data_page",
                                                                          "set_from_flat_data_page")):
                 raise ValueError(f"KVDriveHiCacheStorage: host pool {name} ({type(host_pool).__name__}) reports no "
@@ -353,7 +355,10 @@ if _IMPORT_ERROR is None:
             layout = str(getattr(host_pool, "layout", "unknown")) + ("" if regions else "-flat")
             shared = name not in TP_SHARDED_POOLS
             rank = f"{_shard(self.config, tp_sharded=not shared)}.{name}.{layout}.{'+'.join(dtypes)}"
-            store = self._new_store(page_bytes, rank)
+            in_place = _in_place_regions(host_pool, sizes) if regions else 0
+            store = self._new_store(page_bytes, rank, in_place or 1)
+            if in_place:
+                store.share(_bytes_of(host_pool.kv_buffer))
             with self._make:
                 old = self.pools.get(name)
                 self.pools[name] = _Pool(name, host_pool, store, regions, shared)
@@ -362,14 +367,15 @@ if _IMPORT_ERROR is None:
                 old.store.close()
 
         @staticmethod
-        def _has_regions(host_pool: Any, page_bytes: int) -> bool:
-            """Whether the pool reports a page's regions (``get_page_buffer_meta``), all
-            ``page_bytes`` of it: pages move through them, else as flat page tensors."""
+        def _page_regions_of(host_pool: Any, page_bytes: int) -> list | None:
+            """The sizes of a page's regions the pool reports (``get_page_buffer_meta``), where
+            they are all ``page_bytes`` of it: pages move through them, else (None) as flat
+            page tensors."""
             try:
                 _, sizes = host_pool.get_page_buffer_meta(torch.arange(host_pool.page_size, dtype=torch.int64))
             except Exception:  # noqa: BLE001 - no regions (Mamba slot side states, layer_first, ...)
-                return False
-            return bool(sizes) and sum(sizes) == page_bytes
+                return None
+            return list(sizes) if sizes and sum(sizes) == page_bytes else None
 
         def _pool(self, name: Any) -> _Pool | None:
             """The registered pool of that name (the KV anchor for ``kv``); None, logged once

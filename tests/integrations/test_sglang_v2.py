@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvdrive.tools.engines import PageFirstHostPool
+from kvdrive.tools.engines import PageFirstHostPool, ShmHostAllocator
 from test_sglang import storage_config as v1_storage_config
 
 PAGE, LAYERS, HEADS, HEAD_DIM = 4, 2, 2, 16  # a KV page: 2 x 4 tokens x 2 layers x 2 heads x 16, bf16: 1 KiB
@@ -131,9 +131,11 @@ class MambaHostPool:
         return self.get_data_page(slot).clone()
 
 
-def kv_pool(sgl, seed=None):
-    """A KV (or SWA KV) host pool of SGLang's page_first layout, zeros or random bytes."""
-    pool = PageFirstHostPool(POOL_PAGES, PAGE, LAYERS, HEADS, HEAD_DIM, sgl.torch.bfloat16)
+def kv_pool(sgl, seed=None, shm=False):
+    """A KV (or SWA KV) host pool of SGLang's page_first layout, zeros or random bytes;
+    ``shm``: in a memfd, as SGLang's ``shm`` host allocator makes it."""
+    pool = PageFirstHostPool(POOL_PAGES, PAGE, LAYERS, HEADS, HEAD_DIM, sgl.torch.bfloat16,
+                             ShmHostAllocator() if shm else None)
     if seed is not None:
         raw = pool.kv_buffer.view(sgl.torch.uint8)
         raw.copy_(sgl.torch.randint(0, 256, raw.shape, dtype=sgl.torch.uint8,
@@ -301,6 +303,28 @@ def test_hybrid_backup_and_prefetch_round_trip_every_pool(sgl, daemon):
     assert b.pool_stats()["mamba"]["blocks_stored"] == 2 and b.pool_stats()["mamba"]["stored_before"] == 1
     b.close()
     b2.close()
+
+
+def test_pools_in_shared_memory_move_in_place_and_the_mamba_state_through_staging(sgl, daemon):
+    torch = sgl.torch
+    kv, mamba, swa = kv_pool(sgl, seed=4, shm=True), MambaHostPool(seed=5), kv_pool(sgl, seed=6, shm=True)
+    b = attach(sgl, daemon, kv, {sgl.MAMBA: mamba, sgl.SWA: swa})
+    assert b.store._shared is not None and b.pools["swa"].store._shared is not None
+    assert b.pools["mamba"].store._shared is None  # its pages are not equal regions of one tensor
+    ks = keys(4, "in-place")
+    assert backup_node(sgl, b, ks, [1, 3, 4, 7], mamba_slot=2, swa_pages=[5, 9]) == \
+        {sgl.MAMBA: [True], sgl.SWA: [True, True], sgl.KV: [True] * 4}
+    want_swa, want_state = [kv_page(sgl, swa, p) for p in (5, 9)], mamba.state(2)
+    swa.kv_buffer.zero_()
+    got = b.batch_get_v2([transfer(sgl, sgl.MAMBA, sgl.TRAILING, ks[3:4], slots(sgl, 7)),
+                          transfer(sgl, sgl.SWA, sgl.TRAILING, ks[2:4], tokens(sgl, [20, 21]))])
+    assert got == {sgl.MAMBA: [True], sgl.SWA: [True, True]}
+    assert torch.equal(kv_page(sgl, swa, 20), want_swa[0]) and torch.equal(kv_page(sgl, swa, 21), want_swa[1])
+    assert torch.equal(mamba.state(7), want_state)
+    st = b.pool_stats()
+    assert st["swa"]["blocks_in_place"] == 4 and st["mamba"].get("blocks_in_place", 0) == 0
+    assert b.stats()["blocks_in_place"] == 4
+    b.close()
 
 
 def test_flat_state_pages_round_trip(sgl, daemon):
