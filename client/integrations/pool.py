@@ -276,7 +276,10 @@ class InPlace:
         # Side by side, DRAM tier, vLLM's tier: 2 MiB blocks 0.73-0.82x a memcpy as two gets
         # per call, 0.96-1.14x as one; 64 KiB blocks 0.39-0.42x, 0.51-0.58x. Stores keep two
         # puts in flight, so that one's commit overlaps the next one's write.
-        step = min(len(order), MAX_BLOCK_KEYS) if op == "load" else self.sub_blocks
+        # A request's keys and offsets share its header (64 KiB): fewer keys a request as
+        # blocks lie in more regions.
+        most = max(1, MAX_BLOCK_KEYS // offs.shape[1])
+        step = min(len(order), most) if op == "load" else min(self.sub_blocks, most)
         inflight: deque = deque()
         try:
             for start in range(0, len(order), step):

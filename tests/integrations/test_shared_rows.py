@@ -78,6 +78,41 @@ def libc_mapped_rows(fd: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * (ROWS * BB)).from_address(addr)).reshape(ROWS, BB)
 
 
+def test_blocks_given_as_regions_move_in_place_in_requests_that_fit_a_header(daemon):
+    """Blocks of 4 KiB in 8 regions of 512 bytes, scattered over a memfd, more of them than one
+    request may name with their offsets: several requests, byte-exact."""
+    n, r, span = 1024, 8, 512
+    fd = os.memfd_create("engine-pool", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 2 * n * r * span)
+    pool = np.frombuffer(mmap.mmap(fd, 2 * n * r * span), dtype=np.uint8)
+    store = BlockStore(r * span, engine="test", model="m", address=daemon.address, regions=r)
+    assert store.share(pool) and store.geometry.num_layers == r
+    order = np.random.default_rng(3).permutation(2 * n * r)  # region slots, shuffled
+
+    def regions(first: int) -> list[list[np.ndarray]]:
+        at = order[first * r: (first + n) * r].reshape(n, r) * span
+        return [[pool[o: o + span] for o in block] for block in at]
+
+    pool[:] = np.random.default_rng(4).integers(0, 256, pool.size, dtype=np.uint8)
+    src, dst = regions(0), regions(n)
+    before = daemon.client().stats()["counters"]
+    want = [np.concatenate(b) for b in src]
+    assert store.store(keys(n), src) == [True] * n
+    for b in dst:
+        for part in b:
+            part[:] = 0
+    assert store.load(keys(n), dst) == [True] * n
+    assert all((np.concatenate(b) == w).all() for b, w in zip(dst, want))
+    s = store.stats()
+    assert s["blocks_in_place"] == 2 * n and s.get("staging_us", 0) == 0
+    after = daemon.client().stats()["counters"]
+    # 128 keys a request: with 8 offsets each, 1,024 keys' would not fit a header of 64 KiB
+    # where offsets pass 4 GiB (9 bytes each).
+    assert after["block_gets"] - before.get("block_gets", 0) == n // 128
+    assert after["block_puts"] - before.get("block_puts", 0) == n // 128
+    store.close()
+
+
 def test_a_file_in_dev_shm_is_found_by_its_path_until_it_is_unlinked(daemon, tmp_path):
     path = f"/dev/shm/kvdrive-test-{os.getpid()}-{time.monotonic_ns()}"
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
