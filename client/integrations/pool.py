@@ -44,6 +44,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# An in-place load of at least twice this, with no other load running, is split into
+# gets of half of it or more, which kvstored copies on two of its threads at once.
+IN_PLACE_SPLIT_BYTES = 16 << 20
+
 
 @dataclass(frozen=True)
 class SharedFile:
@@ -268,18 +272,28 @@ class InPlace:
                 self._shared = None
             return None
 
+    def _in_place_step(self, n: int) -> int:
+        """Blocks per get of an in-place load of ``n``. A load is one get (there is no copy out
+        to overlap with the next): one of more than 8 MiB runs on one of kvstored's I/O
+        threads, so two load calls at once copy on two cores. A large load alone is split
+        into ``depth`` gets, which copy on as many. Side by side, DRAM tier: vLLM's tier (two
+        loads at once), 2 MiB blocks 0.73-0.82x a memcpy as two gets per call, 0.96-1.14x
+        as one; SGLang's (one call at a time, 128 pages), 2 MiB pages 8.4-9.1 GB/s as one
+        get, 11.2-13.4 as two, while 64 KiB pages (8 MiB a call) fell from 3.1-3.5 to
+        2.7-2.8: hence the size below which a load stays one get."""
+        if n * self.block_bytes < self.depth * IN_PLACE_SPLIT_BYTES or self.loads.busy() > 1:
+            return n
+        return -(-n // self.depth)
+
     def _pool_moves(self, op: str, ch: Channel, pool: PoolBuffer, ks: list[bytes], offs: np.ndarray,
                     order: list[int], done: list[bool]) -> None:
         client = ch.client
-        # A load is one get (there is no copy out to overlap with the next): one of more than
-        # 8 MiB runs on one of kvstored's I/O threads, so two load channels copy on two cores.
-        # Side by side, DRAM tier, vLLM's tier: 2 MiB blocks 0.73-0.82x a memcpy as two gets
-        # per call, 0.96-1.14x as one; 64 KiB blocks 0.39-0.42x, 0.51-0.58x. Stores keep two
-        # puts in flight, so that one's commit overlaps the next one's write.
         # A request's keys and offsets share its header (64 KiB): fewer keys a request as
         # blocks lie in more regions.
         most = max(1, MAX_BLOCK_KEYS // offs.shape[1])
-        step = min(len(order), most) if op == "load" else min(self.sub_blocks, most)
+        # Stores keep two puts in flight, so that one's commit overlaps the next one's write.
+        step = self._in_place_step(len(order)) if op == "load" else self.sub_blocks
+        step = min(step, most)
         inflight: deque = deque()
         try:
             for start in range(0, len(order), step):

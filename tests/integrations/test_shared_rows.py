@@ -113,6 +113,26 @@ def test_blocks_given_as_regions_move_in_place_in_requests_that_fit_a_header(dae
     store.close()
 
 
+def test_a_large_load_alone_is_split_over_two_gets(daemon):
+    """32 MiB or more loaded in place, with no other load running: two gets, which kvstored
+    copies on two threads; a smaller load stays one get."""
+    bb, n = 1 << 20, 40
+    fd = os.memfd_create("engine-tier", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 2 * n * bb)
+    rows = np.frombuffer(mmap.mmap(fd, 2 * n * bb), dtype=np.uint8).reshape(2 * n, bb)
+    store = BlockStore(bb, engine="test", model="m", address=daemon.address)
+    assert store.share(rows)
+    rows[:n] = np.random.default_rng(5).integers(0, 256, (n, bb), dtype=np.uint8)
+    assert store.store_rows(keys(n), rows, range(n)) == [True] * n
+    gets = lambda: daemon.client().stats()["counters"].get("block_gets", 0)  # noqa: E731
+    for count, expect in ((n, 2), (16, 1)):
+        before = gets()
+        assert store.load_rows(keys(count), rows, range(n, n + count)) == [True] * count
+        assert gets() - before == expect
+        np.testing.assert_array_equal(rows[n: n + count], rows[:count])
+    store.close()
+
+
 def test_a_file_in_dev_shm_is_found_by_its_path_until_it_is_unlinked(daemon, tmp_path):
     path = f"/dev/shm/kvdrive-test-{os.getpid()}-{time.monotonic_ns()}"
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
