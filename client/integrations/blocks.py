@@ -168,6 +168,10 @@ class BlockStore(InPlace):
                     lane.open(self.timeout, self._shared)
         except (KVDriveError, OSError) as exc:
             log.info("kvstored channels of %s not opened early (%s); the first call opens them", self.ns, exc)
+        except Exception:  # a store closed under it: close() gave up waiting and closed its sockets
+            if not self._closed:
+                raise
+            log.debug("kvstored channels of %s: the store closed while they opened", self.ns, exc_info=True)
         if (movers := _movers()) is not None:  # compiled, or read from numba's cache, now
             movers.copy_out(np.zeros(64, np.uint8), np.zeros(64, np.uint8), 0)
             movers.scatter_out(np.zeros(64, np.uint8), [0], np.zeros(64, np.uint8), [0], 64)

@@ -30,9 +30,9 @@ keeps its host pools in memfds, which this backend shares with kvstored
 (:mod:`~kvdrive_client.integrations.pool`): kvstored then reads and writes each page's
 regions (K and V, for the ``page_first`` layouts) in place, with no copy in SGLang's
 process; so for the KV pool and for each v2 pool whose pages lie in equal regions of
-one tensor (an SWA pool's; a Mamba pool's state pages do not). Pages of ``layer_first`` pools lie in 2 x layers regions and move through
-staging (:data:`MAX_REGIONS_IN_PLACE`), as do pages of SGLang's default pinned host pool.
-Without ``interface_v1`` SGLang passes flat page tensors (``batch_set``
+one tensor (an SWA pool's; a Mamba pool's state pages do not). Pages of ``layer_first``
+pools lie in 2 x layers regions and move through staging (:data:`MAX_REGIONS_IN_PLACE`),
+as do pages of SGLang's default pinned host pool. Without ``interface_v1`` SGLang passes flat page tensors (``batch_set``
 / ``batch_get``), which are copied the same way. Pages are write-once: a page stored
 already (by this process, another or an earlier run) is not written again. ``clear()``
 deletes the namespace's pages (on the storage-writer ranks). Prefetches never wait for
@@ -94,6 +94,7 @@ from typing import Any
 
 import numpy as np
 
+from kvdrive.protocol.blocks import block_geometry
 from kvdrive_client.integrations.blocks import BlockStore
 from kvdrive_client.locate import DEFAULT
 
@@ -177,10 +178,14 @@ if _IMPORT_ERROR is None:
         if not isinstance(buf, torch.Tensor) or _bytes_of(buf) is None:
             why = "its pages are not in one contiguous CPU tensor"
         elif len(set(sizes)) != 1 or len(sizes) > MAX_REGIONS_IN_PLACE:
-            why = (f"a page lies in {len(sizes)} regions (layout {host.layout}): in place, kvstored would keep it "
-                   f"in as many parts; page_first layouts lie in 2 (K, V)")
+            why = (f"a page lies in {len(sizes)} regions (layout {getattr(host, 'layout', '?')}): in place, kvstored "
+                   f"would keep it in as many parts; page_first layouts lie in 2 (K, V)")
         else:
-            return len(sizes)
+            try:
+                block_geometry(sum(sizes), len(sizes))
+                return len(sizes)
+            except ValueError as exc:
+                why = str(exc)
         log.info("KVDrive storage: pages move through staging, one copy each way on this side: %s", why)
         return 0
 

@@ -192,6 +192,24 @@ def test_a_shared_memory_host_pool_moves_in_place(sgl, daemon):
     other.close()
 
 
+def test_pages_whose_regions_kvstored_cannot_split_by_move_through_staging(sgl, daemon, caplog):
+    """K and V of 6 bytes each: a page of 12 bytes is one kvstored part, which cannot lie in
+    either region; the shared pool's pages are copied instead, and the backend says why."""
+    pool = PageFirstHostPool(8, 1, 1, 1, 3, sgl.torch.bfloat16, ShmHostAllocator())
+    raw = pool.kv_buffer.view(sgl.torch.uint8)
+    raw.copy_(sgl.torch.arange(raw.numel(), dtype=sgl.torch.uint8).view(raw.shape))
+    with caplog.at_level("INFO", logger="kvdrive_client.integrations.sglang"):
+        b = backend(sgl, daemon, pool, extra={"allocator": "shm"})
+    assert "does not split into 2 equal regions" in caplog.text
+    assert b.store._shared is None and b.store.regions == 1
+    ks = keys(3, "odd")
+    assert b.batch_set_v1(ks, sgl.torch.arange(0, 3)) == [True] * 3
+    want = [page_bytes(sgl, pool, p) for p in range(3)]
+    assert b.batch_get_v1(ks, sgl.torch.arange(4, 7)) == [True] * 3
+    assert all(sgl.torch.equal(page_bytes(sgl, pool, 4 + i), w) for i, w in enumerate(want))
+    b.close()
+
+
 def test_pages_stored_whole_before_move_through_staging_with_a_warning(sgl, daemon, caplog):
     """A namespace made with a page in one part (by a store not split by regions) cannot be
     moved in K and V regions: the shared pool's pages go through staging instead."""
