@@ -4,7 +4,8 @@ Numba intrinsics for a plain copy (``memcpy``) and a streamed one (non-temporal 
 which write around the caches and skip reading each destination line before it is
 overwritten), and the serial gather/scatter both ends copy blocks with: kvstored into and
 out of its tiers (``kvstored/copy.py`` adds a parallel one, ``kvstored/checksum.py`` a
-checked one), a client out of a shared buffer into an engine's memory (:func:`scatter_out`). Imported only where bytes move: it loads numba.
+checked one), a client out of a shared buffer into an engine's memory (:func:`scatter_out`) and
+into one from it (:func:`gather_in`). Imported only where bytes move: it loads numba.
 """
 
 from __future__ import annotations
@@ -124,6 +125,21 @@ def scatter_out(dst: np.ndarray, dst_offs: np.ndarray, src: np.ndarray, src_offs
     if not gather_scatter_serial(src, np.asarray(src_offs, np.int64), dst, np.asarray(dst_offs, np.int64), nbytes,
                                  True):
         raise ValueError(f"scatter_out: a block of {nbytes} bytes lies outside the destination ({dst.nbytes} bytes) "
+                         f"or the source ({src.nbytes} bytes), or the offset lists differ in length")
+
+
+def gather_in(dst: np.ndarray, dst_offs: np.ndarray, src: np.ndarray, src_offs: np.ndarray, nbytes: int) -> None:
+    """``dst[dst_offs[i]:+nbytes] = src[src_offs[i]:+nbytes]`` for every i, plain stores, in one
+    call without the GIL: an engine's blocks gathered into a staging region (which kvstored
+    reads next). Raises ValueError as :func:`scatter_out` does."""
+    for a in (dst, src):
+        if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous:
+            raise ValueError("gather_in needs 1-D contiguous uint8 arrays")
+    if not dst.flags.writeable:
+        raise ValueError("gather_in: the destination is read-only")
+    if not gather_scatter_serial(src, np.asarray(src_offs, np.int64), dst, np.asarray(dst_offs, np.int64), nbytes,
+                                 False):
+        raise ValueError(f"gather_in: a block of {nbytes} bytes lies outside the destination ({dst.nbytes} bytes) "
                          f"or the source ({src.nbytes} bytes), or the offset lists differ in length")
 
 

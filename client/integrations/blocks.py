@@ -61,7 +61,7 @@ from kvdrive.protocol.blocks import MAX_BLOCK_BYTES, MAX_PART_BYTES, block_geome
 from kvdrive_client.errors import ChecksumError, KVDriveError, NotFoundError, StoreUnavailableError
 from kvdrive_client.integrations.lanes import Channel, Lane
 from kvdrive_client.integrations.pool import InPlace, SharedFile
-from kvdrive_client.integrations.rows import Rows, _copy_out, _movers, _parts, key_bytes  # noqa: F401 (key_bytes re-exported)
+from kvdrive_client.integrations.rows import Rows, Spans, _copy_out, _movers, _parts, key_bytes  # noqa: F401 (re-exported)
 from kvdrive_client.locate import DEFAULT, Default
 from kvdrive_client.store import PendingGet, PendingPut, StoreClient, connect
 
@@ -80,6 +80,11 @@ STREAM_OUT_BYTES = 256 << 10
 # A load of at least twice this is split into at least PIPELINE_DEPTH gets, so that the
 # copy out of one overlaps the daemon's fill of the next even when it fits one slot.
 LOAD_SPLIT_BYTES = 2 << 20
+
+
+def _check_spans(blocks: Any, block_bytes: int) -> None:
+    if isinstance(blocks, Spans) and blocks.regions * blocks.span != block_bytes:
+        raise ValueError(f"blocks of {blocks.regions} spans of {blocks.span} bytes; this store's are {block_bytes}")
 
 
 def _part(value: object) -> str:
@@ -243,8 +248,9 @@ class BlockStore(InPlace):
         this call or before it)."""
         if len(keys) != len(sources):
             raise ValueError(f"{len(keys)} keys for {len(sources)} blocks")
+        _check_spans(sources, self.block_bytes)
         if (offs := self._in_place(sources)) is not None:
-            return self._pooled("store", keys, offs, self.regions, sources)
+            return self._pooled("store", keys, offs, sources)
         ks = [key_bytes(k) for k in keys]
         done = [False] * len(ks)
         if not self._guard("store", len(ks)):
@@ -292,11 +298,14 @@ class BlockStore(InPlace):
         """Copy ``batch`` into the staging region from ``at`` and start its ``block_put``."""
         bb, staging = self.block_bytes, ch.region
         t0 = time.perf_counter()
-        for j, i in enumerate(batch):
-            to = at + j * bb
-            for part in _parts(sources[i], bb, "block"):
-                staging.array[to: to + part.nbytes] = part
-                to += part.nbytes
+        if isinstance(sources, Spans):  # one compiled gather
+            sources.copy_to(staging.array, at, batch)
+        else:
+            for j, i in enumerate(batch):
+                to = at + j * bb
+                for part in _parts(sources[i], bb, "block"):
+                    staging.array[to: to + part.nbytes] = part
+                    to += part.nbytes
         self._tally(staging_us=int((time.perf_counter() - t0) * 1e6))
         return ch.client.block_put_async(self.ns, bb, [ks[i] for i in batch], staging, offset=at, regions=self.regions)
 
@@ -324,8 +333,9 @@ class BlockStore(InPlace):
         or fails its checksum, is False."""
         if len(keys) != len(targets):
             raise ValueError(f"{len(keys)} keys for {len(targets)} targets")
+        _check_spans(targets, self.block_bytes)
         if (offs := self._in_place(targets)) is not None:
-            return self._pooled("load", keys, offs, self.regions, targets)
+            return self._pooled("load", keys, offs, targets)
         ks = [key_bytes(k) for k in keys]
         got = [False] * len(ks)
         if not self._guard("load", len(ks)):
@@ -388,7 +398,7 @@ class BlockStore(InPlace):
         ok = [j for j, f in enumerate(r["found"]) if f]
         self._tally(load_missing=len(batch) - len(ok) - len(r["damaged"]))
         t0 = time.perf_counter()
-        if isinstance(targets, Rows):
+        if isinstance(targets, (Rows, Spans)):
             targets.copy_in(staging.array, at, ok, batch)
         else:
             self._copy_parts(staging.array, at, ok, batch, targets)

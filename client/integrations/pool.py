@@ -36,7 +36,7 @@ import numpy as np
 from kvdrive.protocol import MAX_BLOCK_KEYS, ErrorCode
 from kvdrive.protocol.files import TMPFS_MAGIC, fs_type
 from kvdrive_client.errors import BufferError_, ChecksumError, KVDriveError, NotFoundError
-from kvdrive_client.integrations.rows import Rows, key_bytes
+from kvdrive_client.integrations.rows import Rows, Spans, key_bytes
 from kvdrive_client.shm import PoolBuffer
 
 if TYPE_CHECKING:
@@ -205,12 +205,17 @@ class InPlace:
         shared, whole = self._shared, Rows(array, at, self.block_bytes)
         if shared is None:  # refused by kvstored since this call was routed here
             return (self.load if op == "load" else self.store)(keys, whole)
-        return self._pooled(op, keys, shared.file_offsets(array, at, self.block_bytes), 1, whole)
+        return self._pooled(op, keys, shared.file_offsets(array, at, self.block_bytes)[:, None], whole)
 
     def _in_place(self, blocks: Seq) -> np.ndarray | None:
-        """Where :meth:`share` shared a file and each of ``blocks`` is ``regions`` buffers of
-        equal size within it, their file offsets (``regions`` per block); else None."""
+        """Where :meth:`share` shared a file and ``blocks`` lie in it, as :class:`Spans` of an
+        array within it or as ``regions`` buffers of equal size each, their file offsets
+        (blocks x regions); else None."""
         shared, r = self._shared, self.regions
+        if shared is not None and isinstance(blocks, Spans) and len(blocks):
+            if not shared.covers(blocks.array):
+                return None
+            return shared.base + (blocks.array.__array_interface__["data"][0] - shared.address) + blocks.offsets
         if shared is None or not isinstance(blocks, (list, tuple)) or not blocks:
             return None
         if not all(isinstance(b, (list, tuple)) and len(b) == r for b in blocks):
@@ -219,15 +224,18 @@ class InPlace:
         flat = [part for b in blocks for part in b]
         if any(memoryview(part).nbytes != span for part in flat):
             return None
-        return shared.place(addresses(flat), span)
+        at = shared.place(addresses(flat), span)
+        return None if at is None else at.reshape(len(blocks), r)
 
-    def _pooled(self, op: str, keys: Seq, offs: np.ndarray, regions: int, blocks: Seq) -> list[bool]:
+    def _pooled(self, op: str, keys: Seq, offs: np.ndarray, blocks: Seq) -> list[bool]:
         """A load or store on the shared file: ``block_get`` s or ``block_put`` s naming the
-        file offset of each block (or of each of its ``regions``), up to ``depth`` in flight,
-        each waited for to its end, whatever fails meanwhile (see :mod:`.pool`). ``blocks``:
-        the same blocks as :meth:`load` / :meth:`store` take them, for a fallback to staging."""
+        file offset of each block's regions (``offs``: blocks x regions), up to ``depth`` in
+        flight, each waited for to its end, whatever fails meanwhile (see :mod:`.pool`).
+        ``blocks``: the same blocks as :meth:`load` / :meth:`store` take them, for a fallback
+        to staging."""
         ks = [key_bytes(k) for k in keys]
-        offs = offs.reshape(len(ks), regions)
+        if len(offs) != len(ks):
+            raise ValueError(f"{len(ks)} keys for {len(offs)} blocks")
         shared, done = self._shared, [False] * len(ks)
         if shared is None:  # refused by kvstored since this call was routed here
             return (self.load if op == "load" else self.store)(keys, blocks)

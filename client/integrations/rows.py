@@ -1,7 +1,7 @@
 """Keys, rows and block parts as a :class:`~kvdrive_client.integrations.blocks.BlockStore`
 moves them: an engine key as kvstored's (:func:`key_bytes`), the compiled movers of its
 staging copies (:mod:`kvdrive.protocol.copy`, loaded on first use), rows of one array
-(:class:`Rows`), and a block given as parts."""
+(:class:`Rows`) or spans of one array (:class:`Spans`), and a block given as parts."""
 
 from __future__ import annotations
 
@@ -83,6 +83,57 @@ class Rows:
         picks = np.asarray(js, np.int64)
         movers.scatter_out(self.flat, self.rows[np.asarray(batch, np.int64)[picks]] * self.block_bytes, staging,
                            at + picks * self.block_bytes, self.block_bytes)
+
+
+class Spans:
+    """Blocks that each lie in ``regions`` equal spans of one array (an SGLang page's K and V
+    in its host pool): span r of block i at ``offsets[i, r]`` of ``array`` (1-D uint8).
+    A request's blocks move between a staging slot and the array by one compiled call
+    (:func:`kvdrive.protocol.copy.gather_in` / ``scatter_out``), and kvstored moves them in
+    place where the array is shared (:meth:`BlockStore.share`)."""
+
+    def __init__(self, array: np.ndarray, offsets: np.ndarray, span: int) -> None:
+        self.offsets = np.asarray(offsets, np.int64)
+        if array.dtype != np.uint8 or array.ndim != 1 or not (array.flags.c_contiguous and array.flags.writeable):
+            raise ValueError("spans of a writable, contiguous 1-D uint8 array")
+        if self.offsets.ndim != 2 or span <= 0:
+            raise ValueError(f"offsets of blocks x regions, spans of a positive size, not {self.offsets.shape}, {span}")
+        if self.offsets.size and (self.offsets.min() < 0 or self.offsets.max() + span > array.nbytes):
+            raise ValueError(f"spans outside the array's {array.nbytes} bytes")
+        self.array, self.span = array, span
+        self.regions = self.offsets.shape[1]
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i: int) -> list[np.ndarray]:
+        return [self.array[o: o + self.span] for o in self.offsets[i].tolist()]
+
+    def _in_slot(self, at: int, js: np.ndarray) -> np.ndarray:
+        """Where the spans of blocks ``js`` of the slot at ``at`` lie in it, in order."""
+        r = np.arange(self.regions, dtype=np.int64) * self.span
+        return (at + js[:, None] * (self.regions * self.span) + r).reshape(-1)
+
+    def copy_in(self, staging: np.ndarray, at: int, js: list[int], batch: list[int]) -> None:
+        """Blocks ``js`` of the slot at ``at`` into the spans of keys ``batch[j]``."""
+        picks = np.asarray(js, np.int64)
+        dst = self.offsets[np.asarray(batch, np.int64)[picks]].reshape(-1)
+        src = self._in_slot(at, picks)
+        if (movers := _movers()) is None:
+            for d, f in zip(dst.tolist(), src.tolist()):
+                self.array[d: d + self.span] = staging[f: f + self.span]
+            return
+        movers.scatter_out(self.array, dst, staging, src, self.span)
+
+    def copy_to(self, staging: np.ndarray, to: int, batch: list[int]) -> None:
+        """The blocks of keys ``batch`` into the slot from ``to``, one after another."""
+        src = self.offsets[np.asarray(batch, np.int64)].reshape(-1)
+        dst = self._in_slot(to, np.arange(len(batch), dtype=np.int64))
+        if (movers := _movers()) is None:
+            for d, f in zip(dst.tolist(), src.tolist()):
+                staging[d: d + self.span] = self.array[f: f + self.span]
+            return
+        movers.gather_in(staging, dst, self.array, src, self.span)
 
 
 def _parts(block: Any, block_bytes: int, what: str) -> list[np.ndarray]:

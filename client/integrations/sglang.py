@@ -96,6 +96,7 @@ import numpy as np
 
 from kvdrive.protocol.blocks import block_geometry
 from kvdrive_client.integrations.blocks import BlockStore
+from kvdrive_client.integrations.rows import Spans
 from kvdrive_client.locate import DEFAULT
 
 log = logging.getLogger(__name__)
@@ -137,10 +138,12 @@ def _whole_pages(pool: Any, n: int, host_indices: Any) -> bool:
     return True
 
 
-def _regions(pool: Any, page_bytes: int, n: int, host_indices: Any) -> list[list] | None:
-    """Per page of ``host_indices`` (``n`` pages), its regions in the host pool ``pool``
-    reports (writable buffers over them, in the pool's order), or None (and a log line)
-    where they are not ``n`` pages of ``page_bytes``."""
+def _regions(pool: Any, page_bytes: int, n: int, host_indices: Any) -> Spans | list[list] | None:
+    """The regions of each page of ``host_indices`` (``n`` pages) in the host pool ``pool``
+    reports, in the pool's order: :class:`Spans` of the pool's buffer where they are of one
+    size within it (moved by one compiled copy a request, or in place), else writable
+    buffers over them per page; None (and a log line) where they are not ``n`` pages of
+    ``page_bytes``."""
     if not _whole_pages(pool, n, host_indices):
         return None
     ptrs, sizes = pool.get_page_buffer_meta(host_indices)
@@ -150,7 +153,23 @@ def _regions(pool: Any, page_bytes: int, n: int, host_indices: Any) -> list[list
         log.error("KVDrive storage: the host pool's %d regions are not %d pages of %d bytes", len(ptrs), n,
                   page_bytes)
         return None
+    spans = _spans(pool, ptrs, sizes, n, per)
+    if spans is not None:
+        return spans
     return [[(ctypes.c_uint8 * sizes[j]).from_address(ptrs[j]) for j in p] for p in pages]
+
+
+def _spans(pool: Any, ptrs: list, sizes: list, n: int, per: int) -> Spans | None:
+    """Regions at ``ptrs`` (``per`` a page) as :class:`Spans` of the pool's ``kv_buffer``, where
+    that is one contiguous CPU tensor holding them all and they are all of one size."""
+    buf = getattr(pool, "kv_buffer", None)
+    if _IMPORT_ERROR is not None or not isinstance(buf, torch.Tensor) or len(set(sizes)) != 1:
+        return None
+    array = _bytes_of(buf)
+    offs = np.asarray(ptrs, np.int64) - buf.data_ptr()
+    if array is None or offs.min() < 0 or offs.max() + sizes[0] > array.nbytes:
+        return None
+    return Spans(array, offs.reshape(n, per), sizes[0])
 
 
 if _IMPORT_ERROR is None:

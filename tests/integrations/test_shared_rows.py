@@ -18,6 +18,7 @@ import pytest
 from kvdrive_client.errors import StoreUnavailableError
 from kvdrive_client.integrations.blocks import BlockStore
 from kvdrive_client.integrations.pool import find_shared_file
+from kvdrive_client.integrations.rows import Spans
 
 BB = 64 << 10
 ROWS = 16
@@ -110,6 +111,38 @@ def test_blocks_given_as_regions_move_in_place_in_requests_that_fit_a_header(dae
     # where offsets pass 4 GiB (9 bytes each).
     assert after["block_gets"] - before.get("block_gets", 0) == n // 128
     assert after["block_puts"] - before.get("block_puts", 0) == n // 128
+    store.close()
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["memfd", "private"])
+def test_blocks_given_as_spans_of_one_array_move_by_one_copy_or_in_place(daemon, shared):
+    """Spans: 3 regions of 2 KiB per block, scattered over one array; stored and loaded
+    through staging by one compiled copy a request (private memory), or in place (a memfd)."""
+    n, r, span = 50, 3, 2 << 10
+    size = 2 * n * r * span
+    if shared:
+        fd = os.memfd_create("engine-pool", os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        array = np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
+    else:
+        array = np.zeros(size, np.uint8)
+    store = BlockStore(r * span, engine="test", model="m", address=daemon.address, regions=r)
+    assert store.share(array) is shared
+    order = np.random.default_rng(8).permutation(2 * n * r).reshape(2 * n, r) * span
+    src, dst = Spans(array, order[:n], span), Spans(array, order[n:], span)
+    array[:] = np.random.default_rng(9).integers(0, 256, size, dtype=np.uint8)
+    want = [np.concatenate(src[i]) for i in range(n)]
+    assert store.store(keys(n), src) == [True] * n
+    array[order[n:].reshape(-1)[:, None] + np.arange(span)] = 0
+    assert store.load(keys(n) + [b"never"], Spans(array, np.vstack([order[n:], order[:1]]), span)) == [True] * n + [False]
+    assert all((np.concatenate(dst[i]) == w).all() for i, w in enumerate(want))
+    s = store.stats()
+    assert s.get("blocks_in_place", 0) == (2 * n if shared else 0)
+    assert (s.get("staging_us", 0) == 0) is shared
+    with pytest.raises(ValueError, match="spans of 2048 bytes"):
+        store.load(keys(1), Spans(array, order[:1, :2], span))  # 2 spans: not this store's blocks
+    with pytest.raises(ValueError, match="outside"):
+        Spans(array, [[size - span + 1]], span)
     store.close()
 
 
