@@ -117,29 +117,25 @@ def scatter_out(dst: np.ndarray, dst_offs: np.ndarray, src: np.ndarray, src_offs
     lines need not pass through this core's caches. Copies below a few hundred KiB gain
     nothing from it. Raises ValueError for arrays that are not 1-D contiguous uint8, a
     read-only ``dst``, or a block outside either array (then nothing is copied)."""
-    for a in (dst, src):
-        if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous:
-            raise ValueError("scatter_out needs 1-D contiguous uint8 arrays")
-    if not dst.flags.writeable:
-        raise ValueError("scatter_out: the destination is read-only")
-    if not gather_scatter_serial(src, np.asarray(src_offs, np.int64), dst, np.asarray(dst_offs, np.int64), nbytes,
-                                 True):
-        raise ValueError(f"scatter_out: a block of {nbytes} bytes lies outside the destination ({dst.nbytes} bytes) "
-                         f"or the source ({src.nbytes} bytes), or the offset lists differ in length")
+    _move("scatter_out", dst, dst_offs, src, src_offs, nbytes, True)
 
 
 def gather_in(dst: np.ndarray, dst_offs: np.ndarray, src: np.ndarray, src_offs: np.ndarray, nbytes: int) -> None:
     """``dst[dst_offs[i]:+nbytes] = src[src_offs[i]:+nbytes]`` for every i, plain stores, in one
     call without the GIL: an engine's blocks gathered into a staging region (which kvstored
     reads next). Raises ValueError as :func:`scatter_out` does."""
+    _move("gather_in", dst, dst_offs, src, src_offs, nbytes, False)
+
+
+def _move(name: str, dst: np.ndarray, dst_offs, src: np.ndarray, src_offs, nbytes: int, stream: bool) -> None:
     for a in (dst, src):
         if a.dtype != np.uint8 or a.ndim != 1 or not a.flags.c_contiguous:
-            raise ValueError("gather_in needs 1-D contiguous uint8 arrays")
+            raise ValueError(f"{name} needs 1-D contiguous uint8 arrays")
     if not dst.flags.writeable:
-        raise ValueError("gather_in: the destination is read-only")
+        raise ValueError(f"{name}: the destination is read-only")
     if not gather_scatter_serial(src, np.asarray(src_offs, np.int64), dst, np.asarray(dst_offs, np.int64), nbytes,
-                                 False):
-        raise ValueError(f"gather_in: a block of {nbytes} bytes lies outside the destination ({dst.nbytes} bytes) "
+                                 stream):
+        raise ValueError(f"{name}: a block of {nbytes} bytes lies outside the destination ({dst.nbytes} bytes) "
                          f"or the source ({src.nbytes} bytes), or the offset lists differ in length")
 
 

@@ -9,12 +9,10 @@ import pytest
 
 from kvdrive.protocol import ErrorCode
 from kvdrive.protocol.blocks import block_geometry
-from kvdrive_client.errors import StoreError
-from test_pool_buffer import code_of, key, memfd_pool
+from test_pool_buffer import POOL, all_refused, key, memfd_pool, started_pool
 
 BB = 64 << 10
 HALF = BB // 2
-POOL = 4 << 20
 # K and V of 4 blocks at scattered places, not 4 KiB-aligned; the get puts them elsewhere.
 PUT_AT = [[7, 2 << 20], [HALF + 7, (2 << 20) + HALF], [5 * BB + 1, 9 * BB + 3], [3 * BB, 30 * BB + 11]]
 GET_AT = [[40 * BB + 5, 20 * BB], [50 * BB, 11], [41 * BB + 5, 60 * BB - 1], [12 * BB + 9, 22 * BB]]
@@ -43,11 +41,7 @@ def test_the_geometry_keeps_each_part_in_one_region():
 
 @pytest.mark.parametrize("dram", ["64M", "0"])
 def test_blocks_in_regions_round_trip_byte_exact(daemon_factory, dram):
-    d = daemon_factory(dram=dram).start()
-    c = d.client()
-    fd, engine = memfd_pool()
-    pool = c.register_pool(fd, POOL, array=engine)
-    engine[:] = 0xEE
+    d, c, _, engine, pool = started_pool(daemon_factory, dram)
     put_regions(engine, PUT_AT, range(4))
     ks = [key(i) for i in range(4)]
     r = c.block_put_async("eng", BB, ks, pool, offsets=np.ravel(PUT_AT), regions=2).wait()
@@ -112,12 +106,7 @@ def test_region_fields_are_checked(daemon):
         (lambda: c.block_get_async("split", ks, pool, offsets=[0, HALF, BB, POOL - HALF + 1], regions=2),
          ErrorCode.BUFFER),
     ]
-    engine[2 * BB:] = 0x11
-    for make, code in cases:
-        with pytest.raises(StoreError) as exc:
-            make().wait()
-        assert code_of(exc) is code, str(exc.value)
-    assert (engine[2 * BB:] == 0x11).all(), "a refused get wrote into the pool"
+    all_refused(cases, engine)
     assert c.block_lookup("odd", ks) == [False, False]  # no namespace was made by a refused put
     # Whole blocks still move in and out of either namespace, and the split one in halves.
     assert c.block_get_async("split", ks, pool, offsets=[3 * BB, 5 * BB]).wait()["found"] == [True, True]

@@ -52,14 +52,32 @@ def code_of(exc: pytest.ExceptionInfo) -> ErrorCode:
     return exc.value.code
 
 
-@pytest.mark.parametrize("dram", ["64M", "0"])
-def test_pool_put_and_get_at_scattered_offsets_are_byte_exact(daemon_factory, dram):
+def all_refused(cases, engine: np.ndarray) -> None:
+    """Each of ``cases`` ((request maker, error code)) fails with its code, and none writes
+    into the pool's bytes from ``2 * BB`` on."""
+    engine[2 * BB:] = 0x11
+    for make, code in cases:
+        with pytest.raises(StoreError) as exc:
+            make().wait()
+        assert code_of(exc) is code, str(exc.value)
+    assert (engine[2 * BB:] == 0x11).all(), "a refused get wrote into the pool"
+
+
+def started_pool(daemon_factory, dram: str):
+    """A daemon with a DRAM tier of ``dram``, a client of it, and a memfd pool it registered
+    (its descriptor, the engine's mapping, the pool), the pool's bytes 0xEE."""
     d = daemon_factory(dram=dram).start()
     c = d.client()
     fd, engine = memfd_pool()
     pool = c.register_pool(fd, POOL, array=engine)
-    assert pool.kind == "pool" and pool.buf_id is not None
     engine[:] = 0xEE
+    return d, c, fd, engine, pool
+
+
+@pytest.mark.parametrize("dram", ["64M", "0"])
+def test_pool_put_and_get_at_scattered_offsets_are_byte_exact(daemon_factory, dram):
+    d, c, fd, engine, pool = started_pool(daemon_factory, dram)
+    assert pool.kind == "pool" and pool.buf_id is not None
     fill(engine, SRC, range(6))
     r = c.block_put_async("eng", BB, [key(i) for i in range(6)], pool, offsets=SRC).wait()
     assert (r["stored"], r["present"]) == (6, 0)
@@ -181,12 +199,7 @@ def test_offsets_are_checked(daemon):
         (lambda: c.block_get_async("eng", keys, pool, offsets=[5, 5]), ErrorCode.BAD_FIELD),
         (lambda: c.block_get_async("eng", keys, pool, offset=POOL - BB, offsets=[0, BB]), ErrorCode.BUFFER),
     ]
-    engine[2 * BB:] = 0x11
-    for make, code in cases:
-        with pytest.raises(StoreError) as exc:
-            make().wait()
-        assert code_of(exc) is code, str(exc.value)
-    assert (engine[2 * BB:] == 0x11).all(), "a refused get wrote into the pool"
+    all_refused(cases, engine)
     # Adjacent destinations are not overlapping, and a put may read one source twice.
     assert c.block_get_async("eng", keys, pool, offsets=[3 * BB, 2 * BB]).wait()["found"] == [True, True]
     assert (engine[3 * BB: 4 * BB] == block(0)).all() and (engine[2 * BB: 3 * BB] == block(1)).all()
