@@ -115,9 +115,10 @@ class BlockStore(InPlace):
     use). One store at a time is the default: stores are bound by the disk's durable
     write, and the CPU and memory bandwidth a second would take are the loads'.
     ``client``: one client every channel uses instead of connections of their own (the
-    caller closes it). ``regions``: blocks are given as that many equal buffers each (an
-    engine page's K and V), which a namespace this store makes keeps whole in its parts,
-    so that kvstored can move them in place where :meth:`share` shares their memory.
+    caller closes it). ``regions``: blocks lie in that many equal regions each (an engine
+    page's K and V, given as :class:`~kvdrive_client.integrations.rows.Spans`), which a
+    namespace this store makes keeps whole in its parts, so that kvstored can move them in
+    place where :meth:`share` shares their memory.
     """
 
     def __init__(self, block_bytes: int, *, engine: str, model: str, tenant: str = "default",

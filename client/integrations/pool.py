@@ -22,7 +22,6 @@ daemon that ended the session (it stopped or restarted) moves nothing more.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import time
@@ -67,14 +66,6 @@ class SharedFile:
             raise ValueError("the array lies outside the shared file's mapping")
         return self.base + (array.ctypes.data - self.address) + rows.astype(np.int64) * row_bytes
 
-    def place(self, addresses: np.ndarray, nbytes: int) -> np.ndarray | None:
-        """The file offsets of runs of ``nbytes`` at ``addresses`` in this process, or None
-        unless every one lies within the array's mapping."""
-        rel = addresses - self.address
-        if not len(rel) or rel.min() < 0 or rel.max() + nbytes > self.nbytes:
-            return None
-        return self.base + rel
-
     def covers(self, array: np.ndarray) -> bool:
         start = array.ctypes.data - self.address
         return 0 <= start and start + array.nbytes <= self.nbytes
@@ -97,13 +88,13 @@ def find_shared_file(array: np.ndarray) -> tuple[SharedFile | None, str]:
     if first is None:
         return None, "the array's memory is not in /proc/self/maps"
     lo, hi, perms, pgoff, dev, inode, path = first
+    if inode == 0:  # before the span check: the kernel splits anonymous memory too (huge-page advice)
+        return None, "the array is anonymous memory, with no file to share"
     for m in maps:  # the same file's next part, mapped right after (a mapping the kernel split)
         if hi < end and m[0] == hi and (m[4], m[5]) == (dev, inode) and m[3] == pgoff + hi - lo:
             hi = m[1]
     if end > hi:
         return None, "the array spans mappings of more than one file"
-    if inode == 0:
-        return None, "the array is anonymous memory, with no file to share"
     if perms[:2] != "rw" or perms[3] != "s":
         return None, f"the array's mapping is not shared and writable ({perms})"
     fd = _open_same(dev, inode, path)
@@ -154,29 +145,18 @@ def _open_same(dev: str, inode: int, path: str) -> int | None:
     return None
 
 
-def addresses(buffers: Seq) -> np.ndarray:
-    """The address of each buffer's first byte (anything with the buffer protocol)."""
-    return np.fromiter((_address(b) for b in buffers), np.int64, len(buffers))
-
-
-def _address(b) -> int:
-    if isinstance(b, ctypes.Array):  # the regions SGLang's backend makes: the fast way
-        return ctypes.addressof(b)
-    return np.frombuffer(b, dtype=np.uint8).__array_interface__["data"][0]
-
-
 class InPlace:
     """:class:`~kvdrive_client.integrations.blocks.BlockStore`'s moves of rows in place: its
     ``share``, ``store_rows``, the pool path of ``load_rows`` and of ``load`` / ``store``
-    of blocks given as their regions. It uses the store's namespace, lanes, pipeline sizes
-    and counters (``ns``, ``block_bytes``, ``regions``, ``loads``, ``stores``, ``depth``,
+    of blocks given as :class:`Spans`. It uses the store's namespace, lanes, pipeline sizes
+    and counters (``ns``, ``block_bytes``, ``loads``, ``stores``, ``depth``,
     ``sub_blocks``, ``_load_step``, ``_guard``, ``_failed``, ``_tally``), and ``_shared``,
     the file :meth:`share` found."""
 
     def share(self, array: np.ndarray) -> bool:
         """Move blocks of :meth:`load_rows` / :meth:`store_rows` on rows of ``array`` (an
-        engine's CPU tier), and of :meth:`load` / :meth:`store` given as ``regions`` buffers
-        each within it, with no copy of this process's, where ``array`` is a shared-memory
+        engine's CPU tier), and of :meth:`load` / :meth:`store` given as :class:`Spans` of an
+        array within it, with no copy of this process's, where ``array`` is a shared-memory
         file's mapping (:mod:`.pool`); whether it is. Elsewhere they go through staging.
         Once per store: its channels register the file on their first move."""
         if self._shared_file is not None:
@@ -208,24 +188,12 @@ class InPlace:
         return self._pooled(op, keys, shared.file_offsets(array, at, self.block_bytes)[:, None], whole)
 
     def _in_place(self, blocks: Seq) -> np.ndarray | None:
-        """Where :meth:`share` shared a file and ``blocks`` lie in it, as :class:`Spans` of an
-        array within it or as ``regions`` buffers of equal size each, their file offsets
-        (blocks x regions); else None."""
-        shared, r = self._shared, self.regions
-        if shared is not None and isinstance(blocks, Spans) and len(blocks):
-            if not shared.covers(blocks.array):
-                return None
-            return shared.base + (blocks.array.__array_interface__["data"][0] - shared.address) + blocks.offsets
-        if shared is None or not isinstance(blocks, (list, tuple)) or not blocks:
+        """Where :meth:`share` shared a file and ``blocks`` are :class:`Spans` of an array
+        within it, their file offsets (blocks x regions); else None."""
+        shared = self._shared
+        if shared is None or not isinstance(blocks, Spans) or not len(blocks) or not shared.covers(blocks.array):
             return None
-        if not all(isinstance(b, (list, tuple)) and len(b) == r for b in blocks):
-            return None
-        span = self.block_bytes // r
-        flat = [part for b in blocks for part in b]
-        if any(memoryview(part).nbytes != span for part in flat):
-            return None
-        at = shared.place(addresses(flat), span)
-        return None if at is None else at.reshape(len(blocks), r)
+        return shared.file_offsets(blocks.array, blocks.offsets, 1)  # offsets are in bytes: rows of 1
 
     def _pooled(self, op: str, keys: Seq, offs: np.ndarray, blocks: Seq) -> list[bool]:
         """A load or store on the shared file: ``block_get`` s or ``block_put`` s naming the

@@ -90,20 +90,14 @@ def test_blocks_given_as_regions_move_in_place_in_requests_that_fit_a_header(dae
     assert store.share(pool) and store.geometry.num_layers == r
     order = np.random.default_rng(3).permutation(2 * n * r)  # region slots, shuffled
 
-    def regions(first: int) -> list[list[np.ndarray]]:
-        at = order[first * r: (first + n) * r].reshape(n, r) * span
-        return [[pool[o: o + span] for o in block] for block in at]
-
+    src, dst = (Spans(pool, order[first * r: (first + n) * r].reshape(n, r) * span, span) for first in (0, n))
     pool[:] = np.random.default_rng(4).integers(0, 256, pool.size, dtype=np.uint8)
-    src, dst = regions(0), regions(n)
     before = daemon.client().stats()["counters"]
-    want = [np.concatenate(b) for b in src]
+    want = [np.concatenate(src[i]) for i in range(n)]
     assert store.store(keys(n), src) == [True] * n
-    for b in dst:
-        for part in b:
-            part[:] = 0
+    pool[dst.offsets.reshape(-1)[:, None] + np.arange(span)] = 0
     assert store.load(keys(n), dst) == [True] * n
-    assert all((np.concatenate(b) == w).all() for b, w in zip(dst, want))
+    assert all((np.concatenate(dst[i]) == w).all() for i, w in enumerate(want))
     s = store.stats()
     assert s["blocks_in_place"] == 2 * n and s.get("staging_us", 0) == 0
     after = daemon.client().stats()["counters"]
