@@ -167,6 +167,16 @@ class BlockStore(InPlace):
         self._opener = threading.Thread(target=self._open_lanes, name="kvdrive-open-channels", daemon=True)
         self._opener.start()
 
+    def wait_open(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: until it ends) for :meth:`open_early`'s opening,
+        for a caller whose first call must pay no set-up (an engine's warm-up, a benchmark);
+        whether it has ended. True where it never started."""
+        opener = self._opener
+        if opener is None:
+            return True
+        opener.join(timeout)
+        return not opener.is_alive()
+
     def _open_lanes(self) -> None:
         try:
             for lane in (self.loads, self.stores):

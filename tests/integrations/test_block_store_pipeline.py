@@ -135,8 +135,9 @@ def test_a_region_of_fewer_than_two_blocks_per_slot_still_holds_whole_blocks(sta
 
 def test_open_early_connects_and_registers_every_channel_before_the_first_call(daemon, monkeypatch):
     store = small_store(daemon)
+    assert store.wait_open(0)  # nothing started: nothing to wait for
     store.open_early()
-    store._opener.join(10)
+    assert store.wait_open(10)
     lanes = (store.loads, store.stores)
     assert all(ch.opened for lane in lanes for ch in lane._channels)
     assert [lane.busy() for lane in lanes] == [0, 0]  # every channel handed back
@@ -159,8 +160,7 @@ def test_open_early_without_a_daemon_only_logs_and_calls_are_misses(tmp_path, ca
                        staging_bytes=2 * SLOT_BLOCKS * BB)
     with caplog.at_level("INFO", logger="kvdrive_client.integrations.blocks"):
         store.open_early()
-        store._opener.join(10)
-    assert not store._opener.is_alive()
+        assert store.wait_open(10)
     assert "not opened early" in caplog.text
     assert not any(ch.opened for ch in store.loads._channels)
     assert store.load(["k"], [np.zeros(BB, np.uint8)]) == [False]
