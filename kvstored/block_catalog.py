@@ -11,8 +11,11 @@ whole or not at all.
 
 from __future__ import annotations
 
+import struct
+
 import lmdb
 import msgpack
+import numpy as np
 
 from kvstored.catalog import (
     BLOCKS_NAME, CRC, EXTENT_KEY, UID_KEY, Catalog, ExtentRecord, SeqRecord, _unpack_map, crc_of, intact_records,
@@ -50,12 +53,44 @@ class BlockRecord:
         return f"block {self.key.hex()[:32]} (namespace uid {self.uid}, slot {self.slot})"
 
 
-def add_blocks(cat: Catalog, txn: lmdb.Transaction, records: list[BlockRecord]) -> None:
-    """Write block records (in the transaction that writes their extents)."""
-    encoded = [r.encode() for r in records]
-    for (key, payload), crc in zip(encoded, crc_of([k + p for k, p in encoded])):
-        txn.put(key, payload + CRC.pack(crc), db=cat.blocks)
-    cat.num_blocks += len(records)
+_PAGE, _SUM = struct.Struct("<i"), struct.Struct("<I")
+_ZERO = bytes(4)  # a part's cluster (int32) and importance (float32): none
+
+
+def _sealed(encoded: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """Keys and payloads as keys and stored values (each payload with its record's checksum)."""
+    return [(key, payload + CRC.pack(crc)) for (key, payload), crc in zip(encoded, crc_of([k + p for k, p in encoded]))]
+
+
+def part_rows(uid: int, parts: int, first_id: int, offsets: list[int], slots: np.ndarray,
+              crc: np.ndarray) -> list[tuple[bytes, bytes]]:
+    """The catalog rows (key, stored value) of new blocks' parts: part ``p`` of the ``i``-th
+    block is extent ``first_id + i * parts + p``, one page (its slot ``slots[i]``) at
+    ``offsets[i * parts + p]`` with checksum ``crc[i * parts + p]``. Byte for byte the
+    rows :class:`~kvstored.catalog.ExtentRecord` would make, written without one: a put of
+    128 SGLang pages makes 256 of them, and the records' arrays cost more than their writes."""
+    pack = msgpack.Packer(use_bin_type=True).pack
+    keys = [EXTENT_KEY.pack(uid, k % parts, 0, first_id + k) for k in range(len(offsets))]
+    payloads = [pack({"off": off, "pages": _PAGE.pack(slot), "crc": _SUM.pack(c), "cluster": _ZERO, "imp": _ZERO})
+                for off, slot, c in zip(offsets, np.repeat(slots, parts).tolist(), crc.tolist())]
+    return _sealed(list(zip(keys, payloads)))
+
+
+def block_rows(records: list[BlockRecord]) -> list[tuple[bytes, bytes]]:
+    """The catalog rows (key, stored value) of block records."""
+    return _sealed([r.encode() for r in records])
+
+
+def add_blocks(cat: Catalog, txn: lmdb.Transaction, parts: list[tuple[bytes, bytes]],
+               blocks: list[tuple[bytes, bytes]]) -> None:
+    """Write new blocks' rows (:func:`part_rows`, :func:`block_rows`) in one transaction, so
+    that a block is in the catalog whole or not at all."""
+    for key, value in parts:
+        txn.put(key, value, db=cat.extents)
+    for key, value in blocks:
+        txn.put(key, value, db=cat.blocks)
+    cat.num_extents += len(parts)
+    cat.num_blocks += len(blocks)
 
 
 def delete_blocks(cat: Catalog, txn: lmdb.Transaction, records: list[BlockRecord]) -> None:

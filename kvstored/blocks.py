@@ -44,9 +44,9 @@ import numpy as np
 
 from kvdrive.layout.geometry import Geometry
 from kvdrive.protocol.blocks import block_geometry
-from kvstored.block_catalog import BlockRecord, add_blocks, delete_blocks
+from kvstored.block_catalog import BlockRecord, add_blocks, block_rows, delete_blocks, part_rows
 from kvstored.buffers import MappedBuffer
-from kvstored.catalog import BLOCKS_NAME, Catalog, Contents, ExtentRecord
+from kvstored.catalog import BLOCKS_NAME, Catalog, Contents
 from kvstored.config import DaemonConfig, format_size
 from kvstored.copy import address_tags
 from kvstored.footprint import check_put_bytes
@@ -331,23 +331,18 @@ class Blocks:
             self.puts.unwrite(wrote)
             raise ProtocolError(ErrorCode.FULL, f"no memory for the block index of {entry.ns}: lower --index-max to "
                                                 f"what this host can hold, or delete blocks") from None
-        records, blocks = [], []
-        for j, key in enumerate(new):
-            ids = []
-            for layer in range(parts):
-                k = j * parts + layer
-                self.catalog.next_extent += 1
-                ids.append(self.catalog.next_extent)
-                records.append(ExtentRecord(entry.uid, layer, 0, self.catalog.next_extent, offsets[k],
-                                            pag[k: k + 1].astype(np.int32), crc[k: k + 1], np.zeros(1, np.int32),
-                                            np.zeros(1, np.float32)))
-            blocks.append(BlockRecord(entry.uid, key, int(slots[j]), tuple(ids)))
-            table.pending[key] = int(slots[j])
+        first = self.catalog.next_extent + 1  # part p of new block j is extent first + j * parts + p
+        self.catalog.next_extent += n * parts
+        blocks = [BlockRecord(entry.uid, key, slot, tuple(range(first + j * parts, first + (j + 1) * parts)))
+                  for j, (key, slot) in enumerate(zip(new, slots.tolist()))]
+        for rec in blocks:
+            table.pending[rec.key] = rec.slot
+        rows = part_rows(entry.uid, parts, first, offsets, slots, crc), block_rows(blocks)
         self.counters["block_puts"] += 1
         return PreparedPut(
-            entry, records, [(off, part_bytes) for off in offsets], wrote.staging, wrote.staging_map, wrote.src_offs,
+            entry, [], [(off, part_bytes) for off in offsets], wrote.staging, wrote.staging_map, wrote.src_offs,
             lay, hed, pag, np.zeros(n * parts, np.float32), crc, np.asarray(offsets, np.int64), slots,
-            pool=self.puts.staging, on_commit=lambda txn: add_blocks(self.catalog, txn, blocks),
+            pool=self.puts.staging, on_commit=lambda txn: add_blocks(self.catalog, txn, *rows),
             on_publish=lambda: self._published(table, blocks), on_abort=lambda: self._aborted(table, blocks),
             reply=reply, dram_slots=wrote.dram_slots,
         )

@@ -295,3 +295,24 @@ def test_a_store_from_before_block_namespaces_opens_and_takes_blocks(daemon_fact
     d.start()
     check(d.client(), "eng", [1, 2, 3], {1, 2})
     assert d.stop() == 0
+
+
+def test_block_parts_are_written_as_the_extent_records_a_restart_reads():
+    """A put's part rows are made without ExtentRecord objects; they must be those records'
+    rows byte for byte, so that a restart and the catalog check read them as extents."""
+    from kvstored.block_catalog import part_rows
+    from kvstored.catalog import ExtentRecord, seal
+
+    uid, parts, first = 7, 2, 41
+    slots = np.array([3, 0, 9], np.int64)
+    offsets = [(1 << 33) + k * 32768 for k in range(6)]
+    crc = np.array([0, 1, 2**32 - 1, 12345, 2**31, 7], np.uint32)
+    rows = part_rows(uid, parts, first, offsets, slots, crc)
+    for k, (key_, value) in enumerate(rows):
+        rec = ExtentRecord(uid, k % parts, 0, first + k, offsets[k], np.array([slots[k // parts]], np.int32),
+                           crc[k: k + 1], np.zeros(1, np.int32), np.zeros(1, np.float32))
+        want_key, payload = rec.encode()
+        assert (key_, value) == (want_key, seal(want_key, payload))
+        back = ExtentRecord.decode(key_, value[:-4])
+        assert (back.layer, back.extent_id, back.offset, int(back.pages[0]), int(back.crc[0])) == \
+               (k % parts, first + k, offsets[k], int(slots[k // parts]), int(crc[k]))
