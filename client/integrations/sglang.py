@@ -31,8 +31,8 @@ keeps its host pools in memfds, which this backend shares with kvstored
 regions (K and V, for the ``page_first`` layouts) in place, with no copy in SGLang's
 process; so for the KV pool and for each v2 pool whose pages lie in equal regions of
 one tensor (an SWA pool's; a Mamba pool's state pages do not). Pages of ``layer_first``
-pools lie in 2 x layers regions and move through staging (:data:`MAX_REGIONS_IN_PLACE`),
-as do pages of SGLang's default pinned host pool. Without ``interface_v1`` SGLang passes flat page tensors (``batch_set``
+pools lie in 2 x layers regions and move through staging past :data:`MAX_REGIONS_IN_PLACE`
+regions (a model of more than 4 layers), as do pages of SGLang's default pinned host pool. Without ``interface_v1`` SGLang passes flat page tensors (``batch_set``
 / ``batch_get``), which are copied the same way. Pages are write-once: a page stored
 already (by this process, another or an earlier run) is not written again. ``clear()``
 deletes the namespace's pages (on the storage-writer ranks). Prefetches never wait for
@@ -41,6 +41,9 @@ backups: loads and stores have connections and staging regions of their own
 
 Nothing raises into SGLang on store trouble: a daemon that is down or dies, a full store
 or a damaged page is a miss (or a page not stored) and a log line, within about a second.
+A page moved in place is the exception to the second: its request is waited for until
+kvstored answers, past ``timeout`` (logged), since kvstored may still be reading or
+writing the page, so a daemon that hangs without dying holds that call.
 ``stats()`` has the counters; ``get_stats()`` is SGLang's storage metrics (pages and GB/s
 of each prefetch and backup) when SGLang's metrics are on (``--enable-metrics``).
 
@@ -261,7 +264,7 @@ if _IMPORT_ERROR is None:
                                  f"holds none of its own (a logical KV anchor, as DeepSeek V4's, is not supported)")
             super().register_mem_pool_host(mem_pool_host)
             page_bytes = mem_pool_host.get_size_per_token() * mem_pool_host.page_size
-            regions = 1
+            regions = 0  # in place where the pool allows it: only with interface_v1 (else SGLang passes flat pages)
             if self.interface_v1:  # a layout the pool has no page regions for fails here, not at each call
                 _, sizes = mem_pool_host.get_page_buffer_meta(torch.arange(mem_pool_host.page_size))
                 if sum(sizes) != page_bytes:

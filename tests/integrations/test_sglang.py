@@ -188,8 +188,15 @@ def test_a_shared_memory_host_pool_moves_in_place(sgl, daemon):
     for want, p in zip(stored, SRC):
         assert torch.equal(page_bytes(sgl, plain, p), want)
     assert other.stats().get("blocks_in_place", 0) == 0
+    # Without interface_v1 SGLang passes flat page tensors, never the pool's pages: its
+    # memory is not registered with kvstored, shared or not.
+    flat = backend(sgl, daemon, pool, extra={"allocator": "shm", "interface_v1": 0})
+    assert flat.store._shared is None and flat.store.regions == 1
+    assert flat.store.wait_open(30) and flat.store.stats().get("blocks_in_place", 0) == 0
+    assert all(ch._pool is None for lane in (flat.store.loads, flat.store.stores) for ch in lane._channels)
     b.close()
     other.close()
+    flat.close()
 
 
 def test_pages_whose_regions_kvstored_cannot_split_by_move_through_staging(sgl, daemon, caplog):
