@@ -106,7 +106,15 @@ class _PoolMap:
                     return
 
     def close(self) -> None:
-        """One pool less; the last unmaps it (once no view of it is left) and frees its row."""
+        """One pool less; the last frees its row, then unmaps it (once no view of it is left).
+
+        The row goes first: with no pool left and the populating thread held off, nothing
+        reads or writes the mapping, so it needs no guard; and a row must never outlive its
+        mapping, whose addresses another mapping may take (a fault there would then be
+        counted on this row, not on that mapping's own, or put anonymous memory over this
+        row's range). A view left alive somewhere (an exception's traceback, say) makes the
+        close raise BufferError (MappedBuffer.close logs it): the mapping then goes with that
+        view, unguarded and unused."""
         with _pool_maps_lock:
             self.refs -= 1
             if self.refs:
@@ -115,8 +123,8 @@ class _PoolMap:
                 del _pool_maps[self.key]
         self.array = np.zeros(0, dtype=np.uint8)
         with self._populating:
-            self.m.close()  # BufferError where a view is left: MappedBuffer.close logs it, the row stays
-        guard().remove(self.row)
+            guard().remove(self.row)
+            self.m.close()
 
 
 # Linux's MADV_POPULATE_WRITE (5.14; Python's mmap module has no name for it).

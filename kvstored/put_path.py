@@ -25,6 +25,7 @@ damaged, never other bytes.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import mmap
@@ -331,6 +332,9 @@ class PutPath:
         except OSError as exc:
             # The staging map is left to the garbage collector: views of it (the traceback's
             # frames hold some) keep it exported, and closing it now would raise BufferError.
+            if exc.errno == errno.EFAULT:  # the kernel could not read the source: a client's pool it shrank
+                raise ProtocolError(ErrorCode.BUFFER, f"writing blocks failed: the client's memory could not be "
+                                                      f"read ({exc.strerror}); a pool shrunk under its put?") from None
             code = ErrorCode.FULL if exc.errno in NO_SPACE else ErrorCode.IO
             raise ProtocolError(code, f"writing blocks failed: {exc}") from None
 

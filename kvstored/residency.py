@@ -199,11 +199,16 @@ class Residency:
         if not len(sel):
             return
         # The copy runs outside the index lock (a put's may be 64 MiB, and gets wait for
-        # that lock): the slots are this call's alone until they are published below.
-        if isinstance(src, MappedBuffer):
-            src.read_blocks(src_offs[sel], self.dram.arena, slots, bb)
-        else:
-            gather_scatter(src, src_offs[sel], self.dram.arena, slots, bb)
+        # that lock): the slots are this call's alone until they are published below, and
+        # go back if the copy fails (a client's pool that shrank under it, say).
+        try:
+            if isinstance(src, MappedBuffer):
+                src.read_blocks(src_offs[sel], self.dram.arena, slots, bb)
+            else:
+                gather_scatter(src, src_offs[sel], self.dram.arena, slots, bb)
+        except BaseException:
+            self.dram.release(bb, slots)
+            raise
         good = np.ones(len(sel), dtype=bool)
         if expect_crc is not None:
             # A client's buffer may hold one block twice (overlapping destinations) or

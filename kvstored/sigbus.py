@@ -3,7 +3,9 @@
 A client can shrink a shared-memory file the daemon has mapped; the daemon's next access
 to a page past the new end raises SIGBUS, which kills a process by default. The guard
 (the technique Wayland compositors use on clients' wl_shm pools) installs a handler that,
-for a fault inside a guarded range, maps an anonymous page over the faulting one and
+for a fault inside a guarded range, maps anonymous memory over the whole range (one
+mapping, whatever the number of faults: a page at a time, a client that faults pages
+far apart would split the daemon's mappings past the kernel's limit on them) and
 counts the fault: the copy carries on over zeros, and the caller, which checks the count
 after every copy (:meth:`SigbusGuard.faulted`), fails that request and every later one on
 the buffer. A fault outside every guarded range puts back the disposition that was there
@@ -34,7 +36,7 @@ SLOTS = 1024  # guarded ranges at once: pools the daemon maps, over every sessio
 _START, _END, _FAULTS = range(3)
 _SIGBUS = int(signal.SIGBUS)
 _SA_SIGINFO, _SA_RESTART = 0x4, 0x10000000
-_MAP_FIXED = 0x10
+_MAP_FIXED, _MAP_NORESERVE = 0x10, 0x4000
 _SIGINFO_ADDR = 2  # si_addr, as the third 8-byte word of siginfo_t (x86-64 and aarch64 Linux)
 
 
@@ -63,7 +65,11 @@ class SigbusGuard:
         log.info("SIGBUS guard installed over unsealed client pools (%d ranges at most)", SLOTS)
 
     def add(self, start: int, nbytes: int) -> int | None:
-        """Guard ``[start, start + nbytes)``; its row, or None where every row is taken."""
+        """Guard ``[start, start + nbytes)``, one whole mapping of the caller's from its
+        page-aligned start (a fault in it puts anonymous memory over all of it); its row, or
+        None where every row is taken. The caller removes the row before it unmaps the range."""
+        if start % mmap.PAGESIZE or nbytes <= 0:
+            raise ValueError(f"a guarded range starts on a page and is not empty: {start:#x}, {nbytes} bytes")
         with self._lock:
             free = np.flatnonzero(self.table[:, _END] == 0)
             if not len(free):
@@ -120,7 +126,7 @@ def _compile(table_addr: int, previous_addr: int):
     sys_sigaction.restype = ctypes.c_int
     sys_sigaction.argtypes = [ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t]
     page, prot = mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
     slots, sigbus, failed = SLOTS, _SIGBUS, (1 << 64) - 1  # MAP_FAILED, as the size_t it returns
 
     @numba.cfunc(types.void(types.int32, types.voidptr, types.voidptr), nopython=True)
@@ -129,8 +135,12 @@ def _compile(table_addr: int, previous_addr: int):
         table = carray(as_pointer(table_addr), (slots, 3), dtype=np.int64)
         for i in range(slots):
             if table[i, 0] <= addr and addr < table[i, 1]:
-                if sys_mmap(addr & ~(page - 1), page, prot, flags, -1, 0) == failed:
-                    break  # no page to put there: the fault repeats under the previous disposition
+                # The row's whole range (a mapping's, from its page-aligned start): one anonymous
+                # mapping in place of the file's, so no later access to it faults again.
+                start = table[i, 0]
+                length = (table[i, 1] - start + page - 1) & ~(page - 1)
+                if sys_mmap(start, length, prot, flags, -1, 0) == failed:
+                    break  # nothing to put there: the fault repeats under the previous disposition
                 table[i, 2] += 1
                 return
         sys_sigaction(sigbus, previous_addr, 0)

@@ -173,3 +173,36 @@ def test_pools_on_one_file_share_one_mapping_until_it_faults(memfd, registry):
     assert c.row != b.row
     c.write_blocks(np.full(NB, 5, np.uint8), np.array([0]), np.array([4 * NB]), NB)
     assert os.pread(memfd, NB, 4 * NB) == b"\x05" * NB
+
+
+def test_faults_far_apart_put_one_mapping_over_the_pool_not_one_a_page(memfd, registry):
+    """A page at a time, a client that makes the daemon fault pages far apart would split its
+    mappings past the kernel's limit on them (the daemon's next fault then kills it): the
+    guard puts anonymous memory over the whole pool at the first fault, one mapping."""
+    def maps() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+
+    pool = registry[0].register_pool(memfd, SIZE)
+    os.ftruncate(memfd, 0)
+    before = maps()
+    spread = np.arange(0, 64, 2) * NB  # every other block: apart, in 32 places
+    with pytest.raises(ProtocolError, match="shrank"):
+        pool.read_blocks(spread, np.zeros(32 * NB, np.uint8), np.arange(32) * NB, NB)
+    assert maps() <= before + 2, "a mapping per fault"
+
+
+def test_a_pool_mapping_loses_its_guard_row_even_when_a_view_of_it_outlives_it(memfd, registry):
+    """A row must not outlive its mapping, whose addresses another mapping may take: a view
+    left alive (an exception's traceback, say) keeps the mapping until it goes, but the
+    row is freed when the last pool on it is unregistered."""
+    from kvstored.sigbus import guard
+
+    reg, _ = registry
+    pool = reg.register_pool(memfd, SIZE)
+    row, view = pool.row, pool.array[:NB]
+    assert guard().table[row, 1] != 0
+    reg.close_mapping(reg.unregister(pool.buf_id))  # the mapping cannot close: a view is alive
+    assert guard().table[row, 1] == 0 and guard().table[row, 0] == 0
+    assert view.sum() >= 0  # still mapped, readable, unguarded and unused by the daemon
+    del view

@@ -159,3 +159,23 @@ def test_an_eviction_looks_at_the_victims_sequences_not_every_stored_one():
         rig.res.forget(fresh)
     rig.put(fresh, np.ones(1, int), one, one, np.zeros(1))
     assert sum(looked.values()) <= 4, f"{sum(looked.values())} sequences looked up for one eviction"
+
+
+def test_an_admission_whose_copy_fails_gives_its_slots_back():
+    """A get's misses are admitted from the client's buffer after the get: where that copy
+    fails (a client's pool that shrank under it), the slots it took go back."""
+    from kvstored.buffers import MappedBuffer
+    from kvstored.protocol import ErrorCode, ProtocolError
+
+    class Shrunk(MappedBuffer):
+        def read_blocks(self, src_offs, dst, dst_offs, nbytes):
+            raise ProtocolError(ErrorCode.BUFFER, "the client shrank its file")
+
+    rig = Rig(slots=8, seqs=1)
+    e = rig.entries[0]
+    lay, hed, pag = np.zeros(4, int), np.zeros(4, int), np.arange(4)
+    src = Shrunk(1, 4 * BB, np.zeros(4 * BB, np.uint8), None)
+    for _ in range(3):
+        with pytest.raises(ProtocolError):
+            rig.res.admit(e, lay, hed, pag, None, src, np.arange(4) * BB, replace=False)
+    assert rig.dram.num_blocks == 0 and int((e.dram_off >= 0).sum()) == 0
