@@ -27,7 +27,7 @@ import zmq
 from kvdrive.layout.geometry import Geometry
 from kvdrive_client.embedded import EmbeddedDaemon
 from kvdrive_client.channel import SessionChannel, trusted_daemon_uids
-from kvdrive_client.errors import RequestError, SessionLostError, StoreUnavailableError, error_from_reply
+from kvdrive_client.errors import BufferError_, RequestError, SessionLostError, StoreUnavailableError, error_from_reply
 from kvdrive_client.locate import DEFAULT, Default, check_socket, resolve
 from kvdrive_client.shm import CudaIpcBuffer, PoolBuffer, SharedBuffer
 from kvdrive.protocol import MAX_BLOCK_KEYS, MAX_LOOKUP, BadReplyError, Op, decode_reply, request_frames
@@ -175,6 +175,15 @@ class StoreClient:
     def _submit(self, op: Op, fields: dict | None = None, arrays: dict | None = None,
                 timeout: float | None = None) -> int:
         ch = None if op is Op.HELLO else self.session()
+        if fields is not None and "buf" in fields:
+            # A buffer's id is read once the session is open: a restarted daemon's new session
+            # registers the client's buffers again, with ids of its own, which the old ids may
+            # name other buffers of.
+            buf = fields["buf"]
+            if buf.buf_id is None:
+                raise BufferError_(f"[buffer] {type(buf).__name__} of {buf.size} bytes is not registered with kvstored "
+                                   f"(unregistered, or refused when the session opened again)")
+            fields = {**fields, "buf": buf.buf_id}
         req_id = next(self._ids)
         deadline = time.time() + (self.timeout if timeout is None else timeout)
         frames = request_frames(op, req_id, fields or {}, arrays, None if ch is None else ch.token, deadline)
@@ -379,7 +388,7 @@ class StoreClient:
         for name, arr, dtype in (("cluster", cluster, np.int32), ("order", order, np.int32), ("importance", importance, np.float32)):
             if arr is not None:
                 arrays[name] = np.ascontiguousarray(np.asarray(arr, dtype=dtype).ravel())
-        fields = {"seq": seq.uid, "layers": _int_list(layers), "pages": _int_list(pages), "buf": buffer.buf_id, "offset": offset}
+        fields = {"seq": seq.uid, "layers": _int_list(layers), "pages": _int_list(pages), "buf": buffer, "offset": offset}
         return PendingPut(self, self._submit(Op.PUT, fields, arrays))
 
     def put_from(self, seq: Sequence, layers, pages, buffer: SharedBuffer | CudaIpcBuffer, offset: int = 0,
@@ -425,7 +434,7 @@ class StoreClient:
             arrays["dst"] = np.ascontiguousarray(np.asarray(dst, dtype=np.int64))
         if seqs is not None:
             arrays["seqs"] = np.ascontiguousarray(np.asarray(seqs, dtype=np.int64))
-        return PendingGet(self, self._submit(Op.GET, {"seq": seq.uid, "buf": buffer.buf_id, "offset": offset}, arrays))
+        return PendingGet(self, self._submit(Op.GET, {"seq": seq.uid, "buf": buffer, "offset": offset}, arrays))
 
     def get_into(self, seq: Sequence, blocks, buffer: SharedBuffer | CudaIpcBuffer, offset: int = 0, dst=None) -> dict:
         """:meth:`get_async` and wait: the daemon's summary of the get."""
@@ -458,7 +467,7 @@ class StoreClient:
         write-once: keys stored already are skipped. ``wait()`` gives ``stored`` (blocks
         written) and ``present`` (skipped), once they are durable. A block in ``regions``
         equal regions has an offset per region: ``offsets[i * regions + r]``."""
-        fields = {"ns": ns, "block_bytes": block_bytes, "keys": [bytes(k) for k in keys], "buf": buffer.buf_id,
+        fields = {"ns": ns, "block_bytes": block_bytes, "keys": [bytes(k) for k in keys], "buf": buffer,
                   "offset": offset}
         _place(fields, offsets, regions)
         return PendingPut(self, self._submit(Op.BLOCK_PUT, fields))
@@ -470,7 +479,7 @@ class StoreClient:
         ``offsets[i * regions + r]`` for region r of blocks in ``regions`` equal regions: no
         two may overlap); ``wait()`` gives ``found`` per key and ``damaged``, the positions
         whose stored copy failed its checksum (not found, their bytes not to be used)."""
-        fields = {"ns": ns, "keys": [bytes(k) for k in keys], "buf": buffer.buf_id, "offset": offset}
+        fields = {"ns": ns, "keys": [bytes(k) for k in keys], "buf": buffer, "offset": offset}
         _place(fields, offsets, regions)
         return PendingGet(self, self._submit(Op.BLOCK_GET, fields))
 

@@ -310,3 +310,22 @@ def test_pools_shrunk_mid_copy_fail_alone_while_another_client_loads(daemon_fact
     assert seen["failed"] > 0, "no shrink landed during a copy"
     assert seen["honest"] > 0 and seen["wrong"] == 0 and d.alive()
     assert d.stop() == 0
+
+
+def test_after_a_restart_a_request_names_its_buffer_by_the_new_sessions_id(daemon):
+    """Buffers get new ids when a restarted daemon's session registers them again; a request
+    built before the client noticed the restart must name its buffer by the new id, not by
+    the old one, which the new session may have given to another buffer."""
+    c = daemon.client()
+    first, mine, other = c.register(BB), c.register(BB), c.register(BB)
+    mine.array[:] = block(1)
+    c.block_put_async("eng", BB, [key(1)], mine).wait()
+    c.unregister(first)  # the others' ids now differ from what a new session gives them
+    daemon.proc.send_signal(signal.SIGTERM)
+    daemon.proc.wait(30)
+    daemon.start()
+    mine.array[:] = 0
+    other.array[:] = 7
+    assert c.block_get_async("eng", [key(1)], mine).wait()["found"] == [True]
+    assert c.restarts_seen == 1
+    assert (mine.array == block(1)).all() and (other.array == 7).all()
