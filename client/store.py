@@ -161,8 +161,13 @@ class StoreClient:
             for buf in self._buffers:
                 buf.buf_id = None
             try:
-                for buf in self._buffers:
-                    buf.buf_id = ch.register(buf)
+                for buf in list(self._buffers):
+                    try:
+                        buf.buf_id = ch.register(buf)
+                    except BufferError_ as exc:  # refused by this daemon (its limits, say): the others still work
+                        self._buffers.remove(buf)
+                        log.warning("kvstored at %s refused to register %r again (%s); requests naming it fail "
+                                    "until it is registered anew", self.address, buf, exc)
             except BaseException:
                 ch.close()
                 raise

@@ -50,8 +50,9 @@ class Channel:
         self._pool: PoolBuffer | None = None
 
     def pool(self, shared: SharedFile) -> PoolBuffer:
-        """``shared`` registered on this channel's session (once)."""
-        if self._pool is None:
+        """``shared`` registered on this channel's session (once; again where a restarted
+        daemon refused it when the session opened anew)."""
+        if self._pool is None or self._pool.buf_id is None:
             self._pool = self.client.register_pool(shared.fd, shared.size)
         return self._pool
 
@@ -63,7 +64,11 @@ class Channel:
 
     @property
     def region(self) -> SharedBuffer:
-        if self._region is None:
+        """The staging region, registered on first use (and again where a restarted daemon
+        refused it when the session opened anew)."""
+        if self._region is None or self._region.buf_id is None:
+            if self._region is not None:
+                self._region.close()
             self._region = self.client.register(self.region_bytes)
         return self._region
 

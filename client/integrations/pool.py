@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import zmq
 
 from kvdrive.protocol import MAX_BLOCK_KEYS, ErrorCode
 from kvdrive.protocol.files import TMPFS_MAGIC, fs_type
@@ -69,6 +70,14 @@ class SharedFile:
     def covers(self, array: np.ndarray) -> bool:
         start = array.ctypes.data - self.address
         return 0 <= start and start + array.nbytes <= self.nbytes
+
+    def whole(self) -> bool:
+        """Whether the file still holds every byte a registration of it covers (an engine's
+        memory past a shrunk file's end cannot be touched: it would fault)."""
+        try:
+            return os.fstat(self.fd).st_size >= self.size
+        except OSError:
+            return False
 
     def close(self) -> None:
         os.close(self.fd)
@@ -222,13 +231,19 @@ class InPlace:
                 return (self.load if op == "load" else self.store)(keys, blocks)
         except NotFoundError:  # a load from a namespace with nothing stored yet
             self._tally(load_missing=len(ks) - sum(done))
-        except (KVDriveError, OSError) as exc:
-            if getattr(exc, "code", None) is ErrorCode.UNSUPPORTED:
-                # A namespace made before its blocks moved in regions: its parts straddle them.
-                log.warning("KVDrive %s: kvstored moves this namespace's blocks whole only (%s); they move "
-                            "through staging from now on", self.ns, exc)
+        except (KVDriveError, OSError, zmq.ZMQError) as exc:  # ZMQError: the store closed under this call
+            code = getattr(exc, "code", None)
+            if code in (ErrorCode.UNSUPPORTED, ErrorCode.BUFFER) and not self._closed:
+                # UNSUPPORTED: a namespace made before its blocks moved in regions, whose parts
+                # straddle them. BUFFER: kvstored no longer takes the engine's file (a restarted
+                # daemon refused it, or it shrank under a copy). The call moves through staging,
+                # and so does every later one; but not while the file is short (the engine's
+                # rows past its end would fault here too): then this call fails.
+                log.warning("KVDrive %s: kvstored moves no more blocks in place (%s); they move through staging "
+                            "from now on", self.ns, exc)
                 self._shared = None
-                return (self.load if op == "load" else self.store)(keys, blocks)
+                if code is ErrorCode.UNSUPPORTED or shared.whole():
+                    return (self.load if op == "load" else self.store)(keys, blocks)
             self._failed(op, exc, len(order) - sum(done[i] for i in order))
         for i, k in enumerate(ks):
             done[i] = done[first.get(k, i)]
@@ -237,15 +252,19 @@ class InPlace:
 
     def _pool_on(self, ch: Channel, shared: SharedFile) -> PoolBuffer | None:
         """``shared`` as ``ch`` 's session has it registered; None where kvstored refuses it (its
-        mapping limits, say): rows go through staging from then on, logged once. (Its
-        descriptor stays open until the store closes: another call may be registering it.)"""
+        mapping limits, say) or this process cannot map it (the file shrank below its size):
+        rows go through staging from then on, logged once; a ``buffer`` error while the file is
+        short (this call fails: its rows past the end cannot be touched). (Its descriptor
+        stays open until the store closes: another call may be registering it.)"""
         try:
             return ch.pool(shared)
-        except BufferError_ as exc:
+        except (BufferError_, OSError, ValueError) as exc:
             if self._shared is shared:
                 log.warning("KVDrive %s: kvstored refuses the engine's shared rows (%s); they move through staging "
                             "from now on", self.ns, exc)
                 self._shared = None
+            if not shared.whole():
+                raise BufferError_(f"[buffer] the engine's shared file is shorter than its rows ({exc})") from None
             return None
 
     def _in_place_step(self, n: int) -> int:
@@ -287,7 +306,7 @@ class InPlace:
             for pending, _ in inflight:  # after a failure: no row goes back while kvstored may move it
                 try:
                     pending.settle()
-                except KVDriveError:
+                except (KVDriveError, zmq.ZMQError):
                     pass
 
     def _pool_done(self, op: str, sent: tuple, done: list[bool]) -> None:

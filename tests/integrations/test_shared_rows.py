@@ -243,3 +243,55 @@ def test_a_move_in_place_is_waited_for_past_its_timeout(daemon, caplog):
         os.kill(pid, signal.SIGCONT)
     store.close()
     os.close(fd)
+
+
+def test_rows_a_restarted_daemon_refuses_move_through_staging_and_the_rest_works(daemon_factory, caplog):
+    """A daemon restarted with limits that no longer take the engine's file: the store's
+    session opens without it (its staging region registered again), and rows move
+    through staging from then on, byte-exact."""
+    d = daemon_factory().start()
+    fd = os.memfd_create("engine-tier", os.MFD_CLOEXEC)
+    rows = mapped_rows(fd)
+    store = store_then_load(d, rows, shared=True)
+    d.stop()
+    d.extra = ["--max-client-buffers", "768K"]  # staging fits, the rows (1 MiB) do not
+    d.start()
+    rows[8:] = 0
+    with caplog.at_level(logging.WARNING):
+        assert store.load_rows(keys(8), rows, range(8, 16)) == [True] * 8
+        np.testing.assert_array_equal(rows[8:], rows[:8])
+        fill(rows)
+        assert store.store_rows([b"new" + k for k in keys(4)], rows, range(4)) == [True] * 4
+        assert store.load([b"new" + k for k in keys(1)], [target := np.zeros(BB, np.uint8)]) == [True]
+    np.testing.assert_array_equal(target, rows[0])
+    assert "moves through staging" in caplog.text or "move through staging" in caplog.text
+    assert store.stats().get("load_failed", 0) == 0 and store.stats().get("store_failed", 0) == 0
+    store.close()
+    os.close(fd)
+
+
+def test_rows_of_a_file_shrunk_under_kvstored_move_through_staging_from_then_on(daemon, caplog):
+    """The engine shrinks its file while kvstored copies into it: that load fails (and touches
+    nothing of the engine's itself), and later calls move the rows through staging (kvstored
+    no longer takes the file) rather than fail."""
+    fd = os.memfd_create("engine-tier", os.MFD_CLOEXEC)
+    rows = mapped_rows(fd)
+    store = BlockStore(BB, engine="test", model="m", address=daemon.address, staging_bytes=8 * BB, load_channels=1)
+    assert store.share(rows)
+    store.open_early()  # every channel registers the file now, while it is whole
+    assert store.wait_open(30)
+    fill(rows)
+    assert store.store_rows(keys(8), rows, range(8)) == [True] * 8
+    saved = rows.copy()
+    os.ftruncate(fd, 0)  # the daemon's next copy into the file faults
+    with caplog.at_level(logging.WARNING):
+        assert store.load_rows(keys(2), rows, [8, 9]) == [False, False]
+        os.ftruncate(fd, ROWS * BB)
+        rows[:] = saved
+        rows[8:] = 0
+        for _ in range(2):
+            assert store.load_rows(keys(8), rows, range(8, 16)) == [True] * 8
+            np.testing.assert_array_equal(rows[8:], saved[:8])
+    assert "move through staging from now on" in caplog.text
+    store.close()
+    os.close(fd)
