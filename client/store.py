@@ -180,10 +180,10 @@ class StoreClient:
     def _submit(self, op: Op, fields: dict | None = None, arrays: dict | None = None,
                 timeout: float | None = None) -> int:
         ch = None if op is Op.HELLO else self.session()
-        if fields is not None and "buf" in fields:
+        if fields is not None and hasattr(fields.get("buf"), "buf_id"):
             # A buffer's id is read once the session is open: a restarted daemon's new session
             # registers the client's buffers again, with ids of its own, which the old ids may
-            # name other buffers of.
+            # name other buffers of. (A raw id, from a caller speaking the protocol, goes as it is.)
             buf = fields["buf"]
             if buf.buf_id is None:
                 raise BufferError_(f"[buffer] {type(buf).__name__} of {buf.size} bytes is not registered with kvstored "
