@@ -58,7 +58,7 @@ class MambaHostPool:
 
     layout = "page_first"
 
-    def __init__(self, slots=MAMBA_SLOTS, side_state=False, seed=None):
+    def __init__(self, slots=MAMBA_SLOTS, side_state=False, seed=None, shm=False):
         import torch  # noqa: PLC0415
 
         self.page_size, self.size, self.num_mamba_layers = 1, slots, MAMBA_LAYERS
@@ -67,8 +67,11 @@ class MambaHostPool:
         self.temporal_state_shape, self.conv_state_shapes = TEMPORAL, CONVS
         self.temporal_state_elem_size = int(np.prod(TEMPORAL))
         self.conv_state_elem_sizes = [int(np.prod(s)) for s in CONVS]
-        self.temporal_buffer = torch.zeros((slots, MAMBA_LAYERS, 1, *TEMPORAL), dtype=self.temporal_dtype)
-        self.conv_buffer = [torch.zeros((slots, MAMBA_LAYERS, 1, *s), dtype=self.conv_dtype) for s in CONVS]
+        # shm: each buffer in a memfd, as SGLang's shm allocator makes them
+        self.allocator = ShmHostAllocator() if shm else None
+        alloc = self.allocator.allocate if shm else (lambda dims, dtype, device: torch.zeros(dims, dtype=dtype))
+        self.temporal_buffer = alloc((slots, MAMBA_LAYERS, 1, *TEMPORAL), self.temporal_dtype, "cpu")
+        self.conv_buffer = [alloc((slots, MAMBA_LAYERS, 1, *s), self.conv_dtype, "cpu") for s in CONVS]
         self.slot_state_buffers = [torch.zeros((slots, 6), dtype=torch.int32)] if side_state else []
         self.kv_buffer = [self.temporal_buffer, *self.conv_buffer, *self.slot_state_buffers]
         self.size_per_token = self.get_size_per_token()
@@ -307,10 +310,11 @@ def test_hybrid_backup_and_prefetch_round_trip_every_pool(sgl, daemon):
 
 def test_pools_in_shared_memory_move_in_place_and_the_mamba_state_through_staging(sgl, daemon):
     torch = sgl.torch
-    kv, mamba, swa = kv_pool(sgl, seed=4, shm=True), MambaHostPool(seed=5), kv_pool(sgl, seed=6, shm=True)
+    kv, mamba, swa = kv_pool(sgl, seed=4, shm=True), MambaHostPool(seed=5, shm=True), kv_pool(sgl, seed=6, shm=True)
     b = attach(sgl, daemon, kv, {sgl.MAMBA: mamba, sgl.SWA: swa})
     assert b.store._shared is not None and b.pools["swa"].store._shared is not None
-    assert b.pools["mamba"].store._shared is None  # its pages are not equal regions of one tensor
+    # Its buffers are shared memory too, but its pages are not equal regions of one tensor.
+    assert b.pools["mamba"].store._shared is None
     ks = keys(4, "in-place")
     assert backup_node(sgl, b, ks, [1, 3, 4, 7], mamba_slot=2, swa_pages=[5, 9]) == \
         {sgl.MAMBA: [True], sgl.SWA: [True, True], sgl.KV: [True] * 4}
