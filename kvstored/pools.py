@@ -98,7 +98,9 @@ class _PoolMap:
         step, base, size = 256 << 20, self.array.ctypes.data, len(self.array)
         for start in range(0, size, step):
             with self._populating:  # the unmap waits for this call to end
-                if self.refs == 0:
+                # A faulted mapping is anonymous memory now (sigbus.py): populating it would
+                # take the daemon's own memory for a file its client shrank.
+                if self.refs == 0 or guard().faulted(self.row):
                     return
                 if _libc.madvise(ctypes.c_void_p(base + start), ctypes.c_size_t(min(step, size - start)),
                                  MADV_POPULATE_WRITE) != 0:

@@ -206,3 +206,18 @@ def test_a_pool_mapping_loses_its_guard_row_even_when_a_view_of_it_outlives_it(m
     assert guard().table[row, 1] == 0 and guard().table[row, 0] == 0
     assert view.sum() >= 0  # still mapped, readable, unguarded and unused by the daemon
     del view
+
+
+def test_a_faulted_pool_is_not_populated_ahead(memfd, registry, monkeypatch):
+    """A faulted pool's mapping is anonymous memory: faulting its pages in ahead would take
+    the daemon's own memory, as much as the client registered, for a file it shrank."""
+    from kvstored import pools
+
+    pool = registry[0].register_pool(memfd, SIZE)
+    os.ftruncate(memfd, 0)
+    with pytest.raises(ProtocolError, match="shrank"):
+        pool.read_blocks(np.array([0]), np.zeros(NB, np.uint8), np.array([0]), NB)
+    calls = []
+    monkeypatch.setattr(pools._libc, "madvise", lambda *a: calls.append(a) or 0)
+    pool.owner.populate()
+    assert calls == []
