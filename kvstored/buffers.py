@@ -127,8 +127,9 @@ class BufferRegistry:
     def __len__(self) -> int:
         return len(self._buffers)
 
-    def _reserve(self, size: int) -> None:
-        """Take ``size`` bytes of this session's and the daemon's limits (or refuse)."""
+    def _reserve(self, size: int, shared: tuple | None = None) -> None:
+        """Take ``size`` bytes of this session's and the daemon's limits (or refuse); ``shared``:
+        a pool's file (:meth:`MappedBudget.take`)."""
         with self._lock:
             if len(self._buffers) >= self.limits.max_buffers:
                 raise ProtocolError(
@@ -141,15 +142,15 @@ class BufferRegistry:
                     ErrorCode.BUFFER,
                     f"this session's buffers would map {held + size} bytes, limit {self.limits.max_bytes} per session",
                 )
-            self._budget.take(self.uid, size)
+            self._budget.take(self.uid, size, shared)
 
-    def _add(self, size: int, make: Callable[[], MappedBuffer]) -> MappedBuffer:
+    def _add(self, size: int, make: Callable[[], MappedBuffer], shared: tuple | None = None) -> MappedBuffer:
         """Reserve ``size``, then ``make()`` the buffer; what it raises gives the reservation back."""
-        self._reserve(size)
+        self._reserve(size, shared)
         try:
             mb = make()
         except BaseException:
-            self._budget.give_back(self.uid, size)
+            self._budget.give_back(self.uid, size, shared)
             raise
         with self._lock:
             mb.buf_id = self._next
@@ -170,17 +171,19 @@ class BufferRegistry:
         """Map ``size`` bytes of the client's shared-memory file ``fd`` as a pool, under the
         SIGBUS guard (the caller closes ``fd``; the mapping holds a duplicate of it, which
         counts against the descriptors pools may hold)."""
-        from kvstored.pools import map_pool  # noqa: PLC0415 - it builds on this module's MappedBuffer
+        from kvstored.pools import map_pool, pool_key  # noqa: PLC0415 - they build on this module's MappedBuffer
+
+        key = pool_key(fd, size)
 
         def make() -> MappedBuffer:
-            self._budget.take_descriptor(self.uid)
+            self._budget.take_descriptor(self.uid, key)
             try:
                 return map_pool(fd, size)
             except BaseException:
-                self._budget.give_back_descriptor(self.uid)
+                self._budget.give_back_descriptor(self.uid, key)
                 raise
 
-        return self._add(size, make)
+        return self._add(size, make, key)
 
     def register_cuda(self, spec: "RegisterCudaIpc", cuda: "CudaIpc") -> MappedBuffer:
         """Open the CUDA IPC handle of ``spec`` (refused, after the limits, where ``cuda`` is unavailable)."""
@@ -206,21 +209,23 @@ class BufferRegistry:
 
     def close_mapping(self, mb: MappedBuffer) -> None:
         """Unmap ``mb`` (once no reader can still copy through it: see ReclaimGate)."""
+        key = getattr(mb, "key", None)  # a pool's file: counted once per user (MappedBudget.take)
         try:
             mb.close()
         finally:
-            self._budget.give_back(self.uid, mb.size)
+            self._budget.give_back(self.uid, mb.size, key)
             if mb.kind == "pool":
-                self._budget.give_back_descriptor(self.uid)
+                self._budget.give_back_descriptor(self.uid, key)
 
 
 class MappedBudget:
     """Bytes of client memory all sessions together may map (the daemon's address space),
     and one user's share of it: a quarter, so no user can lock the others out.
 
-    Also the pools registered: each is counted as a descriptor held open and a row of the
-    SIGBUS guard's table (registrations of one file at one size share both, so this counts
-    high). At most ``max_fds`` (by default a quarter of the daemon's descriptor limit past
+    A pool's file registered at one size on several sessions of one user (an engine
+    registers its host pool on each of its connections, and the daemon maps it once) counts
+    once, against the bytes and as one descriptor held open and one row of the SIGBUS
+    guard's table (``key``: the file and the size, :func:`kvstored.pools.pool_key`). At most ``max_fds`` (by default a quarter of the daemon's descriptor limit past
     RESERVED_FDS, since running out of descriptors aborts libzmq and connections take at
     most half, see ConnectionLimits.fit; and at most the guard's SLOTS rows), a quarter of
     them per user, so no user can take every row."""
@@ -234,6 +239,7 @@ class MappedBudget:
         self._max_fds = max_fds
         self.fds = 0
         self._fds_by_uid: dict[int, int] = {}
+        self._held: dict[tuple, int] = {}  # (what, uid, key) -> registrations counted once
 
     @property
     def max_fds(self) -> int:
@@ -243,9 +249,34 @@ class MappedBudget:
         by_fds = max(4, (soft - RESERVED_FDS) // 4) if soft != resource.RLIM_INFINITY else 1 << 20
         return min(by_fds, SLOTS)  # each pool also takes a row of the SIGBUS guard's table
 
-    def take_descriptor(self, uid: int) -> None:
+    def _again(self, what: str, uid: int, key: tuple | None) -> bool:
+        """Whether ``key`` (a pool's file) is counted for ``uid`` already: then this registration
+        only adds to its count (lock held)."""
+        if key is None:
+            return False
+        n = self._held.get((what, uid, key), 0)
+        if n:
+            self._held[(what, uid, key)] = n + 1
+        return bool(n)
+
+    def _counted(self, what: str, uid: int, key: tuple | None) -> None:
+        if key is not None:
+            self._held[(what, uid, key)] = 1
+
+    def _last(self, what: str, uid: int, key: tuple | None) -> bool:
+        """One registration of ``key`` less; whether it was the last (lock held)."""
+        if key is None:
+            return True
+        n = self._held.pop((what, uid, key)) - 1
+        if n:
+            self._held[(what, uid, key)] = n
+        return not n
+
+    def take_descriptor(self, uid: int, key: tuple | None = None) -> None:
         limit = self.max_fds
         with self._lock:
+            if self._again("fd", uid, key):
+                return
             mine = self._fds_by_uid.get(uid, 0)
             if mine >= max(1, limit // 4) or self.fds >= limit:
                 raise ProtocolError(
@@ -256,9 +287,12 @@ class MappedBudget:
                 )
             self.fds += 1
             self._fds_by_uid[uid] = mine + 1
+            self._counted("fd", uid, key)
 
-    def give_back_descriptor(self, uid: int) -> None:
+    def give_back_descriptor(self, uid: int, key: tuple | None = None) -> None:
         with self._lock:
+            if not self._last("fd", uid, key):
+                return
             self.fds -= 1
             left = self._fds_by_uid[uid] - 1
             if left:
@@ -266,8 +300,10 @@ class MappedBudget:
             else:
                 del self._fds_by_uid[uid]
 
-    def take(self, uid: int, nbytes: int) -> None:
+    def take(self, uid: int, nbytes: int, key: tuple | None = None) -> None:
         with self._lock:
+            if self._again("bytes", uid, key):
+                return
             mine = self._by_uid.get(uid, 0)
             if mine + nbytes > self.max_per_uid:
                 raise ProtocolError(
@@ -283,9 +319,12 @@ class MappedBudget:
                 )
             self.used += nbytes
             self._by_uid[uid] = mine + nbytes
+            self._counted("bytes", uid, key)
 
-    def give_back(self, uid: int, nbytes: int) -> None:
+    def give_back(self, uid: int, nbytes: int, key: tuple | None = None) -> None:
         with self._lock:
+            if not self._last("bytes", uid, key):
+                return
             self.used -= nbytes
             left = self._by_uid[uid] - nbytes
             assert self.used >= 0 and left >= 0

@@ -44,6 +44,7 @@ class PoolBuffer(MappedBuffer):
     def __init__(self, buf_id: int, size: int, array: np.ndarray, owner: Any, row: int) -> None:
         super().__init__(buf_id, size, array, owner)
         self.row = row
+        self.key = owner.key  # the file and the size: what a user's registrations of it share
         self.broken = False
 
     def check_intact(self) -> None:
@@ -135,6 +136,16 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _pool_maps: dict[tuple[int, int, int], _PoolMap] = {}
 _pool_maps_lock = threading.Lock()
+
+
+def pool_key(fd: int, size: int) -> tuple[int, int, int]:
+    """What pools on one file at one size share (their mapping, and a user's count of them):
+    the file's device and inode, and the size."""
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        raise ProtocolError(ErrorCode.BUFFER, f"cannot inspect the pool descriptor: {exc.strerror}") from None
+    return st.st_dev, st.st_ino, size
 
 
 def map_pool(fd: int, size: int) -> PoolBuffer:

@@ -127,12 +127,20 @@ def test_a_pool_must_be_a_shared_memory_file(registry):
     os.close(r), os.close(w)
 
 
+def memfds(n: int) -> list[int]:
+    fds = [os.memfd_create(f"pool-test-{i}", os.MFD_CLOEXEC) for i in range(n)]
+    for fd in fds:
+        os.ftruncate(fd, SIZE)
+    return fds
+
+
 def test_pools_hold_at_most_their_share_of_descriptors(memfd):
     budget = MappedBudget(1 << 30, max_fds=8)  # a quarter per user: 2
     reg = BufferRegistry(BufferLimits(max_buffers=16, max_bytes=1 << 28), budget, 1000)
-    held = [reg.register_pool(memfd, SIZE) for _ in range(2)]
+    files = memfds(3)
+    held = [reg.register_pool(fd, SIZE) for fd in files[:2]]
     with pytest.raises(ProtocolError, match="pools are registered") as exc:
-        reg.register_pool(memfd, SIZE)
+        reg.register_pool(files[2], SIZE)
     assert exc.value.code is ErrorCode.BUFFER and budget.fds == 2 and budget.used == 2 * SIZE
     other = BufferRegistry(BufferLimits(), budget, 1001)
     other.close_mapping(other.unregister(other.register_pool(memfd, SIZE).buf_id))  # another user has room
@@ -144,6 +152,31 @@ def test_pools_hold_at_most_their_share_of_descriptors(memfd):
         reg.close_mapping(reg.unregister(mb.buf_id))
     assert budget.fds == 0 and budget.used == 0
     assert MappedBudget(1 << 30).max_fds >= 4
+    for fd in files:
+        os.close(fd)
+
+
+def test_one_users_registrations_of_one_pool_count_once(memfd):
+    """An engine registers its host pool on each of its connections, and the daemon maps it
+    once: a user's share and the descriptors count it once, however many sessions hold it."""
+    budget = MappedBudget(8 * SIZE, max_fds=8)  # a user's share: 2 pools' bytes
+    sessions = [BufferRegistry(BufferLimits(max_buffers=4, max_bytes=1 << 28), budget, 1000) for _ in range(3)]
+    held = [(reg, reg.register_pool(memfd, SIZE)) for reg in sessions for _ in range(2)]
+    assert budget.used == SIZE and budget.fds == 1
+    other = memfds(2)
+    second = sessions[0].register_pool(other[0], SIZE)
+    with pytest.raises(ProtocolError, match="a user's share"):
+        sessions[1].register_pool(other[1], SIZE)
+    assert budget.used == 2 * SIZE and budget.fds == 2
+    for reg, mb in held[:-1]:
+        reg.close_mapping(reg.unregister(mb.buf_id))
+    assert budget.used == 2 * SIZE and budget.fds == 2  # one registration of the first file is left
+    reg, mb = held[-1]
+    reg.close_mapping(reg.unregister(mb.buf_id))
+    sessions[0].close_mapping(sessions[0].unregister(second.buf_id))
+    assert budget.used == 0 and budget.fds == 0
+    for fd in other:
+        os.close(fd)
 
 
 def test_no_user_can_take_every_row_of_the_guard(memfd):
@@ -151,11 +184,14 @@ def test_no_user_can_take_every_row_of_the_guard(memfd):
     assert budget.max_fds <= SLOTS
     small = MappedBudget(1 << 40, max_fds=min(budget.max_fds, 16))  # the same share rule, fewer rows to fill
     reg = BufferRegistry(BufferLimits(max_buffers=64, max_bytes=1 << 30), small, 1000)
-    held = [reg.register_pool(memfd, SIZE) for _ in range(small.max_fds // 4)]
+    files = memfds(small.max_fds // 4 + 1)
+    held = [reg.register_pool(fd, SIZE) for fd in files[:-1]]
     with pytest.raises(ProtocolError, match="pools are registered"):
-        reg.register_pool(memfd, SIZE)
+        reg.register_pool(files[-1], SIZE)
     for mb in held:
         reg.close_mapping(reg.unregister(mb.buf_id))
+    for fd in files:
+        os.close(fd)
 
 
 def test_pools_on_one_file_share_one_mapping_until_it_faults(memfd, registry):
