@@ -53,7 +53,7 @@ class Channel:
         """``shared`` registered on this channel's session (once; again where a restarted
         daemon refused it when the session opened anew)."""
         if self._pool is None or self._pool.buf_id is None:
-            self._pool = self.client.register_pool(shared.fd, shared.size)
+            self._pool = shared.registered(self.client)
         return self._pool
 
     @property

@@ -22,12 +22,14 @@ daemon that ended the session (it stopped or restarted) moves nothing more.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,6 +43,7 @@ from kvdrive_client.shm import PoolBuffer
 
 if TYPE_CHECKING:
     from kvdrive_client.integrations.lanes import Channel
+    from kvdrive_client.store import StoreClient
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +52,29 @@ log = logging.getLogger(__name__)
 IN_PLACE_SPLIT_BYTES = 16 << 20
 
 
-@dataclass(frozen=True)
+@dataclass
 class SharedFile:
     """The file ``fd`` (this object's own descriptor, read-write) behind an array: the
     array's first byte is byte ``base`` of the file, and ``size`` is ``base`` plus the
-    array's length, what a pool registration of it covers."""
+    array's length, what a pool registration of it covers. The descriptor is only lent
+    out through :meth:`registered` and :meth:`whole`, under a lock that :meth:`close`
+    takes too: once closed, its number (which the process may reuse for another file)
+    is never registered."""
 
     fd: int
     base: int
     size: int
     address: int  # the array's first byte in this process
     nbytes: int
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def registered(self, client: StoreClient) -> PoolBuffer:
+        """The file registered as a pool on ``client`` 's session (OSError EBADF once closed)."""
+        with self._lock:  # only the duplication: the registration has a descriptor of its own
+            if self.fd < 0:
+                raise OSError(errno.EBADF, "the engine's shared file was closed (its store closed)")
+            pool = PoolBuffer.from_fd(self.fd, self.size)
+        return client.register_pool(pool)
 
     def file_offsets(self, array: np.ndarray, rows: np.ndarray, row_bytes: int) -> np.ndarray:
         """The file offsets of rows ``rows`` of ``array`` (a view within this file's mapping)."""
@@ -74,13 +89,17 @@ class SharedFile:
     def whole(self) -> bool:
         """Whether the file still holds every byte a registration of it covers (an engine's
         memory past a shrunk file's end cannot be touched: it would fault)."""
-        try:
-            return os.fstat(self.fd).st_size >= self.size
-        except OSError:
-            return False
+        with self._lock:
+            try:
+                return self.fd >= 0 and os.fstat(self.fd).st_size >= self.size
+            except OSError:
+                return False
 
     def close(self) -> None:
-        os.close(self.fd)
+        with self._lock:
+            fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def find_shared_file(array: np.ndarray) -> tuple[SharedFile | None, str]:

@@ -5,6 +5,7 @@ through staging as before, with the reason logged."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -15,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from kvdrive_client import connect
 from kvdrive_client.errors import StoreUnavailableError
 from kvdrive_client.integrations.blocks import BlockStore
 from kvdrive_client.integrations.pool import find_shared_file
@@ -174,6 +176,31 @@ def test_a_file_in_dev_shm_is_found_by_its_path_until_it_is_unlinked(daemon, tmp
         os.unlink(path)
     found, why = find_shared_file(rows)
     assert found is None and "unlinked" in why
+
+
+def test_a_closed_shared_files_descriptor_number_is_never_registered(daemon, tmp_path):
+    """A store closed while its opener thread still registers the engine's file: the file's
+    descriptor number, reused by the process for another file, is not sent to kvstored."""
+    fd = os.memfd_create("engine-tier", os.MFD_CLOEXEC)
+    rows = mapped_rows(fd)
+    found, _ = find_shared_file(rows)
+    number = found.fd
+    client = connect(daemon.address)
+    try:
+        pool = found.registered(client)  # open: registered, on a descriptor of its own
+        assert pool.buf_id is not None and pool.fd != number
+        found.close()
+        other = os.open(tmp_path / "other", os.O_CREAT | os.O_RDWR, 0o600)  # the lowest free number: the same
+        assert other == number
+        with pytest.raises(OSError) as exc:
+            found.registered(client)
+        assert exc.value.errno == errno.EBADF and not found.whole()
+        found.close()  # twice: nothing more is closed
+        assert os.fstat(other).st_size == 0
+        os.close(other)
+    finally:
+        client.close()
+        os.close(fd)
 
 
 def test_memory_kvstored_cannot_share_moves_through_staging(daemon, tmp_path, caplog):
