@@ -67,6 +67,11 @@ BENCHMARKS: dict[str, Benchmark] = {
         "a memcpy and the disk's sequential read and durable write; a load's latency alone and during stores; store "
         "throughput as ten times the DRAM tier fills",
     ),
+    "soak": Benchmark(
+        "bench_soak",
+        "kvstored under a long run of engine traffic (stores evicting past a quota, loads beside them): latency, "
+        "hit rate, wrong bytes and the daemon's memory, mappings, descriptors and files, interval by interval",
+    ),
     "flood": Benchmark(
         "bench_flood",
         "a well-behaved client's put-ack latency (p50, p99) at rest and while another floods kvstored with "

@@ -1,0 +1,385 @@
+"""``kvdrive-bench soak``: kvstored over a long run of engine traffic, interval by interval.
+
+A cache's steady state is not its first minute: the store has filled past its DRAM tier
+and its quota, every store evicts older blocks, loads and stores run at once, and
+whatever the daemon keeps per block, per request or per session has had time to grow.
+One run starts a private kvstored (DRAM tier ``--dram``, its namespaces held to
+``--quota``) and an engine-like client: a :class:`BlockStore` over a host pool in shared
+memory, moved in place as vLLM's and SGLang's adapters move theirs, with
+
+- a store thread writing jobs of ``--job-blocks`` fresh blocks at ``--store-gbps``;
+- a load thread loading, ``--loads`` times a second, one earlier job whole (as an
+  engine loads a prefix): half the time one of the last few stored, else any job ever
+  stored, so some have been evicted (a load hits while the job's blocks are all stored).
+
+Every block carries its key in its first bytes and the rest of a pattern of its own
+row; every loaded block is checked, so a wrong byte in hours of traffic is counted.
+
+Every ``--interval`` seconds one row: store and load latency per job (p50, p99), what
+moved, the load hit rate, and the daemon's resident memory, memory mappings,
+descriptors, threads, catalog and data file sizes (as allocated on disk). At the end,
+the last interval against the first one after the stores filled the quota: the latency
+ratios and what the daemon's footprint grew by (and per hour, at that pace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvdrive.layout.format import DATA_FILE
+from kvdrive.tools.text_table import text_table
+from kvdrive_client.embedded import EmbeddedDaemon
+from kvdrive_client.integrations.blocks import BlockStore
+from kvdrive_client.store import StoreClient
+from kvstored.config import format_size, parse_size
+
+KEY_BYTES = 8  # a block's first bytes: its key's number, little-endian
+RECENT_JOBS = 4  # "recent": one of the last this many jobs stored
+
+
+@dataclass
+class Interval:
+    seconds: float  # since the run began, at the interval's end
+    stored_bytes: int  # ever stored, at its end
+    store_gbps: float
+    store_p50_ms: float | None
+    store_p99_ms: float | None
+    loads: int
+    load_p50_ms: float | None
+    load_p99_ms: float | None
+    hit_rate: float | None  # blocks found / blocks asked
+    wrong_blocks: int  # loaded blocks whose bytes were not the stored ones
+    failed_stores: int  # blocks a store call answered not stored
+    rss_mib: float
+    maps: int
+    fds: int
+    threads: int
+    catalog_mib: float
+    data_mib: float  # the data file's allocated bytes
+    evicted: int  # blocks the quota evicted, since start
+
+
+@dataclass
+class Samples:
+    """What the two threads measured since the last interval ended (under ``lock``)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    store_ms: list[float] = field(default_factory=list)
+    stored_blocks: int = 0
+    failed_stores: int = 0
+    load_ms: list[float] = field(default_factory=list)
+    asked: int = 0
+    found: int = 0
+    wrong: int = 0
+
+    def take(self) -> Samples:
+        with self.lock:
+            out = Samples(store_ms=self.store_ms, stored_blocks=self.stored_blocks, failed_stores=self.failed_stores,
+                          load_ms=self.load_ms, asked=self.asked, found=self.found, wrong=self.wrong)
+            self.store_ms, self.load_ms = [], []
+            self.stored_blocks = self.failed_stores = self.asked = self.found = self.wrong = 0
+        return out
+
+
+def _p(samples: list[float], q: float) -> float | None:
+    """The q-quantile (nearest rank) of ``samples``; None for none."""
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _key(n: int) -> bytes:
+    return b"soak" + n.to_bytes(KEY_BYTES, "little")
+
+
+class Traffic:
+    """The engine-like client: its host pool, its block store, the store and load threads."""
+
+    def __init__(self, args: argparse.Namespace, address: str) -> None:
+        self.args, self.block_bytes, self.job = args, args.block_kib << 10, args.job_blocks
+        # Rows [0, job) are the store thread's, [job, 2 job) the load thread's.
+        self._fd = os.memfd_create("kvdrive-soak", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, 2 * self.job * self.block_bytes)
+        self._map = mmap.mmap(self._fd, 2 * self.job * self.block_bytes)
+        self.rows = np.frombuffer(self._map, np.uint8).reshape(2 * self.job, self.block_bytes)
+        self.pattern = np.random.default_rng(args.seed).integers(0, 256, (self.job, self.block_bytes), np.uint8)
+        self.rows[: self.job] = self.pattern
+        self.store = BlockStore(self.block_bytes, engine="soak", model="m", address=address, timeout=30.0)
+        self.in_place = self.store.share(self.rows)
+        self.samples = Samples()
+        self.jobs = 0  # jobs stored whole; job j's keys are j * job ... (j + 1) * job - 1
+        self._stop = threading.Event()
+        self._rng = np.random.default_rng(args.seed + 1)
+        self._threads = [threading.Thread(target=self._guard(self._stores), name="soak-stores", daemon=True),
+                         threading.Thread(target=self._guard(self._loads), name="soak-loads", daemon=True)]
+        self.error: BaseException | None = None
+
+    def _guard(self, loop):
+        def run() -> None:
+            try:
+                loop()
+            except BaseException as exc:  # noqa: BLE001 - reported by the interval loop, which stops the run
+                self.error = exc
+                self._stop.set()
+        return run
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+        self.store.close()
+        os.close(self._fd)  # the mapping goes with the last view of it
+
+    def _stores(self) -> None:
+        job_bytes = self.job * self.block_bytes
+        period = job_bytes / (self.args.store_gbps * 1e9)
+        due = time.perf_counter()
+        while not self._stop.is_set():
+            first = self.jobs * self.job
+            keys = [_key(first + i) for i in range(self.job)]
+            heads = np.arange(first, first + self.job, dtype="<u8").view(np.uint8).reshape(self.job, KEY_BYTES)
+            self.rows[: self.job, :KEY_BYTES] = heads
+            t0 = time.perf_counter()
+            done = self.store.store_rows(keys, self.rows[: self.job], range(self.job))
+            ms = (time.perf_counter() - t0) * 1e3
+            with self.samples.lock:
+                self.samples.store_ms.append(ms)
+                self.samples.stored_blocks += sum(done)
+                self.samples.failed_stores += len(done) - sum(done)
+            self.jobs += 1
+            due = max(due + period, time.perf_counter() - period)  # a late job does not make the next ones burst
+            self._stop.wait(max(0.0, due - time.perf_counter()))
+
+    def _loads(self) -> None:
+        period = 1.0 / self.args.loads
+        out = self.rows[self.job:]
+        while not self._stop.wait(period):
+            jobs = self.jobs
+            if jobs == 0:
+                continue
+            recent = self._rng.random() < 0.5
+            j = int(self._rng.integers(max(0, jobs - RECENT_JOBS), jobs)) if recent else int(self._rng.integers(0, jobs))
+            first = j * self.job
+            out[:, :KEY_BYTES] = 0
+            t0 = time.perf_counter()
+            done = self.store.load_rows([_key(first + i) for i in range(self.job)], out, range(self.job))
+            ms = (time.perf_counter() - t0) * 1e3
+            wrong = 0
+            for i, ok in enumerate(done):
+                if ok and (int.from_bytes(bytes(out[i, :KEY_BYTES]), "little") != first + i
+                           or not np.array_equal(out[i, KEY_BYTES:], self.pattern[i, KEY_BYTES:])):
+                    wrong += 1
+            with self.samples.lock:
+                self.samples.load_ms.append(ms)
+                self.samples.asked += len(done)
+                self.samples.found += sum(done)
+                self.samples.wrong += wrong
+
+
+def _proc(pid: int) -> tuple[float, int, int, int]:
+    """The daemon's resident MiB, memory mappings, open descriptors and threads."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    rss = int(status["VmRSS"].split()[0]) / 1024
+    with open(f"/proc/{pid}/maps") as f:
+        maps = sum(1 for _ in f)
+    return rss, maps, len(os.listdir(f"/proc/{pid}/fd")), int(status["Threads"])
+
+
+def _allocated_mib(paths: list[Path]) -> float:
+    return sum(p.stat().st_blocks * 512 for p in paths if p.is_file()) / (1 << 20)
+
+
+def _interval(traffic: Traffic, daemon: EmbeddedDaemon, client: StoreClient, t0: float, span: float) -> Interval:
+    s = traffic.samples.take()
+    ssd = daemon.root / "ssd"
+    rss, maps, fds, threads = _proc(daemon.proc.pid)
+    counters = client.stats().get("counters", {})
+    return Interval(
+        seconds=time.perf_counter() - t0, stored_bytes=traffic.jobs * traffic.job * traffic.block_bytes,
+        store_gbps=s.stored_blocks * traffic.block_bytes / span / 1e9,
+        store_p50_ms=_p(s.store_ms, 0.5), store_p99_ms=_p(s.store_ms, 0.99),
+        loads=len(s.load_ms), load_p50_ms=_p(s.load_ms, 0.5), load_p99_ms=_p(s.load_ms, 0.99),
+        hit_rate=s.found / s.asked if s.asked else None, wrong_blocks=s.wrong, failed_stores=s.failed_stores,
+        rss_mib=rss, maps=maps, fds=fds, threads=threads,
+        catalog_mib=_allocated_mib([p for p in ssd.rglob("*.mdb")]), data_mib=_allocated_mib([ssd / DATA_FILE]),
+        evicted=int(counters.get("blocks_quota_evicted", 0)),
+    )
+
+
+def soak(args: argparse.Namespace) -> tuple[list[Interval], dict]:
+    daemon = EmbeddedDaemon(dram=args.dram, ssd_max=args.ssd_max, root=args.dir,
+                            extra_args=["--quota", f"soak/*={args.quota}", "--sync", args.sync,
+                                        "--log-level", "WARNING"])
+    client = StoreClient(daemon.address, timeout=10.0)
+    traffic = None
+    rows: list[Interval] = []
+    try:
+        daemon.wait_ready(lambda: client.ping(timeout=0.5))
+        traffic = Traffic(args, daemon.address)
+        traffic.store.wait_open(30.0)
+        info = {"in_place": traffic.in_place, "pid": daemon.proc.pid, "direct_io": client.server_info.get("direct_io")}
+        t0 = time.perf_counter()
+        end = t0 + args.minutes * 60
+        traffic.start()
+        last = t0
+        try:
+            while time.perf_counter() < end and traffic.error is None and daemon.proc.poll() is None:
+                time.sleep(max(0.0, min(end, last + args.interval) - time.perf_counter()))
+                now = time.perf_counter()
+                rows.append(_interval(traffic, daemon, client, t0, now - last))
+                last = now
+                print(_row_line(rows[-1]), file=sys.stderr, flush=True)
+        except KeyboardInterrupt:  # the rows so far are the run's
+            info["interrupted"] = True
+        info["daemon_exit"] = daemon.proc.poll()
+        info["error"] = None if traffic.error is None else repr(traffic.error)
+    finally:
+        if traffic is not None:
+            traffic.stop()
+        client.close()
+        daemon.stop()
+    return rows, info
+
+
+# ---------------------------------------------------------------- the table
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _cells(r: Interval) -> tuple[str, ...]:
+    return (f"{r.seconds:.0f}", format_size(r.stored_bytes), f"{r.store_gbps:.2f}", _ms(r.store_p50_ms),
+            _ms(r.store_p99_ms), str(r.loads), _ms(r.load_p50_ms), _ms(r.load_p99_ms),
+            "-" if r.hit_rate is None else f"{r.hit_rate:.2f}", str(r.wrong_blocks + r.failed_stores),
+            f"{r.rss_mib:.0f}", str(r.maps), str(r.fds), str(r.threads), f"{r.catalog_mib:.1f}", f"{r.data_mib:.0f}",
+            str(r.evicted))
+
+
+HEAD = ("s", "stored", "store GB/s", "store p50", "p99 ms", "loads", "load p50", "p99 ms", "hits", "wrong+failed",
+        "RSS MiB", "maps", "fds", "threads", "catalog MiB", "data MiB", "evicted")
+
+
+def _row_line(r: Interval) -> str:
+    return "  " + "  ".join(f"{h}={c}" for h, c in zip(HEAD, _cells(r)))
+
+
+def _steady(rows: list[Interval], quota: int) -> Interval | None:
+    """The first interval that began with the quota already filled (every store evicts)."""
+    for before, row in zip(rows, rows[1:]):
+        if before.stored_bytes >= quota:
+            return row
+    return None
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or not b else f"{a / b:.2f}x"
+
+
+def summary(rows: list[Interval], args: argparse.Namespace, info: dict) -> list[str]:
+    wrong = sum(r.wrong_blocks for r in rows)
+    failed = sum(r.failed_stores for r in rows)
+    lines = [f"wrong blocks loaded: {wrong}; blocks a store did not store: {failed}; kvstored "
+             + ("alive at the end" if info.get("daemon_exit") is None else f"exited with {info['daemon_exit']}")
+             + ("" if info.get("error") is None else f"; the traffic stopped on {info['error']}")]
+    first, last = _steady(rows, parse_size(args.quota)), rows[-1] if rows else None
+    if first is None or last is None or first is last:
+        lines.append("the stores never filled the quota with an interval to spare: no steady state to compare "
+                     "(a longer run, a smaller --quota or a faster --store-gbps)")
+        return lines
+    hours = (last.seconds - first.seconds) / 3600
+    lines.append(f"steady state, the last interval against the first after the quota filled (at {first.seconds:.0f} s): "
+                 f"store p99 {_ratio(last.store_p99_ms, first.store_p99_ms)}, load p99 "
+                 f"{_ratio(last.load_p99_ms, first.load_p99_ms)}, store p50 {_ratio(last.store_p50_ms, first.store_p50_ms)}, "
+                 f"load p50 {_ratio(last.load_p50_ms, first.load_p50_ms)}")
+    grew = last.rss_mib - first.rss_mib
+    lines.append(f"kvstored grew meanwhile by {grew:+.1f} MiB resident ({grew / hours:+.0f} MiB an hour at that pace), "
+                 f"{last.maps - first.maps:+d} mappings, {last.fds - first.fds:+d} descriptors, "
+                 f"{last.threads - first.threads:+d} threads, catalog {last.catalog_mib - first.catalog_mib:+.1f} MiB, "
+                 f"data file {last.data_mib - first.data_mib:+.0f} MiB")
+    return lines
+
+
+def render(rows: list[Interval], args: argparse.Namespace, info: dict) -> str:
+    head = [f"kvdrive-bench soak: {args.minutes:g} min, {args.job_blocks}-block jobs of {args.block_kib} KiB blocks, "
+            f"stores at {args.store_gbps:g} GB/s ({args.sync}), {args.loads:g} loads/s; kvstored DRAM {args.dram}, "
+            f"quota {args.quota}, O_DIRECT {info.get('direct_io', '?')}, blocks moved "
+            + ("in place" if info.get("in_place") else "through staging")]
+    return "\n".join(head + text_table(HEAD, [_cells(r) for r in rows], right=set(range(len(HEAD))))
+                     + summary(rows, args, info))
+
+
+# ---------------------------------------------------------------- command line
+
+
+# Defaults, and --quick's (a short run over a small quota, for a check that it all works).
+DEFAULTS = {"minutes": 10.0, "interval": 30.0, "block_kib": 2048, "job_blocks": 32, "store_gbps": 0.5, "loads": 4.0,
+            "dram": "256M", "quota": "2G"}
+QUICK = {"minutes": 0.25, "interval": 4.0, "block_kib": 256, "job_blocks": 32, "store_gbps": 0.2, "loads": 4.0,
+         "dram": "32M", "quota": "64M"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    def opt(name: str, kind, what: str) -> None:
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
+                       help=f"{what} (default {DEFAULTS[name]}, {QUICK[name]} with --quick)")
+
+    p.add_argument("--quick", action="store_true", help="a short run over a small quota")
+    opt("minutes", float, "how long the traffic runs")
+    opt("interval", float, "seconds a row")
+    opt("block_kib", int, "block size in KiB (an engine block, every layer)")
+    opt("job_blocks", int, "blocks a store or load call")
+    opt("store_gbps", float, "the stores' pace in GB/s (a job is sent when due)")
+    opt("loads", float, "load jobs a second")
+    opt("dram", str, "the daemon's DRAM tier")
+    opt("quota", str, "what the traffic's namespace may hold; past it, the least recently used go")
+    p.add_argument("--ssd-max", default="16G", help="the daemon's SSD tier")
+    p.add_argument("--sync", choices=("durable", "write-behind"), default="durable", help="the daemon's --sync")
+    p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()),
+                   help="where the daemon's temporary directory goes (its SSD tier: put it on the disk to soak)")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--seed", type=int, default=0, help="seed of the blocks' bytes and the loads' picks")
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for name in ("minutes", "interval", "store_gbps", "loads"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be above 0")
+    if args.block_kib < 4 or args.block_kib % 4 or not 0 < args.job_blocks <= 1024:
+        raise ValueError("--block-kib takes a multiple of 4 KiB; --job-blocks 1 to 1024")
+    for name in ("dram", "quota", "ssd_max"):
+        parse_size(getattr(args, name))  # ValueError naming the size
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        _check(args)
+    except ValueError as exc:
+        print(f"kvdrive-bench soak: {exc}", file=sys.stderr)
+        return 2
+    rows, info = soak(args)
+    print(render(rows, args, info), flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"info": info, "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
+    bad = sum(r.wrong_blocks for r in rows) or info.get("daemon_exit") is not None or info.get("error") is not None
+    return 1 if bad else 0
