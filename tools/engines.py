@@ -83,50 +83,195 @@ class ShmHostAllocator:
         return tensor
 
 
-class PageFirstHostPool:
-    """A host KV pool laid out as SGLang's ``MHATokenToKVPoolHost`` with its ``page_first``
-    layout: one CPU tensor ``[2 (K, V), tokens, layers, heads, head_dim]``.
+class _HostPool:
+    """What SGLang's host KV pools have in common, for the stand-ins below: ``pages`` pages of
+    ``page_size`` tokens in one CPU tensor ``kv_buffer`` of SGLang's shape for ``layout``
+    (:meth:`_dims`), made by ``allocator`` (SGLang's host tensor allocator,
+    ``allocate(dims, dtype, device)``; its ``shm`` one keeps it in a memfd), default a plain
+    CPU tensor; zeros.
 
-    SGLang's own pool needs a GPU device pool to be built; this one has the attributes and
-    the one method a HiCache storage backend reads (``page_size``, ``kv_buffer``,
-    ``get_size_per_token``, ``get_page_buffer_meta``), computed as SGLang's pool computes
-    them for that layout, so a backend sees the same pointers and sizes. ``allocator``:
-    SGLang's host tensor allocator that makes ``kv_buffer`` (``allocate(dims, dtype,
-    device)``; its ``shm`` one keeps it in a memfd); default, a plain CPU tensor.
+    SGLang's own pools need a GPU device pool to be built; these have the attributes and the
+    methods a HiCache storage backend reads (``page_size``, ``layout``, ``dtype``,
+    ``kv_buffer``, ``get_size_per_token``, ``get_page_buffer_meta``, ``get_data_page``,
+    ``get_dummy_flat_data_page``, ``set_from_flat_data_page``), computed as SGLang's pool
+    computes them for that layout, so a backend sees the same pointers, sizes and pages.
     """
 
-    layout = "page_first"
+    LAYOUTS: tuple[str, ...] = ()
 
-    def __init__(self, pages: int, page_size: int, layers: int, heads: int, head_dim: int, dtype=None,
-                 allocator=None) -> None:
+    def __init__(self, pages: int, page_size: int, layers: int, dtype, allocator, layout: str) -> None:
         import torch  # noqa: PLC0415 - only the SGLang cases need it
 
-        self.dtype = dtype or torch.bfloat16
-        self.page_size, self.layer_num, self.head_num, self.head_dim = page_size, layers, heads, head_dim
-        self.size = pages * page_size
-        dims = (2, self.size, layers, heads, head_dim)
+        if layout not in self.LAYOUTS:
+            raise ValueError(f"{type(self).__name__}: layout {layout!r} is not one of {self.LAYOUTS}")
+        self.dtype, self.layout = dtype or torch.bfloat16, layout
+        self.page_size, self.layer_num = page_size, layers
+        self.page_num, self.size = pages, pages * page_size
+        dims = self._dims()
         self.allocator = allocator  # holds the memfd, where it made one, as SGLang's pool holds it
         self.kv_buffer = torch.zeros(dims, dtype=self.dtype) if allocator is None else \
             allocator.allocate(dims, self.dtype, "cpu").zero_()
 
+    def _dims(self) -> tuple:
+        raise NotImplementedError
+
+    def _page_slice(self, index: int) -> tuple:
+        """The index into ``kv_buffer`` of the page whose first token is ``index``."""
+        raise NotImplementedError
+
+    def _page_shape(self) -> tuple:
+        """A page's shape as ``kv_buffer[self._page_slice(i)]`` has it."""
+        raise NotImplementedError
+
+    def get_data_page(self, index: int, flat: bool = True):
+        """The page whose first token is ``index`` (a view; ``flat``: flattened)."""
+        page = self.kv_buffer[self._page_slice(index)]
+        return page.flatten() if flat else page
+
+    def set_from_flat_data_page(self, index: int, data_page) -> None:
+        self.kv_buffer[self._page_slice(index)] = data_page.reshape(self._page_shape())
+
+    def page(self, page_index: int):
+        """Page ``page_index`` as ``get_data_page`` has it (a view)."""
+        return self.get_data_page(page_index * self.page_size, flat=False)
+
+
+class MHAHostPool(_HostPool):
+    """A host KV pool laid out as SGLang's ``MHATokenToKVPoolHost`` (K and V of one head
+    size), in any layout it takes besides ``page_unified`` (which it reports no page
+    regions for): ``kv_buffer``
+
+    - ``layer_first``: ``[2 (K, V), layers, tokens, heads, head_dim]``, a page in 2 x
+      layers regions (K then V of each layer);
+    - ``page_first``: ``[2, tokens, layers, heads, head_dim]``;
+    - ``page_first_direct``: ``[2, pages, layers, page_size, heads, head_dim]``;
+    - ``page_head``: ``[2, pages, heads, page_size, layers, head_dim]``;
+
+    a page of the last three in 2 regions, its K and its V. See :class:`_HostPool`.
+    """
+
+    LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+
+    def __init__(self, pages: int, page_size: int, layers: int, heads: int, head_dim: int, dtype=None,
+                 allocator=None, layout: str = "page_first") -> None:
+        self.head_num, self.head_dim, self.v_head_dim = heads, head_dim, head_dim
+        super().__init__(pages, page_size, layers, dtype, allocator, layout)
+
+    def _dims(self) -> tuple:
+        L, H, D, ps = self.layer_num, self.head_num, self.head_dim, self.page_size
+        return {"layer_first": (2, L, self.size, H, D), "page_first": (2, self.size, L, H, D),
+                "page_first_direct": (2, self.page_num, L, ps, H, D),
+                "page_head": (2, self.page_num, H, ps, L, D)}[self.layout]
+
+    def _page_slice(self, index: int) -> tuple:
+        if self.layout == "layer_first":
+            return slice(None), slice(None), slice(index, index + self.page_size)
+        if self.layout == "page_first":
+            return slice(None), slice(index, index + self.page_size)
+        p = index // self.page_size
+        return slice(None), slice(p, p + 1)
+
+    def _page_shape(self) -> tuple:
+        L, H, D, ps = self.layer_num, self.head_num, self.head_dim, self.page_size
+        return {"layer_first": (2, L, ps, H, D), "page_first": (2, ps, L, H, D),
+                "page_first_direct": (2, 1, L, ps, H, D), "page_head": (2, 1, H, ps, L, D)}[self.layout]
+
     def get_size_per_token(self) -> int:
-        return self.head_dim * self.head_num * self.layer_num * self.dtype.itemsize * 2
+        return (self.head_dim + self.v_head_dim) * self.head_num * self.layer_num * self.dtype.itemsize
+
+    def get_dummy_flat_data_page(self):
+        import torch  # noqa: PLC0415
+
+        return torch.zeros((2, self.layer_num, self.page_size, self.head_num, self.head_dim),
+                           dtype=self.dtype).flatten()
 
     def get_page_buffer_meta(self, indices) -> tuple[list[int], list[int]]:
-        """Per page of ``indices`` (token indices, ``page_size`` per page): its K and its V
-        region, as (pointers, sizes)."""
+        """Per page of ``indices`` (token indices, ``page_size`` per page): its regions, as
+        (pointers, sizes): K and V of each layer (``layer_first``), else its K and its V."""
         indices = indices.tolist()
         if len(indices) % self.page_size:
             raise ValueError(f"{len(indices)} token indices are not whole pages of {self.page_size}")
-        token_bytes = self.layer_num * self.head_num * self.head_dim * self.dtype.itemsize
-        base, v_offset = self.kv_buffer.data_ptr(), self.size * token_bytes
+        row = self.head_num * self.head_dim * self.dtype.itemsize  # a token of one layer, K or V
+        base, v_offset = self.kv_buffer.data_ptr(), self.layer_num * self.size * row
         ptrs: list[int] = []
+        if self.layout == "layer_first":
+            for i in range(0, len(indices), self.page_size):
+                for layer in range(self.layer_num):
+                    k = base + indices[i] * row + layer * self.size * row
+                    ptrs += [k, k + v_offset]
+            return ptrs, [row * self.page_size] * len(ptrs)
         for i in range(0, len(indices), self.page_size):
-            k = base + indices[i] * token_bytes
+            k = base + indices[i] * self.layer_num * row
             ptrs += [k, k + v_offset]
-        return ptrs, [token_bytes * self.page_size] * len(ptrs)
+        return ptrs, [self.layer_num * row * self.page_size] * len(ptrs)
 
-    def page(self, page_index: int):
-        """Page ``page_index``'s K and V, ``[2, page_size, layers, heads, head_dim]`` (a view)."""
-        t0 = page_index * self.page_size
-        return self.kv_buffer[:, t0: t0 + self.page_size]
+
+class MLAHostPool(_HostPool):
+    """A host KV pool laid out as SGLang's ``MLATokenToKVPoolHost`` (one latent row of
+    ``kv_lora_rank + qk_rope_head_dim`` a token and layer, no decode context parallelism), in
+    any layout it reports page regions for besides the Ascend one: ``kv_buffer``
+
+    - ``layer_first``: ``[layers, tokens, 1, kv_cache_dim]``, a page in one region a layer;
+    - ``page_first``: ``[tokens, layers, 1, kv_cache_dim]``;
+    - ``page_first_direct``: ``[pages, layers, page_size, 1, kv_cache_dim]``;
+
+    a page of the last two in one region. See :class:`_HostPool`.
+    """
+
+    LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+    def __init__(self, pages: int, page_size: int, layers: int, kv_lora_rank: int, qk_rope_head_dim: int,
+                 dtype=None, allocator=None, layout: str = "page_first") -> None:
+        self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
+        self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
+        super().__init__(pages, page_size, layers, dtype, allocator, layout)
+
+    def _dims(self) -> tuple:
+        L, C = self.layer_num, self.kv_cache_dim
+        return {"layer_first": (L, self.size, 1, C), "page_first": (self.size, L, 1, C),
+                "page_first_direct": (self.page_num, L, self.page_size, 1, C)}[self.layout]
+
+    def _page_slice(self, index: int) -> tuple:
+        if self.layout == "layer_first":
+            return slice(None), slice(index, index + self.page_size)
+        if self.layout == "page_first":
+            return (slice(index, index + self.page_size),)
+        p = index // self.page_size
+        return (slice(p, p + 1),)
+
+    def _page_shape(self) -> tuple:
+        L, C, ps = self.layer_num, self.kv_cache_dim, self.page_size
+        return {"layer_first": (L, ps, 1, C), "page_first": (ps, L, 1, C),
+                "page_first_direct": (1, L, ps, 1, C)}[self.layout]
+
+    def get_size_per_token(self) -> int:
+        return self.kv_cache_dim * self.dtype.itemsize * self.layer_num
+
+    def get_dummy_flat_data_page(self):
+        import torch  # noqa: PLC0415
+
+        return torch.zeros((self.layer_num, self.page_size, 1, self.kv_cache_dim), dtype=self.dtype).flatten()
+
+    def get_page_buffer_meta(self, indices) -> tuple[list[int], list[int]]:
+        """Per page of ``indices`` (token indices, ``page_size`` per page): its regions, as
+        (pointers, sizes): one a layer (``layer_first``), else the page's one."""
+        indices = indices.tolist()
+        if len(indices) % self.page_size:
+            raise ValueError(f"{len(indices)} token indices are not whole pages of {self.page_size}")
+        row = self.kv_cache_dim * self.dtype.itemsize  # a token of one layer
+        base, starts = self.kv_buffer.data_ptr(), indices[:: self.page_size]
+        if self.layout == "layer_first":
+            ptrs = [base + i * row + layer * self.size * row for i in starts for layer in range(self.layer_num)]
+            return ptrs, [row * self.page_size] * len(ptrs)
+        return [base + i * self.layer_num * row for i in starts], [self.layer_num * row * self.page_size] * len(starts)
+
+
+class PageFirstHostPool(MHAHostPool):
+    """A host KV pool laid out as SGLang's ``MHATokenToKVPoolHost`` with its ``page_first``
+    layout (:class:`MHAHostPool`): one CPU tensor ``[2 (K, V), tokens, layers, heads,
+    head_dim]``; :meth:`page` is a page's K and V, ``[2, page_size, layers, heads, head_dim]``.
+    """
+
+    def __init__(self, pages: int, page_size: int, layers: int, heads: int, head_dim: int, dtype=None,
+                 allocator=None) -> None:
+        super().__init__(pages, page_size, layers, heads, head_dim, dtype, allocator, "page_first")

@@ -28,12 +28,15 @@ instead of loading as garbage).
 kvstored: one memcpy each way. With ``"allocator": "shm"`` in the extra config, SGLang
 keeps its host pools in memfds, which this backend shares with kvstored
 (:mod:`~kvdrive_client.integrations.pool`): kvstored then reads and writes each page's
-regions (K and V, for the ``page_first`` layouts) in place, with no copy in SGLang's
-process; so for the KV pool and for each v2 pool whose pages lie in equal regions of
-one tensor (an SWA pool's; a Mamba pool's state pages do not). Pages of ``layer_first``
-pools lie in 2 x layers regions and move through staging past :data:`MAX_REGIONS_IN_PLACE`
-regions (a model of more than 4 layers), as do pages of SGLang's default pinned host pool. Without ``interface_v1`` SGLang passes flat page tensors (``batch_set``
-/ ``batch_get``), which are copied the same way. Pages are write-once: a page stored
+regions in place (an MHA pool's K and V in its ``page_first``, ``page_first_direct`` and
+``page_head`` layouts, an MLA pool's whole page in its ``page_first`` and
+``page_first_direct``), with no copy in SGLang's process; so for the KV pool and for each
+v2 pool whose pages lie in equal regions of one tensor (an SWA pool's; a Mamba pool's
+state pages do not). Pages of ``layer_first`` pools lie in a region per layer (MHA: two,
+K and V) and move through staging past :data:`MAX_REGIONS_IN_PLACE` regions (an MHA
+model of more than 4 layers, an MLA model of more than 8), as do pages of SGLang's
+default pinned host pool. Without ``interface_v1`` SGLang passes flat page tensors
+(``batch_set`` / ``batch_get``), which are copied the same way. Pages are write-once: a page stored
 already (by this process, another or an earlier run) is not written again. ``clear()``
 deletes the namespace's pages (on the storage-writer ranks). Prefetches never wait for
 backups: loads and stores have connections and staging regions of their own
@@ -73,18 +76,25 @@ counters.
 
 Verified here: the backend against SGLang's real ``HiCacheStorage``, storage config and
 backend factory, driven with the cache controller's calls, against a real kvstored, on
-a host pool whose ``get_page_buffer_meta`` computes what SGLang's MHA host pool does for
-its ``page_first`` layout (tests/integrations). The v2 interface likewise, with SGLang's
+CPU stand-ins of SGLang's MHA and MLA host pools in each layout they report page regions
+for (MHA ``page_first``, ``page_first_direct``, ``page_head``, ``layer_first``; MLA
+``page_first``, ``page_first_direct``, ``layer_first``), whose tensors, page regions and
+pages are what SGLang's own pool methods (compiled from its source) compute: pages loaded
+byte for byte into other host pages, in place and through staging, stored as SGLang's
+regions in order (tests/integrations). The v2 interface likewise, with SGLang's
 own ``PoolTransfer`` / ``PoolHitPolicy`` / ``PoolTransferResult``, on CPU stand-ins for a
 hybrid model's host pools (a KV pool, a Mamba state pool laid out as SGLang's
 ``MambaPoolHost`` ``page_first``, with and without slot side states, an SWA pool):
 byte-exact round trips per pool, ``batch_exists_v2`` equal to SGLang's own file
 backend's on the same stored pages, misses, ``clear()`` (tests/integrations/test_sglang_v2.py).
 Not verified: an SGLang server on a GPU, or a real hybrid model served with it (SGLang's
-hybrid cache controller has not called it; its calls were scripted from its source); the
-other layouts and MLA pools (handled alike, through the regions their host pools
-report). Not supported: a logical KV anchor with no pages of its own (DeepSeek V4's),
-``BLOCK_GROUPS`` verdicts, storage metrics (``get_stats()``) of the v2 pools.
+hybrid cache controller has not called it; its calls were scripted from its source);
+SGLang's host pool classes themselves (built only beside a GPU device pool); MHA pools of
+unequal K and V head sizes (two tensors, so through staging) and Ascend's
+``page_first_kv_split``. Not supported: a logical KV anchor with no pages of its own
+(DeepSeek V4's), decode context parallelism (``dcp_size`` > 1: its ranks' shares of a
+page are not told apart), ``BLOCK_GROUPS`` verdicts, storage metrics (``get_stats()``) of
+the v2 pools.
 """
 
 from __future__ import annotations
@@ -201,7 +211,7 @@ if _IMPORT_ERROR is None:
             why = "its pages are not in one contiguous CPU tensor"
         elif len(set(sizes)) != 1 or len(sizes) > MAX_REGIONS_IN_PLACE:
             why = (f"a page lies in {len(sizes)} regions (layout {getattr(host, 'layout', '?')}): in place, kvstored "
-                   f"would keep it in as many parts; page_first layouts lie in 2 (K, V)")
+                   f"would keep it in as many parts; page_first layouts lie in 2 (K, V; MLA: 1)")
         else:
             try:
                 block_geometry(sum(sizes), len(sizes))
