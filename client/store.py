@@ -41,7 +41,9 @@ class Sequence:
 
     ``uid`` names it in puts and gets; ``ns``/``name`` are what it was created as;
     ``num_blocks`` the blocks stored so far and ``complete_pages`` the pages stored for
-    every (layer, KV head), both as of the reply.
+    every (layer, KV head), both as of the reply. ``writing``: whether the session that
+    created it is still open on the daemon (False after a restart; None where the daemon
+    does not say): an incomplete sequence nobody is writing stays so.
     """
 
     uid: int
@@ -50,10 +52,12 @@ class Sequence:
     geometry: Geometry
     num_blocks: int
     complete_pages: int
+    writing: bool | None = None
 
     @classmethod
     def from_reply(cls, r: dict) -> "Sequence":
-        return cls(r["uid"], r["ns"], r["seq"], Geometry.from_dict(r["geometry"]), r["num_blocks"], r["complete_pages"])
+        return cls(r["uid"], r["ns"], r["seq"], Geometry.from_dict(r["geometry"]), r["num_blocks"], r["complete_pages"],
+                   r.get("writing"))
 
 
 class PendingGet:
@@ -304,9 +308,10 @@ class StoreClient:
         prefix = next((i for i, n in enumerate(pages) if n < min_pages), len(pages))
         return {"uids": uids, "pages": pages, "prefix": prefix}
 
-    def delete(self, ns: str, seq: str) -> dict:
-        """Delete ``ns/seq`` and free its blocks; :class:`~kvdrive_client.errors.NotFoundError` if there is none."""
-        return self.call(Op.DELETE, {"ns": ns, "seq": seq})
+    def delete(self, ns: str, seq: str, uid: int | None = None) -> dict:
+        """Delete ``ns/seq`` and free its blocks; :class:`~kvdrive_client.errors.NotFoundError` if there is none,
+        or, given ``uid``, if ``ns/seq`` is no longer that sequence (deleted, and its name taken again)."""
+        return self.call(Op.DELETE, {"ns": ns, "seq": seq} if uid is None else {"ns": ns, "seq": seq, "uid": uid})
 
     def hello(self) -> dict:
         """The daemon's hello (format, engine, what it supports), asked once and kept."""

@@ -99,6 +99,8 @@ class SeqEntry:
     hi_page: int = 0
     # (offset, bytes) of every extent on SSD, so a delete can free them.
     extents: list = field(default_factory=list)
+    # The token of the session that created it, while this daemon runs (not in the catalog).
+    writer: bytes | None = None
 
     def __post_init__(self) -> None:
         self._install(_arrays(self.geometry, 0))

@@ -112,8 +112,11 @@ class Lookup:
 
 @dataclass(frozen=True)
 class Delete:
+    """Delete ``ns/seq``; with ``uid`` (not 0), only if that is still its uid."""
+
     ns: str
     seq: str
+    uid: int = 0
 
 
 @dataclass(frozen=True)
@@ -490,7 +493,7 @@ def _parse_op(header: dict, frames: list, max_bytes: int, max_blocks: int) -> Re
     if op is Op.OPEN:
         return OpenSeq(f.name("ns"), f.name("seq"))
     if op is Op.DELETE:
-        return Delete(f.name("ns"), f.name("seq"))
+        return Delete(f.name("ns"), f.name("seq"), f.int("uid", 0, 1 << 62, 0))
     if op is Op.LOOKUP:
         return Lookup(f.name("ns"), f.names("seqs", MAX_LOOKUP), f.int("min_pages", 0, MAX_PAGES, 1))
     if op is Op.LIST:

@@ -34,15 +34,8 @@ def owned_entry(index: BlockIndex, uid: int, owner: int, blocks: bool = False) -
     return entry
 
 
-def describe(index: BlockIndex, entry: SeqEntry) -> dict:
-    with index.lock:
-        prefix = entry.complete_pages
-        dram_blocks = int((entry.dram_off >= 0).sum())
-    return {
-        "ns": entry.ns, "seq": entry.name, "uid": entry.uid, "geometry": entry.geometry.to_dict(),
-        "num_blocks": entry.num_blocks, "bytes": entry.bytes, "dram_blocks": dram_blocks,
-        "complete_pages": prefix, "created": entry.created,
-    }
+def _never_open(token: bytes) -> bool:
+    return False
 
 
 class Sequences:
@@ -57,20 +50,39 @@ class Sequences:
         self.counters = counters
         # Bytes stored per (owner, namespace), for --quota.
         self.ns_bytes: Counter[tuple[int, str]] = Counter()
+        # Whether a session token is of an open session (the server's session table says).
+        self.session_open: Callable[[bytes], bool] = _never_open
 
-    def create_many(self, reqs: list[tuple[Create, int]]) -> list[dict | ProtocolError]:
+    def describe(self, entry: SeqEntry) -> dict:
+        """A sequence as ``create``, ``open`` and ``list`` answer it. ``writing``: whether the
+        session that created it is still open (false after a restart): where its pages are
+        incomplete, a session may still store them, or none ever will."""
+        with self.index.lock:
+            prefix = entry.complete_pages
+            dram_blocks = int((entry.dram_off >= 0).sum())
+        return {
+            "ns": entry.ns, "seq": entry.name, "uid": entry.uid, "geometry": entry.geometry.to_dict(),
+            "num_blocks": entry.num_blocks, "bytes": entry.bytes, "dram_blocks": dram_blocks,
+            "complete_pages": prefix, "created": entry.created,
+            "writing": entry.writer is not None and self.session_open(entry.writer),
+        }
+
+    def create_many(self, reqs: list[tuple[Create, int]], writers: list[bytes | None] | None = None
+                    ) -> list[dict | ProtocolError]:
         """Create sequences (request, owner) in one catalog commit: per request, its sequence's
         description or the error that refused it. A request refused on its own (a name taken
         with another geometry, a full index) refuses only itself; a failed commit refuses
         every request that would have created a sequence, and none of them exists. A name
         given twice in the group is created once (the second is a request for an existing
-        sequence)."""
+        sequence). ``writers``: each request's session token, which a sequence it creates
+        keeps as its writer."""
         results: list[dict | ProtocolError | SeqEntry] = []
         pending: dict[tuple[int, str, str], SeqEntry] = {}
         records: list[SeqRecord] = []
-        for req, owner in reqs:
+        for i, (req, owner) in enumerate(reqs):
+            writer = None if writers is None else writers[i]
             try:
-                results.append(self._prepare_create(req, owner, pending, records))
+                results.append(self._prepare_create(req, owner, pending, records, writer))
             except ProtocolError as exc:
                 results.append(exc)
         if records:
@@ -81,16 +93,16 @@ class Sequences:
             except ProtocolError as exc:
                 made = {id(e) for e in pending.values()}
                 results = [exc if isinstance(r, SeqEntry) and id(r) in made else r for r in results]
-                return [describe(self.index, r) if isinstance(r, SeqEntry) else r for r in results]
+                return [self.describe(r) if isinstance(r, SeqEntry) else r for r in results]
             self.counters["create_commits"] += 1
             self.counters["creates"] += len(pending)
             for entry in pending.values():
                 self.index.add(entry)
                 log.info("created %s/%s (uid %d, %d B blocks)", entry.ns, entry.name, entry.uid,
                          entry.geometry.block_bytes)
-        return [describe(self.index, r) if isinstance(r, SeqEntry) else r for r in results]
+        return [self.describe(r) if isinstance(r, SeqEntry) else r for r in results]
 
-    def _prepare_create(self, req: Create, owner: int, pending: dict, records: list) -> SeqEntry:
+    def _prepare_create(self, req: Create, owner: int, pending: dict, records: list, writer: bytes | None) -> SeqEntry:
         """The entry ``req`` names: an existing one (``exist_ok``, same geometry), or a new one
         added to ``pending`` with its catalog record in ``records``, to be committed."""
         key = (owner, req.ns, req.seq)
@@ -112,6 +124,7 @@ class Sequences:
         # The entry holds no arrays until its first put; made before the commit, so nothing
         # that can fail is left once the sequence is durable.
         entry = SeqEntry(uid, req.ns, req.seq, req.geometry, rec.created, owner)
+        entry.writer = writer
         pending[key] = entry
         records.append(rec)
         return entry
@@ -120,7 +133,7 @@ class Sequences:
         entry = self.index.find(owner, req.ns, req.seq)
         if entry is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no sequence {req.ns}/{req.seq}")
-        return describe(self.index, entry)
+        return self.describe(entry)
 
     def list(self, req: ListSeqs, owner: int) -> dict:
         """The caller's sequences (of namespace ``req.ns`` if given) with uid > ``req.after``,
@@ -130,7 +143,7 @@ class Sequences:
              and e.name != BLOCKS_NAME),
             key=lambda e: e.uid,
         )
-        return {"sequences": [describe(self.index, e) for e in mine[: req.limit]], "more": len(mine) > req.limit}
+        return {"sequences": [self.describe(e) for e in mine[: req.limit]], "more": len(mine) > req.limit}
 
     def lookup(self, req: Lookup, owner: int) -> dict:
         """For each name: the sequence's uid and complete pages, or 0 and -1 where the caller
@@ -149,6 +162,9 @@ class Sequences:
         entry = self.index.find(owner, req.ns, req.seq)
         if entry is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no sequence {req.ns}/{req.seq}")
+        if req.uid and entry.uid != req.uid:  # the one the caller saw was deleted, and the name taken again
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no sequence {req.ns}/{req.seq} with uid {req.uid} "
+                                                     f"(the name is another's now, uid {entry.uid})")
         self.delete_entries([entry], "delete")
         log.info("deleted %s/%s (%s)", entry.ns, entry.name, format_size(entry.bytes))
         return {"freed_bytes": entry.bytes}

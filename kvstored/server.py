@@ -96,6 +96,7 @@ class Server:
         self.store = Store(cfg)
         self.cuda_ipc = cuda_ipc.probe()  # once: whether CUDA IPC buffers can be served, logged with why
         self.sessions = SessionTable(cfg.session_limits, cfg.max_mapped_bytes, self.store.gate.retire, self.cuda_ipc)
+        self.store.sequences.session_open = self.sessions.is_open
         self.ctx = zmq.Context()
         self._stop = threading.Event()
         self._writes = FairQueue()

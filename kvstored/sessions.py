@@ -128,6 +128,9 @@ class SessionTable:
             )
         return session
 
+    def is_open(self, token: bytes) -> bool:
+        return token in self._by_token
+
     def close(self, session: Session) -> None:
         with self._lock:
             if self._by_token.pop(session.token, None) is None:

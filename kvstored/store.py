@@ -161,8 +161,9 @@ class Store:
             raise result
         return result
 
-    def create_many(self, reqs: list[tuple[Create, int]]) -> list[dict | ProtocolError]:
-        return self.sequences.create_many(reqs)
+    def create_many(self, reqs: list[tuple[Create, int]], writers: list[bytes | None] | None = None
+                    ) -> list[dict | ProtocolError]:
+        return self.sequences.create_many(reqs, writers)
 
     def open(self, req: OpenSeq, owner: int) -> dict:
         return self.sequences.open(req, owner)

@@ -157,7 +157,8 @@ class Writer:
         if not live:
             return
         try:
-            results = self.store.create_many([(env.request, session.uid) for _, env, session in live])
+            results = self.store.create_many([(env.request, session.uid) for _, env, session in live],
+                                             [session.token for _, _, session in live])
         except Exception as exc:
             log.exception("internal error creating %d sequences", len(live))
             results = [ProtocolError(ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")] * len(live)

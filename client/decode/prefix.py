@@ -3,11 +3,13 @@ the model and the prompt's tokens (:meth:`kvdrive_client.handle.Handle._restore`
 the prompt's pages below ``StoreIO.base_pages``.
 
 They are only what the prompt computes, so a session never writes over stored pages it did
-not create, nor waits for them: where they are incomplete (another process is storing them
-now, or one stopped while storing them), or a row's name is taken when the prefill would
-create it, the session keeps every page in its own sequences and leaves them alone; where
-they fail their checksum as they load, or a decode fetch finds one damaged later, it deletes
-them (:func:`drop_prefix`, :func:`on_damage`).
+not create, nor waits for them: where they are incomplete and another process is storing
+them now (the daemon says whether the session that created them is still open), or a row's
+name is taken when the prefill would create it, the session keeps every page in its own
+sequences and leaves them alone. Where they are incomplete and no session is writing them
+(a process stopped while storing them, or the daemon restarted), it deletes them and stores
+the prompt anew (:func:`drop_stale`); where they fail their checksum as they load, or a
+decode fetch finds one damaged later, it deletes them (:func:`drop_prefix`, :func:`on_damage`).
 """
 
 from __future__ import annotations
@@ -47,8 +49,15 @@ def open_prefix(io: StoreIO, names: list[str], prefix_pages: int, restore_pages:
             io.windows.plan(names, restore_pages)
         return False
     if len(seqs) < len(names) or any(s.geometry != io.geometry or s.complete_pages < prefix_pages for s in seqs):
-        _keep_own(io, "incomplete: another process is storing them, or one stopped while storing them (delete "
-                      f"{seqs[0].ns}/{seqs[0].name} if none is)")
+        if not stale(seqs) or any(s.geometry != io.geometry for s in seqs):
+            _keep_own(io, "incomplete: another process is storing them" + (
+                "" if all(s.writing for s in seqs) else
+                f", or one stopped while storing them (delete {seqs[0].ns}/{seqs[0].name} if none is)"))
+            return False
+        drop_stale(io, seqs)  # and store them at prefill, as where none were stored
+        if io.windows is not None:
+            io.windows.drop_stale(names, restore_pages)
+            io.windows.plan(names, restore_pages)
         return False
     if restore_pages <= 0:
         _keep_own(io, "stored already: the prefill reads the queries of more of the prompt than the tokens after them")
@@ -94,6 +103,24 @@ def create_all(io: StoreIO, names: list[str], geometry: Geometry) -> list[Sequen
     return made
 
 
+def stale(seqs: list[Sequence]) -> bool:
+    """Whether no open session of the daemon is writing any of ``seqs``: a process stopped
+    while storing them, or the daemon restarted since; incomplete, they stay so."""
+    return bool(seqs) and all(s.writing is False for s in seqs)
+
+
+def drop_stale(io: StoreIO, seqs: list[Sequence]) -> None:
+    """Delete :func:`stale` ``seqs``, each only while its name is still that sequence (another
+    process that took them over first has made new ones, and keeps them)."""
+    for seq in seqs:
+        try:
+            io.store.delete(seq.ns, seq.name, uid=seq.uid)
+        except NotFoundError:
+            pass
+    log.info("deleted %d stored sequence(s) of this prompt (%s/%s, ...) that a process left incomplete when it "
+             "stopped; this session stores them anew", len(seqs), seqs[0].ns, seqs[0].name)
+
+
 def _keep_own(io: StoreIO, why: str) -> None:
     log.info("not reusing or storing this prompt's stored pages, %s; its pages go to this session's own sequences",
              why)
@@ -121,7 +148,9 @@ def drop_prefix(io: StoreIO, exc: ChecksumError) -> ChecksumError:
     prefills the prompt and stores it again; the error to raise (this one has run past its prefill)."""
     for seq in io.base_seqs + (io.windows.seqs if io.windows is not None else []):
         try:
-            io.store.delete(seq.ns, seq.name)
+            io.store.delete(seq.ns, seq.name, uid=seq.uid)  # not another's, made since under the same name
+        except NotFoundError:
+            pass
         except StoreError as err:
             log.warning("could not delete the damaged stored prompt %s/%s: %s", seq.ns, seq.name, err)
     err = ChecksumError(f"{exc}; this reused prompt's stored pages were deleted: the next generate() "

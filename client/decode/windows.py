@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvdrive.layout.geometry import Geometry
-from kvdrive_client.decode.prefix import create_all
+from kvdrive_client.decode.prefix import create_all, drop_stale, stale
 from kvdrive_client.errors import NotFoundError
 from kvdrive_client.store import Sequence
 
@@ -62,9 +62,25 @@ class Windows:
             self.plan(names, at)
             return "stored without the sliding-window layers' windows at this restore point"
         if len(seqs) < len(names) or any(q.geometry != self.geometry or q.complete_pages < self.pages for q in seqs):
+            if stale(seqs) and all(q.geometry == self.geometry for q in seqs):
+                drop_stale(self.io, seqs)
+                self.plan(names, at)
+                return "their sliding-window layers' windows were left incomplete by a process that stopped"
             return "their sliding-window layers' windows are incomplete"
         self.seqs = seqs
         return ""
+
+    def drop_stale(self, names: list[str], at: int) -> None:
+        """Delete the rows' windows at restore point ``at`` where a process left them and no
+        session is writing them (:func:`~kvdrive_client.decode.prefix.stale`)."""
+        seqs = []
+        for name in self.names_of(names, at):
+            try:
+                seqs.append(self.io.store.open(self.io.ctx.cfg.namespace, name))
+            except NotFoundError:
+                pass
+        if stale(seqs):
+            drop_stale(self.io, seqs)
 
     def plan(self, names: list[str], at: int) -> None:
         self.names, self.at = (self.names_of(names, at), at) if at > 0 else (None, 0)

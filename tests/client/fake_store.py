@@ -221,12 +221,13 @@ class FakeStore:
                                 "num_blocks": d.num_blocks, "complete_pages": d.complete_pages})
             return out
 
-    def delete(self, ns: str, seq: str) -> dict:
+    def delete(self, ns: str, seq: str, uid: int | None = None) -> dict:
         with self._lock:
             self.counts["delete"] += 1
-            uid = self._by_name.pop((ns, seq), None)
-            if uid is None:
-                raise NotFoundError(f"[not_found] no sequence {ns}/{seq}")
+            found = self._by_name.get((ns, seq))
+            if found is None or uid not in (None, found):
+                raise NotFoundError(f"[not_found] no sequence {ns}/{seq}" + ("" if uid is None else f" with uid {uid}"))
+            uid = self._by_name.pop((ns, seq))
             s = self._by_uid.pop(uid)
             gone = [k for k in self.blocks if k[0] == uid]
             for k in gone:

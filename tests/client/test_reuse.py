@@ -1,5 +1,7 @@
 """Reopening a stored prompt: the second generate() skips prefill over it."""
 
+import time
+
 import pytest
 import torch
 
@@ -147,6 +149,49 @@ def test_stored_pages_another_session_left_incomplete_are_neither_used_nor_writt
         assert store.list("kvdrive") == left  # not written to, not deleted
     assert all(torch.equal(o.sequences, ref.sequences) for o in outs)
     assert "restored_pages" not in stats and "incomplete: another process is storing them" in caplog.text
+
+
+def test_stored_pages_a_stopped_process_left_incomplete_are_deleted_and_stored_anew(daemon, make_tiny, monkeypatch,
+                                                                                    caplog):
+    # Its session is gone, so nobody will finish them: the next session deletes them (by uid,
+    # so never another's made since), stores the prompt again, and the one after reuses it.
+    from kvdrive_client.decode import fetch
+
+    model = make_tiny("llama", layers=2)
+    ids = torch.randint(1, 512, (1, 1000), generator=torch.Generator().manual_seed(11))
+    ref = run(model, ids, new=4)
+    put_layer = fetch.StoreIO.put_layer
+
+    def stop_after_layer_0(io, layer, *args, **kwargs):
+        if layer == 1:
+            raise RuntimeError("stopped while storing")
+        return put_layer(io, layer, *args, **kwargs)
+
+    with daemon.client() as stopped:
+        handle = attach(model, stopped, budget=0.5, reuse=True)
+        monkeypatch.setattr(fetch.StoreIO, "put_layer", stop_after_layer_0)
+        with pytest.raises(RuntimeError, match="stopped while storing"):
+            run(model, ids, new=4)
+        monkeypatch.setattr(fetch.StoreIO, "put_layer", put_layer)
+        handle.detach()
+    with daemon.client() as store:
+        deadline = time.monotonic() + 10
+        while (left := store.list("kvdrive"))[0]["writing"]:  # its session ends with its connection
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert len(left) == 1 and left[0]["complete_pages"] == 0
+        outs, stats = [], []
+        for _ in range(2):
+            handle = attach(model, store, budget=0.5, reuse=True)
+            with caplog.at_level("INFO", logger="kvdrive_client.decode.prefix"):
+                outs.append(run(model, ids, new=4))
+            stats.append(handle.stats())
+            handle.detach()
+        [now] = store.list("kvdrive")
+    assert all(torch.equal(o.sequences, ref.sequences) for o in outs)
+    assert now["uid"] != left[0]["uid"] and now["complete_pages"] > 0
+    assert "left incomplete when it stopped" in caplog.text
+    assert "restored_pages" not in stats[0] and stats[1]["restored_pages"] > 0
 
 
 def test_a_prompt_another_process_starts_storing_first_is_left_to_it(daemon, make_tiny, monkeypatch):

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from kvdrive_client import Geometry, StoreUnavailableError
-from kvdrive_client.errors import BufferError_, ExpiredError, SessionLostError
+from kvdrive_client.errors import BufferError_, ExpiredError, NotFoundError, SessionLostError
 from kvdrive_client.shm import SharedBuffer
 from kvstored.protocol import PROTOCOL_VERSION, Op
 
@@ -394,3 +394,35 @@ def test_session_lost_error_is_raised_for_writes_and_the_next_call_works(daemon)
     assert issubclass(SessionLostError, StoreUnavailableError)
     buf = client.register(4096)
     assert isinstance(buf, SharedBuffer) and buf.buf_id is not None
+
+
+def test_a_sequence_says_whether_the_session_that_created_it_is_still_open(daemon):
+    """``writing``: true while its creator's session is open, false once it closed or the
+    daemon restarted, so that an incomplete sequence nobody will finish can be told from one
+    being written; a delete naming a uid deletes only that sequence."""
+    watcher = daemon.client()
+    with daemon.client() as writer:
+        made = writer.create("w", "prompt", GEOM)
+        assert made.writing is True and writer.open("w", "prompt").writing is True
+        assert watcher.open("w", "prompt").writing is True  # the same user: it sees the writer is still there
+        other = watcher.create("w", "other", GEOM)
+    deadline = time.monotonic() + 10
+    while watcher.open("w", "prompt").writing:  # the writer's session ends with its connection
+        assert time.monotonic() < deadline, "a closed session's sequence still says it is written"
+        time.sleep(0.05)
+    assert watcher.open("w", "other").writing is True
+    assert [s["writing"] for s in watcher.list("w")] == [False, True]
+    watcher.close()
+    restart(daemon)
+    with daemon.client() as after:
+        assert [after.open("w", n).writing for n in ("prompt", "other")] == [False, False]
+        # Deleted, and the name taken again: a delete of the uid seen before deletes nothing.
+        after.delete("w", "prompt", uid=made.uid)
+        again = after.create("w", "prompt", GEOM)
+        with pytest.raises(NotFoundError, match=f"uid {made.uid}"):
+            after.delete("w", "prompt", uid=made.uid)
+        assert after.open("w", "prompt").uid == again.uid
+        with pytest.raises(NotFoundError):
+            after.delete("w", "nothing", uid=again.uid)
+        after.delete("w", "other", uid=other.uid)
+        assert [s["seq"] for s in after.list("w")] == ["prompt"]
