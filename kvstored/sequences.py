@@ -55,8 +55,9 @@ class Sequences:
 
     def describe(self, entry: SeqEntry) -> dict:
         """A sequence as ``create``, ``open`` and ``list`` answer it. ``writing``: whether the
-        session that created it is still open (false after a restart): where its pages are
-        incomplete, a session may still store them, or none ever will."""
+        session that created it, or last put into it, is still open (false after a restart,
+        until a put): where its pages are incomplete, a session may still store them, or none
+        ever will."""
         with self.index.lock:
             prefix = entry.complete_pages
             dram_blocks = int((entry.dram_off >= 0).sum())

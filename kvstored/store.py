@@ -182,7 +182,10 @@ class Store:
         self.blocks.enforce_quotas(prepared)
 
     def prepare_put(self, req: Put, session: Session) -> PreparedPut:
-        return self.puts.prepare(req, session, owned_entry(self.index, req.uid, session.uid))
+        entry = owned_entry(self.index, req.uid, session.uid)
+        if entry.writer is None or not self.sequences.session_open(entry.writer):
+            entry.writer = session.token  # a writer that reconnected after a restart says so with its next put
+        return self.puts.prepare(req, session, entry)
 
     def abort_puts(self, prepared: list[PreparedPut]) -> None:
         self.puts.abort(prepared)

@@ -411,11 +411,14 @@ def test_a_sequence_says_whether_the_session_that_created_it_is_still_open(daemo
         assert time.monotonic() < deadline, "a closed session's sequence still says it is written"
         time.sleep(0.05)
     assert watcher.open("w", "other").writing is True
-    assert [s["writing"] for s in watcher.list("w")] == [False, True]
+    assert {s["seq"]: s["writing"] for s in watcher.list("w")} == {"prompt": False, "other": True}
     watcher.close()
     restart(daemon)
     with daemon.client() as after:
         assert [after.open("w", n).writing for n in ("prompt", "other")] == [False, False]
+        buf = after.register(GEOM.num_kv_heads * BB)
+        after.put_from(after.open("w", "other"), [0], [0], buf)  # a writer back after the restart says so
+        assert after.open("w", "other").writing is True and after.open("w", "prompt").writing is False
         # Deleted, and the name taken again: a delete of the uid seen before deletes nothing.
         after.delete("w", "prompt", uid=made.uid)
         again = after.create("w", "prompt", GEOM)
