@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import zmq
+
 from kvdrive_client.errors import BusyError, KVDriveError
 from kvdrive_client.integrations.pool import SharedFile
 from kvdrive_client.shm import PoolBuffer, SharedBuffer
@@ -55,6 +57,17 @@ class Channel:
         if self._pool is None or self._pool.buf_id is None:
             self._pool = shared.registered(self.client)
         return self._pool
+
+    def drop_pool(self) -> None:
+        """Unregister the engine's file from this channel's session, where it is registered
+        (kvstored refused it on another channel, or it broke: rows move through staging)."""
+        pool, self._pool = self._pool, None
+        if pool is None or self._client is None:
+            return
+        try:
+            self._client.unregister(pool)
+        except (KVDriveError, zmq.ZMQError) as exc:  # the daemon dropped it with the session, or the store closed
+            log.debug("the engine's file was not unregistered (%s)", exc)
 
     @property
     def client(self) -> StoreClient:
@@ -115,6 +128,25 @@ class Lane:
         self._free: queue.LifoQueue[Channel] = queue.LifoQueue()  # the warmest channel first
         for ch in reversed(self._channels):
             self._free.put(ch)
+        self._no_pool = False  # drop_pools() was called: no channel keeps the engine's file
+
+    def drop_pools(self) -> None:
+        """Unregister the engine's file from every channel: the free ones now, those in calls
+        as the calls give them back."""
+        self._no_pool = True
+        taken = []
+        while True:
+            try:
+                taken.append(self._free.get_nowait())
+            except queue.Empty:
+                break
+        for ch in taken:
+            self._release(ch)
+
+    def _release(self, ch: Channel) -> None:
+        if self._no_pool:
+            ch.drop_pool()
+        self._free.put(ch)
 
     @contextmanager
     def channel(self, timeout: float) -> Iterator[Channel]:
@@ -128,7 +160,7 @@ class Lane:
         try:
             yield ch
         finally:
-            self._free.put(ch)
+            self._release(ch)
 
     def open(self, timeout: float, shared: SharedFile | None = None) -> int:
         """Connect and register the region of every channel not yet open, and ``shared`` where
@@ -147,12 +179,12 @@ class Lane:
                 if not held[-1].opened:
                     held[-1].region  # noqa: B018 - connects, then registers
                     opened += 1
-                if shared is not None:
+                if shared is not None and not self._no_pool:
                     held[-1].pool(shared)
             return opened
         finally:
             for ch in held:
-                self._free.put(ch)
+                self._release(ch)
 
     def busy(self) -> int:
         """How many channels calls hold now."""

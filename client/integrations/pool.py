@@ -260,7 +260,7 @@ class InPlace:
                 # rows past its end would fault here too): then this call fails.
                 log.warning("KVDrive %s: kvstored moves no more blocks in place (%s); they move through staging "
                             "from now on", self.ns, exc)
-                self._shared = None
+                self._unshare()
                 if code is ErrorCode.UNSUPPORTED or shared.whole():
                     return (self.load if op == "load" else self.store)(keys, blocks)
             self._failed(op, exc, len(order) - sum(done[i] for i in order))
@@ -281,10 +281,17 @@ class InPlace:
             if self._shared is shared:
                 log.warning("KVDrive %s: kvstored refuses the engine's shared rows (%s); they move through staging "
                             "from now on", self.ns, exc)
-                self._shared = None
+                self._unshare()
             if not shared.whole():
                 raise BufferError_(f"[buffer] the engine's shared file is shorter than its rows ({exc})") from None
             return None
+
+    def _unshare(self) -> None:
+        """Rows move through staging from now on: no channel keeps the file registered (nor
+        registers it again with a restarted daemon)."""
+        self._shared = None
+        self.loads.drop_pools()
+        self.stores.drop_pools()
 
     def _in_place_step(self, n: int) -> int:
         """Blocks per get of an in-place load of ``n``. A load is one get (there is no copy out

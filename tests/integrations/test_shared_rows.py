@@ -320,5 +320,7 @@ def test_rows_of_a_file_shrunk_under_kvstored_move_through_staging_from_then_on(
             assert store.load_rows(keys(8), rows, range(8, 16)) == [True] * 8
             np.testing.assert_array_equal(rows[8:], saved[:8])
     assert "move through staging from now on" in caplog.text
+    with daemon.client() as probe:  # no channel keeps the file: the user maps its staging regions alone
+        assert probe.stats()["mapped_bytes"] == 2 * store.depth * store.slot_bytes
     store.close()
     os.close(fd)
