@@ -85,7 +85,7 @@ class ShmHostAllocator:
 
 class _HostPool:
     """What SGLang's host KV pools have in common, for the stand-ins below: ``pages`` pages of
-    ``page_size`` tokens in one CPU tensor ``kv_buffer`` of SGLang's shape for ``layout``
+    ``page_size`` rows (tokens) in one CPU tensor ``kv_buffer`` of SGLang's shape for ``layout``
     (:meth:`_dims`), made by ``allocator`` (SGLang's host tensor allocator,
     ``allocate(dims, dtype, device)``; its ``shm`` one keeps it in a memfd), default a plain
     CPU tensor; zeros.
@@ -95,9 +95,12 @@ class _HostPool:
     ``kv_buffer``, ``get_size_per_token``, ``get_page_buffer_meta``, ``get_data_page``,
     ``get_dummy_flat_data_page``, ``set_from_flat_data_page``), computed as SGLang's pool
     computes them for that layout, so a backend sees the same pointers, sizes and pages.
+    Host indices are SGLang's logical ones, ``logical_page_size`` of them a page: ``page_size``,
+    times ``dcp_size`` under decode context parallelism (:class:`MLAHostPool`).
     """
 
     LAYOUTS: tuple[str, ...] = ()
+    dcp_size, dcp_rank = 1, 0  # as SGLang's HostKVCache: no decode context parallelism
 
     def __init__(self, pages: int, page_size: int, layers: int, dtype, allocator, layout: str) -> None:
         import torch  # noqa: PLC0415 - only the SGLang cases need it
@@ -112,11 +115,25 @@ class _HostPool:
         self.kv_buffer = torch.zeros(dims, dtype=self.dtype) if allocator is None else \
             allocator.allocate(dims, self.dtype, "cpu").zero_()
 
+    @property
+    def logical_size(self) -> int:
+        """The host indices SGLang's controller sees: ``dcp_size`` of them share a row."""
+        return self.size * self.dcp_size
+
+    @property
+    def logical_page_size(self) -> int:
+        """A page in host indices (SGLang's widened DCP page)."""
+        return self.page_size * self.dcp_size
+
+    def _row(self, index: int) -> int:
+        """The row of ``kv_buffer`` where the page whose first host index is ``index`` starts."""
+        return index
+
     def _dims(self) -> tuple:
         raise NotImplementedError
 
     def _page_slice(self, index: int) -> tuple:
-        """The index into ``kv_buffer`` of the page whose first token is ``index``."""
+        """The index into ``kv_buffer`` of the page whose first row is ``index``."""
         raise NotImplementedError
 
     def _page_shape(self) -> tuple:
@@ -124,16 +141,16 @@ class _HostPool:
         raise NotImplementedError
 
     def get_data_page(self, index: int, flat: bool = True):
-        """The page whose first token is ``index`` (a view; ``flat``: flattened)."""
-        page = self.kv_buffer[self._page_slice(index)]
+        """The page whose first host index is ``index`` (a view; ``flat``: flattened)."""
+        page = self.kv_buffer[self._page_slice(self._row(index))]
         return page.flatten() if flat else page
 
     def set_from_flat_data_page(self, index: int, data_page) -> None:
-        self.kv_buffer[self._page_slice(index)] = data_page.reshape(self._page_shape())
+        self.kv_buffer[self._page_slice(self._row(index))] = data_page.reshape(self._page_shape())
 
     def page(self, page_index: int):
         """Page ``page_index`` as ``get_data_page`` has it (a view)."""
-        return self.get_data_page(page_index * self.page_size, flat=False)
+        return self.get_data_page(page_index * self.logical_page_size, flat=False)
 
 
 class MHAHostPool(_HostPool):
@@ -208,23 +225,43 @@ class MHAHostPool(_HostPool):
 
 class MLAHostPool(_HostPool):
     """A host KV pool laid out as SGLang's ``MLATokenToKVPoolHost`` (one latent row of
-    ``kv_lora_rank + qk_rope_head_dim`` a token and layer, no decode context parallelism), in
-    any layout it reports page regions for besides the Ascend one: ``kv_buffer``
+    ``kv_lora_rank + qk_rope_head_dim`` a token and layer), in any layout it reports page
+    regions for besides the Ascend one: ``kv_buffer``
 
-    - ``layer_first``: ``[layers, tokens, 1, kv_cache_dim]``, a page in one region a layer;
-    - ``page_first``: ``[tokens, layers, 1, kv_cache_dim]``;
-    - ``page_first_direct``: ``[pages, layers, page_size, 1, kv_cache_dim]``;
+    - ``layer_first``: ``[layers, rows, 1, kv_cache_dim]``, a page in one region a layer;
+    - ``page_first``: ``[rows, layers, 1, kv_cache_dim]``;
+    - ``page_first_direct``: ``[pages, layers, rows a page, 1, kv_cache_dim]``;
 
-    a page of the last two in one region. See :class:`_HostPool`.
+    a page of the last two in one region. Under decode context parallelism (``dcp_size``
+    > 1) it is DCP rank ``dcp_rank``'s, as SGLang's: ``page_size`` (SGLang passes the
+    widened page) is a page in host indices, ``logical_page_size``, and each rank holds
+    ``page_size // dcp_size`` rows of it (``self.page_size``), its share of the page's
+    tokens; the page whose first host index is ``i`` (a multiple of ``logical_page_size``)
+    starts at row ``i // dcp_size`` (SGLang's ``_storage_page_index``). See
+    :class:`_HostPool`.
     """
 
     LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
     def __init__(self, pages: int, page_size: int, layers: int, kv_lora_rank: int, qk_rope_head_dim: int,
-                 dtype=None, allocator=None, layout: str = "page_first") -> None:
+                 dtype=None, allocator=None, layout: str = "page_first", dcp_size: int = 1,
+                 dcp_rank: int = 0) -> None:
+        if page_size % dcp_size or not 0 <= dcp_rank < dcp_size:
+            raise ValueError(f"MLAHostPool: page of {page_size} host indices, DCP rank {dcp_rank} of {dcp_size}")
         self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
         self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
-        super().__init__(pages, page_size, layers, dtype, allocator, layout)
+        self.dcp_size, self.dcp_rank = dcp_size, dcp_rank
+        super().__init__(pages, page_size // dcp_size, layers, dtype, allocator, layout)
+
+    def _row(self, index: int) -> int:
+        if self.dcp_size == 1:
+            return index
+        index = int(index)
+        if index < 0 or index % self.logical_page_size:
+            raise ValueError("DCP L3 page start must be a nonnegative logical page boundary.")
+        if index + self.logical_page_size > self.logical_size:
+            raise IndexError("DCP L3 page is outside the host pool.")
+        return index // self.dcp_size
 
     def _dims(self) -> tuple:
         L, C = self.layer_num, self.kv_cache_dim
@@ -253,13 +290,14 @@ class MLAHostPool(_HostPool):
         return torch.zeros((self.layer_num, self.page_size, 1, self.kv_cache_dim), dtype=self.dtype).flatten()
 
     def get_page_buffer_meta(self, indices) -> tuple[list[int], list[int]]:
-        """Per page of ``indices`` (token indices, ``page_size`` per page): its regions, as
-        (pointers, sizes): one a layer (``layer_first``), else the page's one."""
+        """Per page of ``indices`` (host indices, ``logical_page_size`` per page): its
+        regions, as (pointers, sizes): one a layer (``layer_first``), else the page's one."""
         indices = indices.tolist()
-        if len(indices) % self.page_size:
-            raise ValueError(f"{len(indices)} token indices are not whole pages of {self.page_size}")
+        if len(indices) % self.logical_page_size:
+            raise ValueError(f"{len(indices)} host indices are not whole pages of {self.logical_page_size}")
         row = self.kv_cache_dim * self.dtype.itemsize  # a token of one layer
-        base, starts = self.kv_buffer.data_ptr(), indices[:: self.page_size]
+        base = self.kv_buffer.data_ptr()
+        starts = [self._row(i) for i in indices[:: self.logical_page_size]]
         if self.layout == "layer_first":
             ptrs = [base + i * row + layer * self.size * row for i in starts for layer in range(self.layer_num)]
             return ptrs, [row * self.page_size] * len(ptrs)

@@ -18,10 +18,10 @@ through), ``load_channels`` / ``store_channels`` (loads / stores at once).
 Each SGLang page (every layer's K and V of ``page_size`` tokens) is one block of a
 :class:`~kvdrive_client.integrations.blocks.BlockStore`, by SGLang's page hash, in a
 namespace per model, tenant, page size in bytes, shard (``tpRofN`` as each TP rank holds
-other heads, or ``mla`` where every rank holds the same; plus the pipeline stage and
-context-parallel rank where there are several) and page format (the host pool's layout
-and dtype, ``-flat`` for flat page tensors: pages of another byte order or dtype miss
-instead of loading as garbage).
+other heads, or ``mla`` where every rank holds the same; plus the decode-context-parallel
+rank, pipeline stage and context-parallel rank where there are several) and page format
+(the host pool's layout and dtype, ``-flat`` for flat page tensors: pages of another byte
+order or dtype miss instead of loading as garbage).
 ``batch_exists`` is one lookup request; ``batch_set_v1`` / ``batch_get_v1`` (with
 ``interface_v1``) take the regions of each page in SGLang's host pool from
 ``get_page_buffer_meta`` and copy them into / out of the shared buffer registered with
@@ -49,6 +49,25 @@ kvstored answers, past ``timeout`` (logged), since kvstored may still be reading
 writing the page, so a daemon that hangs without dying holds that call.
 ``stats()`` has the counters; ``get_stats()`` is SGLang's storage metrics (pages and GB/s
 of each prefetch and backup) when SGLang's metrics are on (``--enable-metrics``).
+
+Decode context parallelism (``dcp_size`` > 1 in SGLang's storage config; MLA only) splits
+every page's tokens among the DCP ranks of a TP group: SGLang's MLA host pool
+(``pool_host/mla.py``) holds ``page_size`` rows of each page, its ``logical_page_size``
+(``page_size * dcp_size``, the controller's page) host indices a page, the page whose first
+host index is ``i`` at row ``i // dcp_size`` (``_storage_page_index``), so
+``get_page_buffer_meta`` takes ``logical_page_size`` indices a page and reports this
+rank's rows. Each DCP rank's share of a page is a block of its own: the shard is
+``mla-tpT-dcpRofN`` (SGLang's file and Mooncake backends likewise key the shares by DCP
+rank and TP size), and each is stored by its storage writer (SGLang's
+``is_storage_writer``: TP ranks 0 to ``dcp_size - 1``, one per share); the other TP
+ranks hold the same shares as those (DCP rank ``tp_rank % dcp_size``) and load them.
+Host indices are counted in ``logical_page_size``; a host pool of other DCP ranks or
+pages than the storage config is refused at registration (ValueError). Of the v2 pools only Mamba state is kept under DCP (per TP rank, as
+SGLang's file backend keys it; ``tpRofN-dcpRofN``), as SGLang keeps no other there: any
+other is refused when registered (a log line; its pages are not stored and miss). SGLang
+0.5.23's cache controller attaches only its own file and Mooncake backends under DCP
+(``attach_storage_backend`` raises for the others, ``dynamic`` included), so an SGLang
+of that release does not call this backend under DCP.
 
 Hybrid models (KV plus extra host pools: Mamba state, SWA KV, ...) use SGLang's v2
 interface beside it. Each host pool SGLang registers (``register_mem_host_pool_v2``; the
@@ -87,14 +106,20 @@ hybrid model's host pools (a KV pool, a Mamba state pool laid out as SGLang's
 ``MambaPoolHost`` ``page_first``, with and without slot side states, an SWA pool):
 byte-exact round trips per pool, ``batch_exists_v2`` equal to SGLang's own file
 backend's on the same stored pages, misses, ``clear()`` (tests/integrations/test_sglang_v2.py).
+Decode context parallelism likewise, on the MLA stand-in as DCP rank 0 and 1 of a page
+(its regions, rows and pages what SGLang's own MLA pool methods compute under DCP): two
+DCP ranks storing the same page hashes each load back their own share byte for byte, in
+each MLA layout, with ``interface_v1`` (in place and through staging) and flat page
+tensors; another TP group's ranks load them; the refused v2 pools miss
+(tests/integrations/test_sglang_dcp.py).
 Not verified: an SGLang server on a GPU, or a real hybrid model served with it (SGLang's
 hybrid cache controller has not called it; its calls were scripted from its source);
 SGLang's host pool classes themselves (built only beside a GPU device pool); MHA pools of
 unequal K and V head sizes (two tensors, so through staging) and Ascend's
-``page_first_kv_split``. Not supported: a logical KV anchor with no pages of its own
-(DeepSeek V4's), decode context parallelism (``dcp_size`` > 1: its ranks' shares of a
-page are not told apart), ``BLOCK_GROUPS`` verdicts, storage metrics (``get_stats()``) of
-the v2 pools.
+``page_first_kv_split``; SGLang's controller under DCP (see above). Not supported: a
+logical KV anchor with no pages of its own (DeepSeek V4's), v2 pools other than Mamba
+state under DCP, ``BLOCK_GROUPS`` verdicts, storage metrics (``get_stats()``) of the v2
+pools.
 """
 
 from __future__ import annotations
@@ -133,8 +158,16 @@ else:
 def _shard(cfg: Any, tp_sharded: bool = False) -> str:
     """The share of each page this rank holds: its TP rank (MLA ranks all hold the same,
     unless ``tp_sharded``: a pool each rank holds its own share of whatever the model),
+    decode-context-parallel rank (each holds its own share of every page's tokens; the
+    shares are kept per TP size, as SGLang's file and Mooncake backends keep them),
     pipeline stage and context-parallel rank."""
-    parts = ["mla" if cfg.is_mla_model and not tp_sharded else f"tp{cfg.tp_rank}of{cfg.tp_size}"]
+    dcp = cfg.dcp_size > 1
+    if cfg.is_mla_model and not tp_sharded:
+        parts = ["mla", f"tp{cfg.tp_size}"] if dcp else ["mla"]
+    else:
+        parts = [f"tp{cfg.tp_rank}of{cfg.tp_size}"]
+    if dcp:
+        parts.append(f"dcp{cfg.dcp_rank}of{cfg.dcp_size}")
     if cfg.pp_size > 1:
         parts.append(f"pp{cfg.pp_rank}of{cfg.pp_size}")
     if cfg.attn_cp_size > 1:
@@ -142,11 +175,18 @@ def _shard(cfg: Any, tp_sharded: bool = False) -> str:
     return "-".join(parts)
 
 
+def _page_tokens(pool: Any) -> int:
+    """The host indices of one page of ``pool``: its ``page_size``, or under decode context
+    parallelism (SGLang's MLA pool) its ``logical_page_size``, ``dcp_size`` times the rows
+    of the page this rank holds."""
+    return getattr(pool, "logical_page_size", pool.page_size)
+
+
 def _whole_pages(pool: Any, n: int, host_indices: Any) -> bool:
     """Whether ``host_indices`` are ``n`` pages of ``pool`` (a log line where not)."""
-    got = 0 if host_indices is None else host_indices.numel()
-    if got != n * pool.page_size:
-        log.error("KVDrive storage: %d host indices for %d pages of %d tokens", got, n, pool.page_size)
+    got, per = 0 if host_indices is None else host_indices.numel(), _page_tokens(pool)
+    if got != n * per:
+        log.error("KVDrive storage: %d host indices for %d pages of %d tokens", got, n, per)
         return False
     return True
 
@@ -272,11 +312,18 @@ if _IMPORT_ERROR is None:
             if getattr(mem_pool_host, "kv_buffer", None) is None:
                 raise ValueError(f"KVDriveHiCacheStorage stores the KV pool's pages; {type(mem_pool_host).__name__} "
                                  f"holds none of its own (a logical KV anchor, as DeepSeek V4's, is not supported)")
+            cfg = self.config
+            pool_dcp = (getattr(mem_pool_host, "dcp_rank", 0), getattr(mem_pool_host, "dcp_size", 1))
+            if pool_dcp != (cfg.dcp_rank, cfg.dcp_size) or (
+                    cfg.dcp_size > 1 and _page_tokens(mem_pool_host) != cfg.logical_page_size):
+                raise ValueError(f"KVDriveHiCacheStorage: the host pool holds DCP rank {pool_dcp[0]} of {pool_dcp[1]} "
+                                 f"(pages of {_page_tokens(mem_pool_host)} host indices), the storage config is DCP "
+                                 f"rank {cfg.dcp_rank} of {cfg.dcp_size} (pages of {cfg.logical_page_size})")
             super().register_mem_pool_host(mem_pool_host)
-            page_bytes = mem_pool_host.get_size_per_token() * mem_pool_host.page_size
+            page_bytes = mem_pool_host.get_size_per_token() * mem_pool_host.page_size  # the rows this rank holds
             regions = 0  # in place where the pool allows it: only with interface_v1 (else SGLang passes flat pages)
             if self.interface_v1:  # a layout the pool has no page regions for fails here, not at each call
-                _, sizes = mem_pool_host.get_page_buffer_meta(torch.arange(mem_pool_host.page_size))
+                _, sizes = mem_pool_host.get_page_buffer_meta(torch.arange(_page_tokens(mem_pool_host)))
                 if sum(sizes) != page_bytes:
                     raise ValueError(f"KVDriveHiCacheStorage: the host pool's page regions are {sum(sizes)} bytes, "
                                      f"its pages {page_bytes} (layout {mem_pool_host.layout} is not supported)")
@@ -336,7 +383,8 @@ if _IMPORT_ERROR is None:
         def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                          extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
             """Load each key's page into the host pool at its host indices (page ``i`` of the
-            call starts at ``host_indices[i * page_size]``); True for each page loaded."""
+            call starts at ``host_indices[i * page_size]``, the controller's page: the pool's
+            ``logical_page_size`` under DCP); True for each page loaded."""
             regions = self._page_regions(keys, host_indices) if keys else []
             if not regions:
                 return [False] * len(keys)
@@ -368,7 +416,9 @@ if _IMPORT_ERROR is None:
             named by the pool, made here. The KV pool is the anchor's
             (:meth:`register_mem_pool_host`). A pool registered again replaces the first.
             Raises ValueError for a pool whose pages neither its regions nor flat page
-            tensors can move, or that kvstored cannot hold (as the anchor's registration does)."""
+            tensors can move, or that kvstored cannot hold (as the anchor's registration does).
+            Under decode context parallelism a pool other than Mamba state is refused: a log
+            line, and its pages are not stored and miss."""
             super().register_mem_host_pool_v2(host_pool, host_pool_name)
             name = str(host_pool_name)
             if name == PoolName.KV.value:
@@ -377,6 +427,17 @@ if _IMPORT_ERROR is None:
                 elif host_pool is not self.mem_pool_host:
                     log.warning("KVDrive storage: a KV pool registered through v2 that is not the anchor "
                                 "register_mem_pool_host took; KV pages stay the anchor's")
+                return
+            if self.config.dcp_size > 1 and name not in TP_SHARDED_POOLS:
+                log.error("KVDrive storage: host pool %s under decode context parallelism (DCP rank %d of %d): "
+                          "SGLang %s keeps only the MLA KV pool and Mamba state in storage under DCP, and which "
+                          "share of this pool's pages each DCP rank holds is not known here; its pages are not "
+                          "stored and miss", name, self.config.dcp_rank, self.config.dcp_size, SGLANG_VERSION)
+                with self._make:
+                    old = self.pools.pop(name, None)
+                    self._warned.add(("unknown", name))  # its misses log nothing more
+                if old is not None:
+                    old.store.close()
                 return
             page_bytes = host_pool.get_size_per_token() * host_pool.page_size
             sizes = self._page_regions_of(host_pool, page_bytes)
@@ -409,7 +470,7 @@ if _IMPORT_ERROR is None:
             they are all ``page_bytes`` of it: pages move through them, else (None) as flat
             page tensors."""
             try:
-                _, sizes = host_pool.get_page_buffer_meta(torch.arange(host_pool.page_size, dtype=torch.int64))
+                _, sizes = host_pool.get_page_buffer_meta(torch.arange(_page_tokens(host_pool), dtype=torch.int64))
             except Exception:  # noqa: BLE001 - no regions (Mamba slot side states, layer_first, ...)
                 return None
             return list(sizes) if sizes and sum(sizes) == page_bytes else None
@@ -519,7 +580,7 @@ if _IMPORT_ERROR is None:
             if pool.regions:
                 sources = _regions(pool.host, bb, len(keys), t.host_indices)
             elif _whole_pages(pool.host, len(keys), t.host_indices):
-                ps = pool.host.page_size
+                ps = _page_tokens(pool.host)
                 sources = [_bytes_of(pool.host.get_data_page(int(t.host_indices[i * ps]), flat=True).contiguous())
                            for i in range(len(keys))]
                 if any(v is None or v.nbytes != bb for v in sources):
@@ -545,7 +606,7 @@ if _IMPORT_ERROR is None:
                 log.error("KVDrive storage: pool %s's flat pages are not CPU pages of %d bytes", t.name, bb)
                 return [False] * len(keys)
             got = pool.store.load(keys, views)
-            ps = pool.host.page_size
+            ps = _page_tokens(pool.host)
             for i, ok in enumerate(got):
                 if ok:
                     try:

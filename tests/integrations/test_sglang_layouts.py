@@ -135,10 +135,11 @@ def sglang_methods(root, module: str, cls: str, names: list[str], env: dict) -> 
     return {name: ns[name] for name in names}
 
 
-def sglang_pool(sgl, root, case: Case, pages: int):
+def sglang_pool(sgl, root, case: Case, pages: int, dcp_size: int = 1, dcp_rank: int = 0):
     """An object with SGLang's own host pool methods for ``case`` and the attributes its
-    ``__init__`` sets (one device, no decode context parallelism), its ``kv_buffer`` made by
-    its own ``init_kv_buffer``."""
+    ``__init__`` sets (one device; MLA: DCP rank ``dcp_rank`` of ``dcp_size``, a page of
+    ``PAGE`` host indices, ``PAGE // dcp_size`` rows), its ``kv_buffer`` made by its own
+    ``init_kv_buffer``."""
     torch = sgl.torch
 
     def alloc(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
@@ -147,16 +148,18 @@ def sglang_pool(sgl, root, case: Case, pages: int):
     env = {"torch": torch, "ALLOC_MEMORY_FUNCS": collections.defaultdict(lambda: alloc)}
     names = ["init_kv_buffer", "get_size_per_token", "get_page_buffer_meta", "get_data_page",
              "get_dummy_flat_data_page", "set_from_flat_data_page"]
-    attrs = dict(layout=case.layout, layer_num=case.layers, dtype=torch.bfloat16, page_size=PAGE, page_num=pages,
-                 size=pages * PAGE, device="cpu", pin_memory=False, allocator=None,
+    rows = PAGE // dcp_size  # HostKVCache.__init__: page_size arrives widened, x dcp_size
+    attrs = dict(layout=case.layout, layer_num=case.layers, dtype=torch.bfloat16, page_size=rows, page_num=pages,
+                 size=pages * rows, device="cpu", pin_memory=False, allocator=None,
                  _transfer_device=torch.device("cpu"))
     if case.mla:
         methods = sglang_methods(root, "mla.py", "MLATokenToKVPoolHost", [*names, "_storage_page_index"], env)
         kv_cache_dim = KV_LORA_RANK + QK_ROPE_HEAD_DIM
         attrs.update(kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=QK_ROPE_HEAD_DIM, kv_cache_dim=kv_cache_dim,
-                     dcp_size=1, logical_page_size=PAGE, logical_size=pages * PAGE,
+                     dcp_size=dcp_size, dcp_rank=dcp_rank, logical_page_size=PAGE, logical_size=pages * PAGE,
                      _size_per_token=kv_cache_dim * torch.bfloat16.itemsize * case.layers)
     else:
+        assert dcp_size == 1, "DCP is MLA only"
         methods = sglang_methods(root, "mha.py", "MHATokenToKVPoolHost", names, env)
         attrs.update(head_num=HEADS, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM)
     pool = type(f"SGLang{case.kind.upper()}HostPool", (), methods)()
