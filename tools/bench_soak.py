@@ -20,6 +20,13 @@ moved, the load hit rate, and the daemon's resident memory, memory mappings,
 descriptors, threads, catalog and data file sizes (as allocated on disk). At the end,
 the last interval against the first one after the stores filled the quota: the latency
 ratios and what the daemon's footprint grew by (and per hour, at that pace).
+
+``--kill-every S`` kills the daemon as a crash would (SIGKILL) every S seconds while the
+traffic runs, and starts it again over the same store: the client's calls fail while it
+is down (stores not stored, loads missed) and go on once it is back, with no set-up of
+the caller's. After each restart the last job a store had acknowledged before the kill
+is loaded and checked: an acknowledged block is never lost. The summary adds the kills,
+how long each start took to answer, and the blocks lost.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ import argparse
 import json
 import mmap
 import os
-import statistics
+import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -40,7 +49,6 @@ import numpy as np
 
 from kvdrive.layout.format import DATA_FILE
 from kvdrive.tools.text_table import text_table
-from kvdrive_client.embedded import EmbeddedDaemon
 from kvdrive_client.integrations.blocks import BlockStore
 from kvdrive_client.store import StoreClient
 from kvstored.config import format_size, parse_size
@@ -68,7 +76,8 @@ class Interval:
     threads: int
     catalog_mib: float
     data_mib: float  # the data file's allocated bytes
-    evicted: int  # blocks the quota evicted, since start
+    evicted: int  # blocks the quota evicted, since the run began
+    kills: int  # the daemon was killed and started again this many times, so far
 
 
 @dataclass
@@ -120,7 +129,8 @@ class Traffic:
         self.store = BlockStore(self.block_bytes, engine="soak", model="m", address=address, timeout=30.0)
         self.in_place = self.store.share(self.rows)
         self.samples = Samples()
-        self.jobs = 0  # jobs stored whole; job j's keys are j * job ... (j + 1) * job - 1
+        self.jobs = 0  # jobs stored; job j's keys are j * job ... (j + 1) * job - 1
+        self.acked = -1  # the last job every block of which a store acknowledged
         self._stop = threading.Event()
         self._rng = np.random.default_rng(args.seed + 1)
         self._threads = [threading.Thread(target=self._guard(self._stores), name="soak-stores", daemon=True),
@@ -163,6 +173,8 @@ class Traffic:
                 self.samples.store_ms.append(ms)
                 self.samples.stored_blocks += sum(done)
                 self.samples.failed_stores += len(done) - sum(done)
+            if all(done):
+                self.acked = self.jobs
             self.jobs += 1
             due = max(due + period, time.perf_counter() - period)  # a late job does not make the next ones burst
             self._stop.wait(max(0.0, due - time.perf_counter()))
@@ -193,6 +205,66 @@ class Traffic:
                 self.samples.wrong += wrong
 
 
+def job_keys(j: int, job: int) -> list[bytes]:
+    return [_key(j * job + i) for i in range(job)]
+
+
+def check_job(traffic: Traffic, address: str, j: int) -> int:
+    """Load job ``j`` through a store of its own (staging: none of the traffic's state);
+    how many of its blocks are missing or wrong."""
+    store = BlockStore(traffic.block_bytes, engine="soak", model="m", address=address, timeout=30.0)
+    try:
+        out = np.zeros((traffic.job, traffic.block_bytes), np.uint8)
+        done = store.load(job_keys(j, traffic.job), list(out))
+    finally:
+        store.close()
+    bad = 0
+    for i, ok in enumerate(done):
+        head = int.from_bytes(bytes(out[i, :KEY_BYTES]), "little")
+        bad += not ok or head != j * traffic.job + i or not np.array_equal(out[i, KEY_BYTES:],
+                                                                            traffic.pattern[i, KEY_BYTES:])
+    return bad
+
+
+class Daemon:
+    """A private kvstored over a store in ``root``, which :meth:`kill` stops as a crash does
+    and :meth:`start` starts again over the same store."""
+
+    def __init__(self, args: argparse.Namespace, root: Path) -> None:
+        self.root, self.address = root, f"ipc://{root / 'kvstored.sock'}"
+        self.cmd = [sys.executable, "-m", "kvstored", "--ssd", str(root / "ssd"), "--dram", args.dram,
+                    "--ssd-max", args.ssd_max, "--listen", self.address, "--parent-pid", str(os.getpid()),
+                    "--quota", f"soak/*={args.quota}", "--sync", args.sync, "--log-level", "WARNING"]
+        self._log = open(root / "kvstored.log", "ab")  # noqa: SIM115 - kept for the daemon's whole life
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, deadline_s: float = 300.0) -> float:
+        """Start it; the seconds until it answered."""
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        with StoreClient(self.address, timeout=10.0) as probe:
+            while not probe.ping(timeout=0.5):
+                if self.proc.poll() is not None or time.perf_counter() - t0 > deadline_s:
+                    raise RuntimeError(f"kvstored did not start (exit {self.proc.poll()}):\n{self.log_tail()}")
+        return time.perf_counter() - t0
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+
+    def log_tail(self, lines: int = 10) -> str:
+        return "\n".join((self.root / "kvstored.log").read_text(errors="replace").splitlines()[-lines:])
+
+
 def _proc(pid: int) -> tuple[float, int, int, int]:
     """The daemon's resident MiB, memory mappings, open descriptors and threads."""
     status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
@@ -206,11 +278,12 @@ def _allocated_mib(paths: list[Path]) -> float:
     return sum(p.stat().st_blocks * 512 for p in paths if p.is_file()) / (1 << 20)
 
 
-def _interval(traffic: Traffic, daemon: EmbeddedDaemon, client: StoreClient, t0: float, span: float) -> Interval:
+def _interval(traffic: Traffic, daemon: Daemon, run: dict, t0: float, span: float) -> Interval:
     s = traffic.samples.take()
     ssd = daemon.root / "ssd"
     rss, maps, fds, threads = _proc(daemon.proc.pid)
-    counters = client.stats().get("counters", {})
+    with StoreClient(daemon.address, timeout=10.0) as client:
+        run["evicted_now"] = int(client.stats().get("counters", {}).get("blocks_quota_evicted", 0))
     return Interval(
         seconds=time.perf_counter() - t0, stored_bytes=traffic.jobs * traffic.job * traffic.block_bytes,
         store_gbps=s.stored_blocks * traffic.block_bytes / span / 1e9,
@@ -219,31 +292,52 @@ def _interval(traffic: Traffic, daemon: EmbeddedDaemon, client: StoreClient, t0:
         hit_rate=s.found / s.asked if s.asked else None, wrong_blocks=s.wrong, failed_stores=s.failed_stores,
         rss_mib=rss, maps=maps, fds=fds, threads=threads,
         catalog_mib=_allocated_mib([p for p in ssd.rglob("*.mdb")]), data_mib=_allocated_mib([ssd / DATA_FILE]),
-        evicted=int(counters.get("blocks_quota_evicted", 0)),
+        evicted=run["evicted_before"] + run["evicted_now"], kills=len(run["restart_s"]),
     )
 
 
+def _kill_and_restart(daemon: Daemon, traffic: Traffic, run: dict) -> None:
+    """SIGKILL, start again, then check the last job acknowledged before the kill."""
+    acked = traffic.acked
+    run["evicted_before"] += run["evicted_now"]  # counters start again with the daemon
+    run["evicted_now"] = 0
+    daemon.kill()
+    run["restart_s"].append(daemon.start())
+    if acked >= 0:
+        lost = check_job(traffic, daemon.address, acked)
+        run["checked"] += traffic.job
+        run["lost"] += lost
+    print(f"  killed kvstored; it answered again in {run['restart_s'][-1]:.2f} s; job {acked}, acknowledged before "
+          f"the kill: {'every block back' if acked < 0 or not lost else f'{lost} blocks lost or wrong'}",
+          file=sys.stderr, flush=True)
+
+
 def soak(args: argparse.Namespace) -> tuple[list[Interval], dict]:
-    daemon = EmbeddedDaemon(dram=args.dram, ssd_max=args.ssd_max, root=args.dir,
-                            extra_args=["--quota", f"soak/*={args.quota}", "--sync", args.sync,
-                                        "--log-level", "WARNING"])
-    client = StoreClient(daemon.address, timeout=10.0)
-    traffic = None
+    root = Path(tempfile.mkdtemp(prefix="kvdrive-soak-", dir=args.dir))
+    daemon, traffic = Daemon(args, root), None
     rows: list[Interval] = []
+    run = {"restart_s": [], "checked": 0, "lost": 0, "evicted_before": 0, "evicted_now": 0}
+    info: dict = {}
     try:
-        daemon.wait_ready(lambda: client.ping(timeout=0.5))
+        daemon.start()
         traffic = Traffic(args, daemon.address)
         traffic.store.wait_open(30.0)
-        info = {"in_place": traffic.in_place, "pid": daemon.proc.pid, "direct_io": client.server_info.get("direct_io")}
+        with StoreClient(daemon.address, timeout=10.0) as client:
+            info = {"in_place": traffic.in_place, "direct_io": client.hello().get("direct_io")}
         t0 = time.perf_counter()
         end = t0 + args.minutes * 60
+        next_kill = t0 + args.kill_every if args.kill_every else float("inf")
         traffic.start()
         last = t0
         try:
             while time.perf_counter() < end and traffic.error is None and daemon.proc.poll() is None:
-                time.sleep(max(0.0, min(end, last + args.interval) - time.perf_counter()))
+                time.sleep(max(0.0, min(end, last + args.interval, next_kill) - time.perf_counter()))
+                if time.perf_counter() >= next_kill and time.perf_counter() < end:
+                    _kill_and_restart(daemon, traffic, run)
+                    next_kill = time.perf_counter() + args.kill_every
+                    continue
                 now = time.perf_counter()
-                rows.append(_interval(traffic, daemon, client, t0, now - last))
+                rows.append(_interval(traffic, daemon, run, t0, now - last))
                 last = now
                 print(_row_line(rows[-1]), file=sys.stderr, flush=True)
         except KeyboardInterrupt:  # the rows so far are the run's
@@ -253,8 +347,10 @@ def soak(args: argparse.Namespace) -> tuple[list[Interval], dict]:
     finally:
         if traffic is not None:
             traffic.stop()
-        client.close()
         daemon.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    info.update(kills=len(run["restart_s"]), restart_s=run["restart_s"], checked_after_kills=run["checked"],
+                lost_after_kills=run["lost"])
     return rows, info
 
 
@@ -270,11 +366,11 @@ def _cells(r: Interval) -> tuple[str, ...]:
             _ms(r.store_p99_ms), str(r.loads), _ms(r.load_p50_ms), _ms(r.load_p99_ms),
             "-" if r.hit_rate is None else f"{r.hit_rate:.2f}", str(r.wrong_blocks + r.failed_stores),
             f"{r.rss_mib:.0f}", str(r.maps), str(r.fds), str(r.threads), f"{r.catalog_mib:.1f}", f"{r.data_mib:.0f}",
-            str(r.evicted))
+            str(r.evicted), str(r.kills))
 
 
 HEAD = ("s", "stored", "store GB/s", "store p50", "p99 ms", "loads", "load p50", "p99 ms", "hits", "wrong+failed",
-        "RSS MiB", "maps", "fds", "threads", "catalog MiB", "data MiB", "evicted")
+        "RSS MiB", "maps", "fds", "threads", "catalog MiB", "data MiB", "evicted", "kills")
 
 
 def _row_line(r: Interval) -> str:
@@ -299,10 +395,19 @@ def summary(rows: list[Interval], args: argparse.Namespace, info: dict) -> list[
     lines = [f"wrong blocks loaded: {wrong}; blocks a store did not store: {failed}; kvstored "
              + ("alive at the end" if info.get("daemon_exit") is None else f"exited with {info['daemon_exit']}")
              + ("" if info.get("error") is None else f"; the traffic stopped on {info['error']}")]
+    if info.get("kills"):
+        starts = info["restart_s"]
+        lines.append(f"kvstored killed (SIGKILL) and started again {info['kills']} times: it answered again in "
+                     f"{min(starts):.2f} to {max(starts):.2f} s; of the {info['checked_after_kills']} blocks of the "
+                     f"jobs acknowledged last before each kill, {info['lost_after_kills']} lost or wrong")
     first, last = _steady(rows, parse_size(args.quota)), rows[-1] if rows else None
     if first is None or last is None or first is last:
         lines.append("the stores never filled the quota with an interval to spare: no steady state to compare "
                      "(a longer run, a smaller --quota or a faster --store-gbps)")
+        return lines
+    if last.kills != first.kills:
+        lines.append(f"kvstored was killed between the first interval after the quota filled (at {first.seconds:.0f} s) "
+                     "and the last: their latency and footprint are not compared")
         return lines
     hours = (last.seconds - first.seconds) / 3600
     lines.append(f"steady state, the last interval against the first after the quota filled (at {first.seconds:.0f} s): "
@@ -321,7 +426,8 @@ def render(rows: list[Interval], args: argparse.Namespace, info: dict) -> str:
     head = [f"kvdrive-bench soak: {args.minutes:g} min, {args.job_blocks}-block jobs of {args.block_kib} KiB blocks, "
             f"stores at {args.store_gbps:g} GB/s ({args.sync}), {args.loads:g} loads/s; kvstored DRAM {args.dram}, "
             f"quota {args.quota}, O_DIRECT {info.get('direct_io', '?')}, blocks moved "
-            + ("in place" if info.get("in_place") else "through staging")]
+            + ("in place" if info.get("in_place") else "through staging")
+            + (f"; kvstored killed every {args.kill_every:g} s" if args.kill_every else "")]
     return "\n".join(head + text_table(HEAD, [_cells(r) for r in rows], right=set(range(len(HEAD))))
                      + summary(rows, args, info))
 
@@ -350,6 +456,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt("loads", float, "load jobs a second")
     opt("dram", str, "the daemon's DRAM tier")
     opt("quota", str, "what the traffic's namespace may hold; past it, the least recently used go")
+    p.add_argument("--kill-every", type=float, default=None, metavar="S",
+                   help="kill kvstored (SIGKILL) every S seconds and start it again over its store (default: never)")
     p.add_argument("--ssd-max", default="16G", help="the daemon's SSD tier")
     p.add_argument("--sync", choices=("durable", "write-behind"), default="durable", help="the daemon's --sync")
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()),
@@ -362,7 +470,7 @@ def _check(args: argparse.Namespace) -> None:
     for name, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    for name in ("minutes", "interval", "store_gbps", "loads"):
+    for name in ("minutes", "interval", "store_gbps", "loads") + (("kill_every",) if args.kill_every is not None else ()):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be above 0")
     if args.block_kib < 4 or args.block_kib % 4 or not 0 < args.job_blocks <= 1024:
@@ -381,5 +489,6 @@ def run(args: argparse.Namespace) -> int:
     print(render(rows, args, info), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps({"info": info, "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
-    bad = sum(r.wrong_blocks for r in rows) or info.get("daemon_exit") is not None or info.get("error") is not None
+    bad = (sum(r.wrong_blocks for r in rows) or info.get("lost_after_kills") or info.get("daemon_exit") is not None
+           or info.get("error") is not None)
     return 1 if bad else 0
