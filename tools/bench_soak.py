@@ -299,7 +299,8 @@ def _interval(traffic: Traffic, daemon: Daemon, run: dict, t0: float, span: floa
 def _kill_and_restart(daemon: Daemon, traffic: Traffic, run: dict) -> None:
     """SIGKILL, start again, then check the last job acknowledged before the kill."""
     acked = traffic.acked
-    run["evicted_before"] += run["evicted_now"]  # counters start again with the daemon
+    with StoreClient(daemon.address, timeout=10.0) as client:  # counters start again with the daemon
+        run["evicted_before"] += int(client.stats().get("counters", {}).get("blocks_quota_evicted", 0))
     run["evicted_now"] = 0
     daemon.kill()
     run["restart_s"].append(daemon.start())
