@@ -253,23 +253,26 @@ class Store:
 
 
 def _load_extents(index: BlockIndex, entry: SeqEntry, exts: list[ExtentRecord]) -> list[tuple[int, int]]:
-    """Fill ``entry``'s arrays from its catalog extents; the (offset, bytes) they use."""
+    """Fill ``entry``'s arrays from its catalog extents; the (offset, bytes) they use.
+    All extents at once (a block namespace has one per block and part: millions, at start-up)."""
     bb = entry.geometry.block_bytes
+    counts = np.fromiter((len(e.pages) for e in exts), np.int64, len(exts))
+    pages = np.concatenate([e.pages for e in exts]).astype(np.int64)
     # One window for everything stored: what LMDB holds is loaded whatever the limits.
-    ends = np.array([(int(e.pages.min()), int(e.pages.max())) for e in exts])
-    index.grow(entry, index.plan_growth(entry, np.array([ends[:, 0].min(), ends[:, 1].max()]), enforce=False))
-    used = []
-    for ext in exts:
-        cols = entry.columns(ext.pages.astype(np.int64))
-        slots = np.arange(len(ext.pages), dtype=np.int64)
-        entry.ssd_off[ext.layer, ext.head, cols] = ext.offset + slots * bb
-        entry.crc[ext.layer, ext.head, cols] = ext.crc
-        # Stores written before hints were bounded may hold larger ones.
-        entry.importance[ext.layer, ext.head, cols] = np.clip(ext.importance, 0.0, MAX_IMPORTANCE)
-        entry.has_page[cols] = True
-        entry.extents.append((ext.offset, len(ext.pages) * bb))
-        entry.num_blocks += len(ext.pages)
-        used.append((ext.offset, len(ext.pages) * bb))
+    index.grow(entry, index.plan_growth(entry, np.array([pages.min(), pages.max()]), enforce=False))
+    offsets = np.fromiter((e.offset for e in exts), np.int64, len(exts))
+    layers = np.repeat(np.fromiter((e.layer for e in exts), np.int64, len(exts)), counts)
+    heads = np.repeat(np.fromiter((e.head for e in exts), np.int64, len(exts)), counts)
+    within = np.arange(len(pages), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)  # i-th page of its extent
+    cols = entry.columns(pages)
+    entry.ssd_off[layers, heads, cols] = np.repeat(offsets, counts) + within * bb
+    entry.crc[layers, heads, cols] = np.concatenate([e.crc for e in exts])
+    # Stores written before hints were bounded may hold larger ones.
+    entry.importance[layers, heads, cols] = np.clip(np.concatenate([e.importance for e in exts]), 0.0, MAX_IMPORTANCE)
+    entry.has_page[cols] = True
+    used = list(zip(offsets.tolist(), (counts * bb).tolist()))
+    entry.extents.extend(used)
+    entry.num_blocks += len(pages)
     entry.num_pages = int(np.count_nonzero(entry.has_page))
     return used
 

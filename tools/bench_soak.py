@@ -60,7 +60,7 @@ RECENT_JOBS = 4  # "recent": one of the last this many jobs stored
 @dataclass
 class Interval:
     seconds: float  # since the run began, at the interval's end
-    stored_bytes: int  # ever stored, at its end
+    stored_bytes: int  # stored (acknowledged) since the run began, at its end
     store_gbps: float
     store_p50_ms: float | None
     store_p99_ms: float | None
@@ -131,6 +131,7 @@ class Traffic:
         self.samples = Samples()
         self.jobs = 0  # jobs stored; job j's keys are j * job ... (j + 1) * job - 1
         self.acked = -1  # the last job every block of which a store acknowledged
+        self.stored_total = 0  # blocks stored, acknowledged
         self._stop = threading.Event()
         self._rng = np.random.default_rng(args.seed + 1)
         self._threads = [threading.Thread(target=self._guard(self._stores), name="soak-stores", daemon=True),
@@ -173,6 +174,7 @@ class Traffic:
                 self.samples.store_ms.append(ms)
                 self.samples.stored_blocks += sum(done)
                 self.samples.failed_stores += len(done) - sum(done)
+            self.stored_total += sum(done)
             if all(done):
                 self.acked = self.jobs
             self.jobs += 1
@@ -285,7 +287,7 @@ def _interval(traffic: Traffic, daemon: Daemon, run: dict, t0: float, span: floa
     with StoreClient(daemon.address, timeout=10.0) as client:
         run["evicted_now"] = int(client.stats().get("counters", {}).get("blocks_quota_evicted", 0))
     return Interval(
-        seconds=time.perf_counter() - t0, stored_bytes=traffic.jobs * traffic.job * traffic.block_bytes,
+        seconds=time.perf_counter() - t0, stored_bytes=traffic.stored_total * traffic.block_bytes,
         store_gbps=s.stored_blocks * traffic.block_bytes / span / 1e9,
         store_p50_ms=_p(s.store_ms, 0.5), store_p99_ms=_p(s.store_ms, 0.99),
         loads=len(s.load_ms), load_p50_ms=_p(s.load_ms, 0.5), load_p99_ms=_p(s.load_ms, 0.99),
