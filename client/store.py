@@ -42,8 +42,9 @@ class Sequence:
     ``uid`` names it in puts and gets; ``ns``/``name`` are what it was created as;
     ``num_blocks`` the blocks stored so far and ``complete_pages`` the pages stored for
     every (layer, KV head), both as of the reply. ``writing``: whether the session that
-    created it is still open on the daemon (False after a restart; None where the daemon
-    does not say): an incomplete sequence nobody is writing stays so.
+    created it, or put into it last, is still open on the daemon (False after a restart
+    until a put; None where the daemon does not say): an incomplete sequence nobody is
+    writing stays so.
     """
 
     uid: int

@@ -85,6 +85,9 @@ CASES = {
     "create existing sequence": ({"op": "create", "ns": "bad", "seq": "target", "geometry": GEOM.to_dict()}, [], "exists", "bad/target exists"),
     "open unknown sequence": ({"op": "open", "ns": "bad", "seq": "nope"}, [], "not_found", "no sequence bad/nope"),
     "delete unknown sequence": ({"op": "delete", "ns": "bad", "seq": "nope"}, [], "not_found", "no sequence bad/nope"),
+    "delete uid not an integer": ({"op": "delete", "ns": "bad", "seq": "target", "uid": "1"}, [], "bad_field", "'uid' must be an integer"),
+    "delete uid negative": ({"op": "delete", "ns": "bad", "seq": "target", "uid": -1}, [], "out_of_range", "'uid' = -1"),
+    "delete uid of another": ({"op": "delete", "ns": "bad", "seq": "target", "uid": 1}, [], "not_found", "with uid 1 "),
     "list ns too long": ({"op": "list", "ns": "n" * 300}, [], "bad_field", "'ns' must be"),
     # -- put
     "put seq missing": ({**PUT, "seq": "$DROP"}, [], "bad_field", "'seq' is missing"),
