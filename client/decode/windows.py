@@ -52,12 +52,7 @@ class Windows:
     def find(self, names: list[str], at: int) -> str:
         """Open the rows' windows at restore point ``at``: "" if every row's is there, else why
         not (and, where no row's is, plan to store them at prefill)."""
-        seqs = []
-        for name in self.names_of(names, at):
-            try:
-                seqs.append(self.io.store.open(self.io.ctx.cfg.namespace, name))
-            except NotFoundError:
-                pass
+        seqs = self._open(names, at)
         if not seqs:
             self.plan(names, at)
             return "stored without the sliding-window layers' windows at this restore point"
@@ -73,14 +68,19 @@ class Windows:
     def drop_stale(self, names: list[str], at: int) -> None:
         """Delete the rows' windows at restore point ``at`` where a process left them and no
         session is writing them (:func:`~kvdrive_client.decode.prefix.stale`)."""
+        seqs = self._open(names, at)
+        if stale(seqs):
+            drop_stale(self.io, seqs)
+
+    def _open(self, names: list[str], at: int) -> list[Sequence]:
+        """The rows' windows at restore point ``at`` that are stored."""
         seqs = []
         for name in self.names_of(names, at):
             try:
                 seqs.append(self.io.store.open(self.io.ctx.cfg.namespace, name))
             except NotFoundError:
                 pass
-        if stale(seqs):
-            drop_stale(self.io, seqs)
+        return seqs
 
     def plan(self, names: list[str], at: int) -> None:
         self.names, self.at = (self.names_of(names, at), at) if at > 0 else (None, 0)

@@ -118,15 +118,11 @@ def flip_a_stored_bit(d, stored) -> None:
         f.write(bytes([byte ^ 0x10]))
 
 
-def test_stored_pages_another_session_left_incomplete_are_neither_used_nor_written(daemon, make_tiny, monkeypatch,
-                                                                                   caplog):
-    # A process that stopped while storing a prompt (here: its prefill failed after layer 0's
-    # puts) leaves that prompt's pages incomplete; a process storing it right now looks the same.
+def stop_storing_after_layer_0(model, ids, monkeypatch) -> None:
+    """A generate() of ``ids`` that fails after its prefill stored layer 0's pages (the model
+    must be attached with ``reuse=True``): the prompt's stored pages are left incomplete."""
     from kvdrive_client.decode import fetch
 
-    model = make_tiny("llama", layers=2)
-    ids = torch.randint(1, 512, (1, 1000), generator=torch.Generator().manual_seed(11))
-    ref = run(model, ids, new=4)
     put_layer = fetch.StoreIO.put_layer
 
     def stop_after_layer_0(io, layer, *args, **kwargs):
@@ -134,12 +130,22 @@ def test_stored_pages_another_session_left_incomplete_are_neither_used_nor_writt
             raise RuntimeError("stopped while storing")
         return put_layer(io, layer, *args, **kwargs)
 
+    monkeypatch.setattr(fetch.StoreIO, "put_layer", stop_after_layer_0)
+    with pytest.raises(RuntimeError, match="stopped while storing"):
+        run(model, ids, new=4)
+    monkeypatch.setattr(fetch.StoreIO, "put_layer", put_layer)
+
+
+def test_stored_pages_another_session_left_incomplete_are_neither_used_nor_written(daemon, make_tiny, monkeypatch,
+                                                                                   caplog):
+    # A process that stopped while storing a prompt (here: its prefill failed after layer 0's
+    # puts) leaves that prompt's pages incomplete; a process storing it right now looks the same.
+    model = make_tiny("llama", layers=2)
+    ids = torch.randint(1, 512, (1, 1000), generator=torch.Generator().manual_seed(11))
+    ref = run(model, ids, new=4)
     with daemon.client() as store:
         handle = attach(model, store, budget=0.5, reuse=True)
-        monkeypatch.setattr(fetch.StoreIO, "put_layer", stop_after_layer_0)
-        with pytest.raises(RuntimeError, match="stopped while storing"):
-            run(model, ids, new=4)
-        monkeypatch.setattr(fetch.StoreIO, "put_layer", put_layer)
+        stop_storing_after_layer_0(model, ids, monkeypatch)
         left = store.list("kvdrive")
         assert len(left) == 1 and left[0]["complete_pages"] == 0
         with caplog.at_level("INFO", logger="kvdrive_client.decode.prefix"):
@@ -155,24 +161,12 @@ def test_stored_pages_a_stopped_process_left_incomplete_are_deleted_and_stored_a
                                                                                     caplog):
     # Its session is gone, so nobody will finish them: the next session deletes them (by uid,
     # so never another's made since), stores the prompt again, and the one after reuses it.
-    from kvdrive_client.decode import fetch
-
     model = make_tiny("llama", layers=2)
     ids = torch.randint(1, 512, (1, 1000), generator=torch.Generator().manual_seed(11))
     ref = run(model, ids, new=4)
-    put_layer = fetch.StoreIO.put_layer
-
-    def stop_after_layer_0(io, layer, *args, **kwargs):
-        if layer == 1:
-            raise RuntimeError("stopped while storing")
-        return put_layer(io, layer, *args, **kwargs)
-
     with daemon.client() as stopped:
         handle = attach(model, stopped, budget=0.5, reuse=True)
-        monkeypatch.setattr(fetch.StoreIO, "put_layer", stop_after_layer_0)
-        with pytest.raises(RuntimeError, match="stopped while storing"):
-            run(model, ids, new=4)
-        monkeypatch.setattr(fetch.StoreIO, "put_layer", put_layer)
+        stop_storing_after_layer_0(model, ids, monkeypatch)
         handle.detach()
     with daemon.client() as store:
         deadline = time.monotonic() + 10

@@ -14,14 +14,12 @@ SGLang's own MLA pool methods under DCP, compiled from its installed source
 
 from __future__ import annotations
 
-import importlib
 import logging
-from types import SimpleNamespace
 
 import pytest
 
 from kvdrive.tools.engines import MLAHostPool, PageFirstHostPool, ShmHostAllocator
-from test_sglang import DST, PAGE, POOL_PAGES, SRC, keys, storage_config
+from test_sglang import DST, PAGE, POOL_PAGES, SRC, keys, sgl, storage_config  # noqa: F401 - sgl: a fixture
 from test_sglang_layouts import KV_LORA_RANK, LAYOUTS, MAX_REGIONS_IN_PLACE, QK_ROPE_HEAD_DIM, Case, as_bytes, fill, \
     sglang_pool
 from test_sglang_v2 import MambaHostPool
@@ -30,17 +28,6 @@ DCP = 2  # DCP ranks of a TP group
 ROWS = PAGE // DCP  # the rows of a page (PAGE host indices) each DCP rank holds
 MLA_LAYOUTS = [c for c in LAYOUTS if c.mla]
 PATHS = ["v1-shm", "v1", "flat"]  # interface_v1 in a memfd (in place), interface_v1, flat page tensors
-
-
-@pytest.fixture
-def sgl(sglang_installed):
-    """SGLang's storage modules and our adapter, imported with SGLang on the path."""
-    storage = importlib.import_module("sglang.srt.mem_cache.hicache_storage")
-    factory = importlib.import_module("sglang.srt.mem_cache.storage.backend_factory")
-    adapter = importlib.reload(importlib.import_module("kvdrive_client.integrations.sglang"))
-    import torch  # noqa: PLC0415 - with SGLang's modules
-
-    return SimpleNamespace(storage=storage, factory=factory, adapter=adapter, torch=torch)
 
 
 def dcp_pool(sgl, case: Case, rank: int, seed: int | None = None, shm: bool = False, pages: int = POOL_PAGES,

@@ -14,30 +14,17 @@ from __future__ import annotations
 
 import ast
 import collections
-import importlib
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from kvdrive.tools.engines import MHAHostPool, MLAHostPool, ShmHostAllocator
-from test_sglang import DST, PAGE, POOL_PAGES, SRC, backend, host_indices, keys
+from test_sglang import DST, PAGE, POOL_PAGES, SRC, backend, host_indices, keys, sgl  # noqa: F401 - sgl: a fixture
 
 HEADS, HEAD_DIM = 2, 16  # MHA: K and V of a token and layer, bf16: 64 bytes each
 KV_LORA_RANK, QK_ROPE_HEAD_DIM = 512, 64  # MLA: a token and layer, bf16: 1152 bytes
 MAX_REGIONS_IN_PLACE = 8  # the backend's (asserted below)
-
-
-@pytest.fixture
-def sgl(sglang_installed):
-    """SGLang's storage modules and our adapter, imported with SGLang on the path."""
-    storage = importlib.import_module("sglang.srt.mem_cache.hicache_storage")
-    factory = importlib.import_module("sglang.srt.mem_cache.storage.backend_factory")
-    adapter = importlib.reload(importlib.import_module("kvdrive_client.integrations.sglang"))
-    import torch  # noqa: PLC0415 - with SGLang's modules
-
-    return SimpleNamespace(storage=storage, factory=factory, adapter=adapter, torch=torch)
 
 
 @dataclass(frozen=True)
