@@ -104,7 +104,7 @@ def delete_blocks(cat: Catalog, txn: lmdb.Transaction, records: list[BlockRecord
 
 
 def check_blocks(cat: Catalog, txn: lmdb.Transaction, by_uid: dict[int, SeqRecord], extents: list[ExtentRecord],
-                 problems: list[str]) -> tuple[list[BlockRecord], int]:
+                 problems: list[str], progress=None) -> tuple[list[BlockRecord], int]:
     """The block records that decode and agree with their namespace and extents, and how
     many records there are; every extent of a namespace must belong to exactly one block."""
     if cat.blocks is None:
@@ -114,7 +114,7 @@ def check_blocks(cat: Catalog, txn: lmdb.Transaction, by_uid: dict[int, SeqRecor
     claimed: set[tuple[int, int, int]] = set()
     slots: set[tuple[int, int]] = set()
     out = []
-    for rec in intact_records(rows, BlockRecord.decode, lambda key: f"block record {key[:40]!r}", problems):
+    for rec in intact_records(rows, BlockRecord.decode, lambda key: f"block record {key[:40]!r}", problems, progress):
         ns = by_uid.get(rec.uid)
         if ns is None or ns.name != BLOCKS_NAME:
             problems.append(f"{rec.describe()} belongs to no known block namespace")

@@ -59,6 +59,7 @@ UID_KEY = struct.Struct(">Q")
 CRC = struct.Struct("<I")
 # Sequence uids are drawn below this: the protocol's uid fields take values up to 2**62.
 UID_LIMIT = 1 << 62
+PROGRESS_ROWS = 4096  # records a catalog check reads between two looks at its progress
 MIGRATES_FROM = 2  # the format this kvstored rewrites in place; older ones are refused
 MAX_SHOWN = 5  # problems named in a CatalogDamagedError's message
 # The sequence name of a block namespace: a space, which no client's sequence name holds.
@@ -203,10 +204,13 @@ def unseal_many(rows: list[tuple[bytes, bytes]]) -> list[bytes | None]:
     ]
 
 
-def intact_records(rows: list[tuple[bytes, bytes]], decode, show, problems: list[str]):
+def intact_records(rows: list[tuple[bytes, bytes]], decode, show, problems: list[str], progress=None):
     """``decode(key, payload)`` of each sealed row that unseals and decodes, in order; each
-    row that does not adds a problem, named by ``show(key)``."""
-    for (key, _), payload in zip(rows, unseal_many(rows)):
+    row that does not adds a problem, named by ``show(key)``. ``progress``
+    (:class:`~kvstored.notify.Progress`) is told of every :data:`PROGRESS_ROWS` rows."""
+    for i, ((key, _), payload) in enumerate(zip(rows, unseal_many(rows))):
+        if progress is not None and i % PROGRESS_ROWS == PROGRESS_ROWS - 1:
+            progress.add(PROGRESS_ROWS)
         if payload is None:
             problems.append(f"{show(key)}: checksum mismatch")
             continue
@@ -216,6 +220,8 @@ def intact_records(rows: list[tuple[bytes, bytes]], decode, show, problems: list
             problems.append(f"{show(key)}: {exc}")
             continue
         yield rec
+    if progress is not None:
+        progress.add(len(rows) % PROGRESS_ROWS)
 
 
 def show_key(key: bytes) -> str:

@@ -11,6 +11,7 @@ import lmdb
 
 from kvstored.block_catalog import check_blocks
 from kvstored.catalog import UID_KEY, Catalog, Contents, ExtentRecord, SeqRecord, decode_seq, intact_records, show_key, unseal_many
+from kvstored.notify import Progress
 
 
 def check(cat: Catalog, txn: lmdb.Transaction, data_bytes: int | None) -> Contents:
@@ -18,10 +19,13 @@ def check(cat: Catalog, txn: lmdb.Transaction, data_bytes: int | None) -> Conten
     uid records that disagree, extents of no sequence or past the data file, overlaps,
     and counts that do not match."""
     problems: list[str] = []
+    # A store of small blocks holds millions of records: minutes, under a unit's start timeout.
+    records = txn.stat(cat.extents)["entries"] + (txn.stat(cat.blocks)["entries"] if cat.blocks is not None else 0)
+    progress = Progress("catalog", "checked", records, show=lambda n: f"{n:,} records" if n == records else f"{n:,}")
     by_key, by_uid = _check_sequences(cat, txn, problems)
-    extents, num_ext_records = _check_extents(cat, txn, by_uid, data_bytes, problems)
+    extents, num_ext_records = _check_extents(cat, txn, by_uid, data_bytes, problems, progress)
     problems.extend(_overlaps(extents, by_uid))
-    blocks, num_block_records = check_blocks(cat, txn, by_uid, extents, problems)
+    blocks, num_block_records = check_blocks(cat, txn, by_uid, extents, problems, progress)
     _check_counts(cat, txn, len(by_key), num_ext_records, by_uid, extents, problems)
     counts = cat.counts(txn)
     if isinstance(counts, dict) and counts.get("blocks", num_block_records) != num_block_records:
@@ -64,12 +68,12 @@ def _check_sequences(cat: Catalog, txn: lmdb.Transaction, problems: list[str]):
 
 
 def _check_extents(cat: Catalog, txn: lmdb.Transaction, by_uid: dict[int, SeqRecord], data_bytes: int | None,
-                   problems: list[str]) -> tuple[list[ExtentRecord], int]:
+                   problems: list[str], progress: Progress | None = None) -> tuple[list[ExtentRecord], int]:
     """The extent records that decode and fit their sequence and the data file, and how many records there are."""
     extents: list[ExtentRecord] = []
     rows = list(txn.cursor(db=cat.extents))
     num_ext_records = len(rows)
-    for ext in intact_records(rows, ExtentRecord.decode, show_key, problems):
+    for ext in intact_records(rows, ExtentRecord.decode, show_key, problems, progress):
         seq = by_uid.get(ext.uid)
         if seq is None:
             problems.append(f"{ext.describe()} belongs to no known sequence")

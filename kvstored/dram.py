@@ -21,14 +21,13 @@ import numpy as np
 from kvdrive.layout.allocator import ExtentAllocator, SpaceError
 from kvstored.config import format_size
 from kvstored.files import StoreOpenError
-from kvstored.notify import notify
+from kvstored.notify import Progress
 from kvstored.tier import Tier
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 << 20
 PREFAULT_STEP_BYTES = 256 << 20  # pre-faulted between two looks at the clock
-PROGRESS_S = 2.0  # how often pre-fault progress is logged (and told to systemd)
 
 
 class DramAllocationError(StoreOpenError):
@@ -127,21 +126,15 @@ class DramTier(Tier):
 
 
 def _prefault(arena: np.ndarray) -> None:
-    """Touch every 4 KiB page of ``arena``; log progress every :data:`PROGRESS_S` seconds
-    with the time left, and ask systemd for more start-up time as it goes (notify.py):
+    """Touch every 4 KiB page of ``arena``; log progress with the time left, and ask
+    systemd for more start-up time as it goes (:class:`~kvstored.notify.Progress`):
     a 96 GiB tier takes minutes on some hosts."""
     total, t0 = len(arena), time.monotonic()
-    last = t0
+    progress = Progress("DRAM tier", "pre-faulted", total, log, format_size)
     log.info("DRAM tier: pre-faulting %s", format_size(total))
     for start in range(0, total, PREFAULT_STEP_BYTES):
         arena[start : start + PREFAULT_STEP_BYTES : 4096] = 0
-        now, done = time.monotonic(), min(total, start + PREFAULT_STEP_BYTES)
-        if now - last >= PROGRESS_S and done < total:
-            last = now
-            left = (now - t0) / done * (total - done)
-            status = f"DRAM tier: pre-faulted {format_size(done)} of {format_size(total)} in {now - t0:.0f} s, about {left:.0f} s left"
-            log.info("%s", status)
-            notify(f"STATUS={status}", f"EXTEND_TIMEOUT_USEC={int((left * 2 + 30) * 1e6)}")
+        progress.add(min(total, start + PREFAULT_STEP_BYTES) - start)
     log.info("DRAM tier: pre-faulted %s in %.1f s", format_size(total), time.monotonic() - t0)
 
 

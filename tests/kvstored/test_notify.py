@@ -7,6 +7,7 @@ import socket
 import pytest
 
 from kvstored import dram as dram_mod
+from kvstored import notify as notify_mod
 from kvstored.dram import DramTier
 
 
@@ -37,7 +38,7 @@ def test_ready_is_sent_once_it_serves_and_stopping_when_it_stops(daemon_factory,
 
 
 def test_the_pre_fault_tells_its_progress_and_asks_for_time(notify_socket, monkeypatch, caplog):
-    monkeypatch.setattr(dram_mod, "PROGRESS_S", 0.0)
+    monkeypatch.setattr(notify_mod, "PROGRESS_S", 0.0)
     monkeypatch.setattr(dram_mod, "PREFAULT_STEP_BYTES", 4 << 20)
     with caplog.at_level(logging.INFO, logger="kvstored.dram"):
         tier = DramTier(32 << 20)
@@ -49,3 +50,34 @@ def test_the_pre_fault_tells_its_progress_and_asks_for_time(notify_socket, monke
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == "DRAM tier: pre-faulting 32.0 MiB" and lines[-1].startswith("DRAM tier: pre-faulted 32.0 MiB in")
     assert sum("s left" in line for line in lines) == 7  # after each 4 MiB step but the last
+
+
+def test_the_catalog_check_tells_its_progress_and_asks_for_time(daemon_factory, notify_socket, monkeypatch, caplog):
+    """A store of millions of small blocks takes minutes to check at start-up: past a unit's
+    start timeout, systemd would kill kvstored before it served, at every start."""
+    import numpy as np
+
+    from kvdrive_client.integrations.blocks import BlockStore
+    from kvstored import catalog as catalog_mod
+    from kvstored.cli import build_parser, config_from_args
+    from kvstored.store import Store
+
+    monkeypatch.delenv("NOTIFY_SOCKET")  # the daemon that stores them says nothing
+    d = daemon_factory(dram="16M").start()
+    store = BlockStore(4096, engine="t", model="m", address=d.address)
+    assert all(store.store([b"k%d" % i for i in range(300)], list(np.ones((300, 4096), np.uint8))))
+    store.close()
+    assert d.stop() == 0
+    monkeypatch.setenv("NOTIFY_SOCKET", notify_socket.getsockname())
+    monkeypatch.setattr(notify_mod, "PROGRESS_S", 0.0)
+    monkeypatch.setattr(catalog_mod, "PROGRESS_ROWS", 64)
+    with caplog.at_level(logging.INFO, logger="kvstored.notify"):
+        opened = Store(config_from_args(build_parser().parse_args(["--ssd", str(d.ssd), "--dram", "16M"])))
+    assert opened.blocks.num_blocks() == 300
+    opened.close()
+    notify_socket.settimeout(5)
+    sent = messages(notify_socket, "EXTEND_TIMEOUT_USEC")  # 600 records (300 blocks, 300 extents)
+    assert sent[0]["STATUS"].startswith("catalog: checked 64 of 600 records in ") and "s left" in sent[0]["STATUS"]
+    assert int(sent[0]["EXTEND_TIMEOUT_USEC"]) >= 30_000_000
+    told = [r.getMessage().split(" of ")[0] for r in caplog.records if r.getMessage().startswith("catalog: checked ")]
+    assert told == [f"catalog: checked {n}" for n in (64, 128, 192, 256, 300, 364, 428, 492, 556)]  # extents, blocks
