@@ -21,7 +21,7 @@ def check(cat: Catalog, txn: lmdb.Transaction, data_bytes: int | None) -> Conten
     problems: list[str] = []
     # A store of small blocks holds millions of records: minutes, under a unit's start timeout.
     records = txn.stat(cat.extents)["entries"] + (txn.stat(cat.blocks)["entries"] if cat.blocks is not None else 0)
-    progress = Progress("catalog", "checked", records, show=lambda n: f"{n:,} records" if n == records else f"{n:,}")
+    progress = Progress("catalog", "checked", records, unit=" records")
     by_key, by_uid = _check_sequences(cat, txn, problems)
     extents, num_ext_records = _check_extents(cat, txn, by_uid, data_bytes, problems, progress)
     problems.extend(_overlaps(extents, by_uid))

@@ -22,14 +22,14 @@ PROGRESS_S = 2.0  # how often a start-up step's progress is logged (and told to 
 
 class Progress:
     """A long start-up step, ``total`` units of work: every :data:`PROGRESS_S` seconds
-    ``"{what}: {done_verb} {done} of {total} in T s, about L s left"`` is logged (to
+    ``"{what}: {done_verb} {done} of {total}{unit} in T s, about L s left"`` is logged (to
     ``logger``) and sent to systemd with more start-up time asked for (twice the time
     left, plus 30 s), so that the unit's start timeout never ends a start that is getting
     on. ``show`` writes an amount of work."""
 
     def __init__(self, what: str, done_verb: str, total: int, logger: logging.Logger = log,
-                 show: Callable[[int], str] = "{:,}".format) -> None:
-        self.what, self.verb, self.total, self.log, self.show = what, done_verb, total, logger, show
+                 show: Callable[[int], str] = "{:,}".format, unit: str = "") -> None:
+        self.what, self.verb, self.total, self.log, self.show, self.unit = what, done_verb, total, logger, show, unit
         self.done = 0
         self.t0 = self.last = time.monotonic()
 
@@ -41,8 +41,8 @@ class Progress:
             return
         self.last = now
         left = (now - self.t0) / max(self.done, 1) * (self.total - self.done)
-        status = (f"{self.what}: {self.verb} {self.show(self.done)} of {self.show(self.total)} in {now - self.t0:.0f} s, "
-                  f"about {left:.0f} s left")
+        status = (f"{self.what}: {self.verb} {self.show(self.done)} of {self.show(self.total)}{self.unit} in "
+                  f"{now - self.t0:.0f} s, about {left:.0f} s left")
         self.log.info("%s", status)
         notify(f"STATUS={status}", f"EXTEND_TIMEOUT_USEC={int((left * 2 + 30) * 1e6)}")
 

@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from kvdrive.layout.format import DATA_FILE
+from kvdrive.tools.bench_tier_stress import nearest_rank_ms
 from kvdrive.tools.text_table import text_table
 from kvdrive_client.integrations.blocks import BlockStore
 from kvdrive_client.store import StoreClient
@@ -85,29 +86,26 @@ class Samples:
     """What the two threads measured since the last interval ended (under ``lock``)."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
-    store_ms: list[float] = field(default_factory=list)
+    store_s: list[float] = field(default_factory=list)
     stored_blocks: int = 0
     failed_stores: int = 0
-    load_ms: list[float] = field(default_factory=list)
+    load_s: list[float] = field(default_factory=list)
     asked: int = 0
     found: int = 0
     wrong: int = 0
 
     def take(self) -> Samples:
         with self.lock:
-            out = Samples(store_ms=self.store_ms, stored_blocks=self.stored_blocks, failed_stores=self.failed_stores,
-                          load_ms=self.load_ms, asked=self.asked, found=self.found, wrong=self.wrong)
-            self.store_ms, self.load_ms = [], []
+            out = Samples(store_s=self.store_s, stored_blocks=self.stored_blocks, failed_stores=self.failed_stores,
+                          load_s=self.load_s, asked=self.asked, found=self.found, wrong=self.wrong)
+            self.store_s, self.load_s = [], []
             self.stored_blocks = self.failed_stores = self.asked = self.found = self.wrong = 0
         return out
 
 
 def _p(samples: list[float], q: float) -> float | None:
-    """The q-quantile (nearest rank) of ``samples``; None for none."""
-    if not samples:
-        return None
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    """The q-quantile (nearest rank) of ``samples`` (seconds) in ms; None for none."""
+    return nearest_rank_ms(samples, q) if samples else None
 
 
 def _key(n: int) -> bytes:
@@ -169,9 +167,9 @@ class Traffic:
             self.rows[: self.job, :KEY_BYTES] = heads
             t0 = time.perf_counter()
             done = self.store.store_rows(keys, self.rows[: self.job], range(self.job))
-            ms = (time.perf_counter() - t0) * 1e3
+            took = time.perf_counter() - t0
             with self.samples.lock:
-                self.samples.store_ms.append(ms)
+                self.samples.store_s.append(took)
                 self.samples.stored_blocks += sum(done)
                 self.samples.failed_stores += len(done) - sum(done)
             self.stored_total += sum(done)
@@ -194,14 +192,14 @@ class Traffic:
             out[:, :KEY_BYTES] = 0
             t0 = time.perf_counter()
             done = self.store.load_rows([_key(first + i) for i in range(self.job)], out, range(self.job))
-            ms = (time.perf_counter() - t0) * 1e3
+            took = time.perf_counter() - t0
             wrong = 0
             for i, ok in enumerate(done):
                 if ok and (int.from_bytes(bytes(out[i, :KEY_BYTES]), "little") != first + i
                            or not np.array_equal(out[i, KEY_BYTES:], self.pattern[i, KEY_BYTES:])):
                     wrong += 1
             with self.samples.lock:
-                self.samples.load_ms.append(ms)
+                self.samples.load_s.append(took)
                 self.samples.asked += len(done)
                 self.samples.found += sum(done)
                 self.samples.wrong += wrong
@@ -289,8 +287,8 @@ def _interval(traffic: Traffic, daemon: Daemon, run: dict, t0: float, span: floa
     return Interval(
         seconds=time.perf_counter() - t0, stored_bytes=traffic.stored_total * traffic.block_bytes,
         store_gbps=s.stored_blocks * traffic.block_bytes / span / 1e9,
-        store_p50_ms=_p(s.store_ms, 0.5), store_p99_ms=_p(s.store_ms, 0.99),
-        loads=len(s.load_ms), load_p50_ms=_p(s.load_ms, 0.5), load_p99_ms=_p(s.load_ms, 0.99),
+        store_p50_ms=_p(s.store_s, 0.5), store_p99_ms=_p(s.store_s, 0.99),
+        loads=len(s.load_s), load_p50_ms=_p(s.load_s, 0.5), load_p99_ms=_p(s.load_s, 0.99),
         hit_rate=s.found / s.asked if s.asked else None, wrong_blocks=s.wrong, failed_stores=s.failed_stores,
         rss_mib=rss, maps=maps, fds=fds, threads=threads,
         catalog_mib=_allocated_mib([p for p in ssd.rglob("*.mdb")]), data_mib=_allocated_mib([ssd / DATA_FILE]),

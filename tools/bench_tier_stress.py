@@ -55,8 +55,8 @@ class FillRow:
     ratio: float  # last tenth / first tenth
 
 
-def _p(samples: list[float], q: float) -> float:
-    """The q-quantile (nearest rank) of ``samples``, in ms."""
+def nearest_rank_ms(samples: list[float], q: float) -> float:
+    """The q-quantile (nearest rank) of ``samples`` (seconds), in ms."""
     ordered = sorted(samples)
     return 1e3 * ordered[min(len(ordered) - 1, max(0, int(np.ceil(q * len(ordered))) - 1))]
 
@@ -188,8 +188,10 @@ def contention(adapter: str, rows: np.ndarray, root: Path, rounds: int, loads: i
             d.close()
     finally:
         daemon.stop()
-    row = ContentionRow(adapter, len(alone), _p(alone, 0.5), _p(alone, 0.99), _p(during, 0.5), _p(during, 0.99),
-                        _p(during, 0.99) / _p(alone, 0.99), stored * rows.shape[1] / max(store_s, 1e-9) / 1e9)
+    p50_alone, p99_alone = nearest_rank_ms(alone, 0.5), nearest_rank_ms(alone, 0.99)
+    p50_during, p99_during = nearest_rank_ms(during, 0.5), nearest_rank_ms(during, 0.99)
+    row = ContentionRow(adapter, len(alone), p50_alone, p99_alone, p50_during, p99_during, p99_during / p99_alone,
+                        stored * rows.shape[1] / max(store_s, 1e-9) / 1e9)
     _note(f"  {adapter}: load of {JOB_BLOCKS} blocks p99 {row.p99_alone_ms:.1f} ms alone, {row.p99_during_ms:.1f} ms "
           f"during stores ({row.p99_ratio:.2f}x; stores meanwhile {row.store_gbps_during:.2f} GB/s)")
     return row
