@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Callable
 
 import zmq
 
-from kvstored import cuda_ipc
+from kvstored import cuda_ipc, sigbus
 from kvstored.admission import RouterAdmission, peer_uid, raise_fd_limit
 from kvstored.config import DaemonConfig, check_private_dir
 from kvstored.protocol import (
@@ -149,6 +149,7 @@ class Server:
         if self._session_server is None:
             self.bind()
         self.writer.start()
+        sigbus.install_soon()  # before an engine registers its pool, not on that request
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.done, zmq.POLLIN)

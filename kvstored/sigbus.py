@@ -15,8 +15,9 @@ and returns, so the fault repeats under it.
 The handler is a numba ``cfunc``: machine code that touches no Python object, allocates
 nothing and makes two system calls (``mmap``, ``sigaction``), so it is safe in a signal
 handler and on any thread (SIGBUS is delivered to the thread that faulted). It reads the
-ranges from a fixed table whose address is compiled into it (so it is compiled when the
-guard is first needed, ~1 s, and not cached). Table rows are written under a lock, and a
+ranges from a fixed table whose address is compiled into it (~0.2-1 s, and not cached), so
+kvstored compiles and installs it on a thread of its own as it starts (:func:`install_soon`):
+an engine's first pool registration after a restart does not wait for the compiler. Table rows are written under a lock, and a
 row is cleared only once no copy can use its range (the buffer's ReclaimGate).
 """
 
@@ -103,6 +104,20 @@ def guard() -> SigbusGuard:
             g.install()
             _guard = g
         return _guard
+
+
+def install_soon() -> threading.Thread:
+    """Compile and install the guard on a thread of its own; a failure is logged, and the
+    first pool registration tries again (and fails that request with why)."""
+    def run() -> None:
+        try:
+            guard()
+        except Exception:
+            log.warning("SIGBUS guard not installed at start-up; the first pool registration will try again",
+                        exc_info=True)
+    t = threading.Thread(target=run, name="kvstored-sigbus", daemon=True)
+    t.start()
+    return t
 
 
 def _compile(table_addr: int, previous_addr: int):

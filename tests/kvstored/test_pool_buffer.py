@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -144,6 +145,20 @@ def test_a_shrunk_pool_fails_its_own_requests_and_the_daemon_serves_on(daemon_fa
     os.close(fd)
     del engine
     assert d.stop() == 0
+
+
+def test_the_guard_is_ready_before_the_first_pool_is_registered(daemon):
+    """kvstored compiles and installs its SIGBUS guard as it starts, on a thread of its own:
+    an engine's first pool registration after a (re)start does not wait for the compiler."""
+    deadline = time.monotonic() + 30
+    while "SIGBUS guard installed" not in daemon.log():
+        assert time.monotonic() < deadline, daemon.log()
+        time.sleep(0.05)
+    fd, _ = memfd_pool()
+    with daemon.client() as c:
+        c.register_pool(fd, POOL)
+    os.close(fd)
+    assert daemon.log().count("SIGBUS guard installed") == 1
 
 
 def test_a_pool_must_be_shared_memory_of_its_size(daemon, tmp_path):
