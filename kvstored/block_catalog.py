@@ -76,9 +76,11 @@ def part_rows(uid: int, parts: int, first_id: int, offsets: list[int], slots: np
     return _sealed(list(zip(keys, payloads)))
 
 
-def block_rows(records: list[BlockRecord]) -> list[tuple[bytes, bytes]]:
-    """The catalog rows (key, stored value) of block records."""
-    return _sealed([r.encode() for r in records])
+def block_rows(uid: int, keys: list[bytes], slots: np.ndarray, extent_ids: np.ndarray) -> list[tuple[bytes, bytes]]:
+    """The catalog rows (key, stored value) of blocks ``keys`` of namespace ``uid``: block
+    ``keys[i]`` in slot ``slots[i]``, its parts in extents ``extent_ids[i]``."""
+    return _sealed([BlockRecord(uid, key, slot, tuple(ids)).encode()
+                    for key, slot, ids in zip(keys, slots.tolist(), extent_ids.tolist())])
 
 
 def add_blocks(cat: Catalog, txn: lmdb.Transaction, parts: list[tuple[bytes, bytes]],
@@ -93,13 +95,14 @@ def add_blocks(cat: Catalog, txn: lmdb.Transaction, parts: list[tuple[bytes, byt
     cat.num_blocks += len(blocks)
 
 
-def delete_blocks(cat: Catalog, txn: lmdb.Transaction, records: list[BlockRecord]) -> None:
-    """Delete block records and their extents' records."""
-    for rec in records:
-        if txn.delete(rec.db_key, db=cat.blocks):
+def delete_blocks(cat: Catalog, txn: lmdb.Transaction, uid: int, keys: list[bytes], extent_ids: np.ndarray) -> None:
+    """Delete the records of blocks ``keys`` of namespace ``uid`` and of their extents (``extent_ids[i]``, by part)."""
+    prefix = UID_KEY.pack(uid)
+    for key, ids in zip(keys, extent_ids.tolist()):
+        if txn.delete(prefix + key, db=cat.blocks):
             cat.num_blocks -= 1
-        for layer, ext_id in enumerate(rec.extent_ids):
-            if txn.delete(EXTENT_KEY.pack(rec.uid, layer, 0, ext_id), db=cat.extents):
+        for layer, ext_id in enumerate(ids):
+            if txn.delete(EXTENT_KEY.pack(uid, layer, 0, ext_id), db=cat.extents):
                 cat.num_extents -= 1
 
 

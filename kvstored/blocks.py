@@ -6,7 +6,8 @@ Each (owner, namespace) of them is one sequence of the reserved name
 is the block's parts as layers (``block_geometry``) and whose pages are *slots*: a
 block is one slot, each of its parts an extent of one page, so one block can be
 deleted alone. Beside the index, a :class:`BlockTable` per namespace keeps key -> slot
-(least recently used first, for quotas), slot -> catalog record, and the free slots.
+(least recently used first, for quotas), by slot the key and its parts' extent ids (in
+arrays: no object per block), and the free slots.
 
 In the client's buffer a block is contiguous, at ``offset + i * block_bytes`` or at an
 offset of its own, or in ``regions`` equal regions with an offset each (an engine page
@@ -67,38 +68,46 @@ log = logging.getLogger(__name__)
 GET_TRIES = 3  # a get whose blocks are deleted under it looks them up again, this many times in all
 
 
-class ExtentSet:
-    """A block namespace's extents by offset, so that one block's can leave alone; it
-    iterates as the (offset, bytes) pairs a sequence's extent list holds."""
+class BlockExtents:
+    """A block namespace's extents, as the (offset, bytes) pairs a sequence's extent list
+    holds, read from its index: each part of each block is one extent of one page there,
+    so nothing more is kept per block (a store of 64 KiB blocks holds tens of millions)."""
 
-    def __init__(self) -> None:
-        self._by_off: dict[int, int] = {}
+    def __init__(self, entry: SeqEntry) -> None:
+        self.entry = entry
 
     def append(self, ext: tuple[int, int]) -> None:
-        self._by_off[ext[0]] = ext[1]
+        assert ext[1] == self.entry.geometry.block_bytes, "a block's part is one extent of one page"
 
     def extend(self, exts) -> None:
         for ext in exts:
             self.append(ext)
 
     def pop(self, off: int) -> tuple[int, int]:
-        return off, self._by_off.pop(off)
+        return off, self.entry.geometry.block_bytes
 
     def __iter__(self):
-        return iter(self._by_off.items())
+        nbytes, offs = self.entry.geometry.block_bytes, self.entry.ssd_off
+        return iter([(off, nbytes) for off in offs[offs >= 0].tolist()])
 
     def __len__(self) -> int:
-        return len(self._by_off)
+        return int(np.count_nonzero(self.entry.ssd_off >= 0))
 
 
 class BlockTable:
-    """One namespace's blocks: key -> slot, least recently used first; slot -> record; free slots."""
+    """One namespace's blocks: key -> slot, least recently used first; by slot, the block's
+    key, its parts' extent ids and a generation, bumped whenever the slot is filled or
+    emptied (so that a get can tell its block from a later one in the same slot); the free
+    slots. Arrays by slot, not an object per block: a store of 64 KiB blocks holds tens of
+    millions. Changed under the index lock."""
 
     def __init__(self, entry: SeqEntry, block_bytes: int) -> None:
         self.entry, self.block_bytes = entry, block_bytes
         self.parts = entry.geometry.num_layers
         self.slots: OrderedDict[bytes, int] = OrderedDict()
-        self.records: dict[int, BlockRecord] = {}
+        self.keys = np.empty(0, object)
+        self.extent_ids = np.zeros((0, self.parts), np.int64)
+        self.gen = np.zeros(0, np.uint32)
         self.pending: dict[bytes, int] = {}  # keys of prepared puts not yet committed
         # Bumped, under the index lock, whenever a key is stored or deleted: picks made under
         # an earlier hold of the lock are still true while it has not moved.
@@ -117,23 +126,60 @@ class BlockTable:
         for s in slots:
             heapq.heappush(self._free, int(s))
 
+    def fill(self, keys: list[bytes], slots: np.ndarray, extent_ids: np.ndarray) -> None:
+        """Block ``keys[i]`` is in slot ``slots[i]``, its parts in extents ``extent_ids[i]``."""
+        if len(slots) and int(slots.max()) >= len(self.keys):
+            cap = max(int(slots.max()) + 1, 2 * len(self.keys), 64)
+            grow = cap - len(self.keys)
+            self.keys = np.concatenate([self.keys, np.full(grow, None, object)])
+            self.extent_ids = np.concatenate([self.extent_ids, np.zeros((grow, self.parts), np.int64)])
+            self.gen = np.concatenate([self.gen, np.zeros(grow, np.uint32)])
+        self.slots.update(zip(keys, slots.tolist()))
+        self.keys[slots] = keys
+        self.extent_ids[slots] = extent_ids
+        self.gen[slots] += 1
+
+    def empty(self, slots: np.ndarray) -> None:
+        """Forget the blocks in ``slots``; the caller gives the slots back once nothing reads them."""
+        for key in self.keys[slots].tolist():
+            del self.slots[key]
+        self.keys[slots] = None
+        self.extent_ids[slots] = 0
+        self.gen[slots] += 1
+
     def loaded(self, records: list[BlockRecord]) -> None:
         """Fill from the catalog at start-up (in key order: recency is not durable)."""
-        for rec in records:
-            self.slots[rec.key] = rec.slot
-            self.records[rec.slot] = rec
-        self._next = max(self.records, default=-1) + 1
-        self.give(s for s in range(self._next) if s not in self.records)
+        slots = np.fromiter((r.slot for r in records), np.int64, len(records))
+        ids = np.array([r.extent_ids for r in records], np.int64).reshape(len(records), self.parts)
+        self.fill([r.key for r in records], slots, ids)
+        self._next = int(slots.max()) + 1 if len(slots) else 0
+        self._free = np.setdiff1d(np.arange(self._next), slots).tolist()  # sorted: a heap
+
+
+@dataclass(frozen=True)
+class Picks:
+    """The keys of a get a table holds, looked up under the index lock: their positions in
+    the request, their slots and the slots' generations then."""
+
+    pos: np.ndarray
+    slots: np.ndarray
+    gens: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.pos)
+
+    def one(self, j: int) -> "Picks":
+        return Picks(self.pos[j:j + 1], self.slots[j:j + 1], self.gens[j:j + 1])
 
 
 @dataclass(frozen=True)
 class Picked:
-    """A block get's keys looked up under the index lock when ``table.changes`` was
-    ``changes``: (position, record) of each key found, and the get path's request for them."""
+    """A block get's :class:`Picks` made when ``table.changes`` was ``changes``, and the get
+    path's request for them."""
 
     table: BlockTable
     changes: int
-    picks: list
+    picks: Picks
     get: Get
 
 
@@ -153,13 +199,11 @@ class Blocks:
             if seq.name == BLOCKS_NAME:
                 entry = self.index.get(seq.uid)
                 table = self._add_table(entry)
-                table.loaded(by_uid.get(seq.uid, []))
+                table.loaded(by_uid.pop(seq.uid, []))
 
     def _add_table(self, entry: SeqEntry) -> BlockTable:
         g = entry.geometry
-        if not isinstance(entry.extents, ExtentSet):
-            exts, entry.extents = entry.extents, ExtentSet()
-            entry.extents.extend(exts)
+        entry.extents = BlockExtents(entry)
         table = self.tables[(entry.owner, entry.ns)] = BlockTable(entry, g.num_layers * g.block_bytes)
         return table
 
@@ -192,8 +236,8 @@ class Blocks:
                     picks, whole = picked.picks, picked.get
                 else:
                     picks, whole = self._pick(table, req), None
-                for _, rec in picks:
-                    table.slots.move_to_end(rec.key)
+                for i in picks.pos.tolist():
+                    table.slots.move_to_end(req.keys[i])
             picked = None  # a second try looks the keys up again
             try:
                 damaged = self._read(table, req, session, picks, at, whole)
@@ -203,8 +247,8 @@ class Blocks:
                 continue  # a block was deleted between the two lookups: look them up again
             with self.index.lock:  # deleted, or its slot given to another key, during the copy: a miss
                 found = [False] * len(req.keys)
-                for i, rec in picks:
-                    found[i] = table.records.get(rec.slot) is rec and i not in damaged
+                for i, same in zip(picks.pos.tolist(), (table.gen[picks.slots] == picks.gens).tolist()):
+                    found[i] = same and i not in damaged
             self.counters["block_gets"] += 1
             return {"found": found, "damaged": sorted(damaged)}
         raise ProtocolError(ErrorCode.BUSY, f"the blocks of {req.ns} were deleted under {GET_TRIES} tries of this get")
@@ -229,11 +273,14 @@ class Blocks:
         return Picked(table, changes, picks, whole) if self.gets.in_dram(whole, session, max_bytes) else None
 
     @staticmethod
-    def _pick(table: BlockTable, req: BlockGet) -> list[tuple[int, BlockRecord]]:
-        """(position, record) of each key of ``req`` the table holds (index lock held)."""
-        return [(i, table.records[slot]) for i, key in enumerate(req.keys) if (slot := table.slots.get(key)) is not None]
+    def _pick(table: BlockTable, req: BlockGet) -> Picks:
+        """The keys of ``req`` the table holds (index lock held)."""
+        get = table.slots.get
+        found = [(i, slot) for i, key in enumerate(req.keys) if (slot := get(key)) is not None]
+        pos, slots = np.array(found, np.int64).reshape(-1, 2).T
+        return Picks(pos, slots, table.gen[slots])
 
-    def _read(self, table: BlockTable, req: BlockGet, session: Session, picks: list, at: np.ndarray,
+    def _read(self, table: BlockTable, req: BlockGet, session: Session, picks: Picks, at: np.ndarray,
               whole: Get | None) -> set[int]:
         """Read ``picks`` (``whole``, where given, the get path's request for them all) into
         the client's buffer, part p of key i at ``offset + at[i, p]``; the positions of those that are damaged."""
@@ -245,20 +292,20 @@ class Blocks:
         except DamagedBlockError:
             pass
         damaged = set()  # one at a time, so that only the damaged ones are misses
-        for i, rec in picks:
+        for j, i in enumerate(picks.pos.tolist()):
             try:
-                self.gets.get(self._get_of(table, req, [(i, rec)], at), session, blocks=True)
+                self.gets.get(self._get_of(table, req, picks.one(j), at), session, blocks=True)
             except DamagedBlockError:
                 damaged.add(i)
         return damaged
 
     @staticmethod
-    def _get_of(table: BlockTable, req: BlockGet, picks: list, at: np.ndarray) -> Get:
+    def _get_of(table: BlockTable, req: BlockGet, picks: Picks, at: np.ndarray) -> Get:
         n, parts = len(picks), table.parts
         rows = np.zeros((n * parts, 3), np.int32)
         rows[:, 0] = np.tile(np.arange(parts, dtype=np.int32), n)
-        rows[:, 2] = np.repeat([rec.slot for _, rec in picks], parts)
-        return Get(table.entry.uid, req.buf, req.offset, rows, at[[i for i, _ in picks]].reshape(-1))
+        rows[:, 2] = np.repeat(picks.slots, parts)
+        return Get(table.entry.uid, req.buf, req.offset, rows, at[picks.pos].reshape(-1))
 
     # ------------------------------------------------------------ writer thread
 
@@ -333,33 +380,30 @@ class Blocks:
                                                 f"what this host can hold, or delete blocks") from None
         first = self.catalog.next_extent + 1  # part p of new block j is extent first + j * parts + p
         self.catalog.next_extent += n * parts
-        blocks = [BlockRecord(entry.uid, key, slot, tuple(range(first + j * parts, first + (j + 1) * parts)))
-                  for j, (key, slot) in enumerate(zip(new, slots.tolist()))]
-        for rec in blocks:
-            table.pending[rec.key] = rec.slot
-        rows = part_rows(entry.uid, parts, first, offsets, slots, crc), block_rows(blocks)
+        ids = np.arange(first, first + n * parts, dtype=np.int64).reshape(n, parts)
+        table.pending.update(zip(new, slots.tolist()))
+        rows = part_rows(entry.uid, parts, first, offsets, slots, crc), block_rows(entry.uid, new, slots, ids)
         self.counters["block_puts"] += 1
         return PreparedPut(
             entry, [], [(off, part_bytes) for off in offsets], wrote.staging, wrote.staging_map, wrote.src_offs,
             lay, hed, pag, np.zeros(n * parts, np.float32), crc, np.asarray(offsets, np.int64), slots,
             pool=self.puts.staging, on_commit=lambda txn: add_blocks(self.catalog, txn, *rows),
-            on_publish=lambda: self._published(table, blocks), on_abort=lambda: self._aborted(table, blocks),
+            on_publish=lambda: self._published(table, new, slots, ids), on_abort=lambda: self._aborted(table, new, slots),
             reply=reply, dram_slots=wrote.dram_slots,
         )
 
-    def _published(self, table: BlockTable, blocks: list[BlockRecord]) -> None:
+    def _published(self, table: BlockTable, keys: list[bytes], slots: np.ndarray, ids: np.ndarray) -> None:
         with self.index.lock:
-            for rec in blocks:
-                table.pending.pop(rec.key, None)
-                table.slots[rec.key] = rec.slot
-                table.records[rec.slot] = rec
+            for key in keys:
+                table.pending.pop(key, None)
+            table.fill(keys, slots, ids)
             table.changes += 1
-        self.counters["blocks_stored"] += len(blocks)
+        self.counters["blocks_stored"] += len(keys)
 
-    def _aborted(self, table: BlockTable, blocks: list[BlockRecord]) -> None:
-        for rec in blocks:
-            table.pending.pop(rec.key, None)
-        table.give(rec.slot for rec in blocks)
+    def _aborted(self, table: BlockTable, keys: list[bytes], slots: np.ndarray) -> None:
+        for key in keys:
+            table.pending.pop(key, None)
+        table.give(slots)
 
     def delete(self, req: BlockDelete, owner: int) -> dict:
         table = self.tables.get((owner, req.ns))
@@ -372,38 +416,38 @@ class Blocks:
             log.info("deleted block namespace %s of uid %d: %d blocks, %s", req.ns, owner, count, format_size(freed))
             return {"deleted": count, "freed_bytes": freed}
         with self.index.lock:
-            recs = [table.records[table.slots[k]] for k in dict.fromkeys(req.keys) if k in table.slots]
-        self._drop(table, recs, "delete")
-        return {"deleted": len(recs), "freed_bytes": len(recs) * table.block_bytes}
+            slots = np.array([table.slots[k] for k in dict.fromkeys(req.keys) if k in table.slots], np.int64)
+        self._drop(table, slots, "delete")
+        return {"deleted": len(slots), "freed_bytes": len(slots) * table.block_bytes}
 
-    def _drop(self, table: BlockTable, recs: list[BlockRecord], what: str) -> None:
+    def _drop(self, table: BlockTable, slots: np.ndarray, what: str) -> None:
         """Delete blocks: their records in one transaction, then their index cells; their
         DRAM copies and extents are freed once no get still reads them."""
-        if not recs:
+        if not len(slots):
             return
+        entry, parts, n = table.entry, table.parts, len(slots)
+        with self.index.lock:
+            keys, ids = table.keys[slots].tolist(), table.extent_ids[slots]
         with self.space.catalog_write(what) as txn:  # never refused for want of space: the reserve
-            delete_blocks(self.catalog, txn, recs)
-        entry, parts = table.entry, table.parts
-        slots = np.asarray([r.slot for r in recs], np.int64)
-        lay, hed, pag = np.tile(np.arange(parts), len(recs)), np.zeros(len(recs) * parts, np.int64), np.repeat(slots, parts)
+            delete_blocks(self.catalog, txn, entry.uid, keys, ids)
+        lay, hed, pag = np.tile(np.arange(parts), n), np.zeros(n * parts, np.int64), np.repeat(slots, parts)
         cols = entry.columns(pag)
         with self.index.lock:
             offs = entry.ssd_off[lay, hed, cols].tolist()
             dram_slots = self.residency.forget_blocks(entry, lay, hed, cols)
             self.index.clear_blocks(entry, lay, hed, cols)
-            for rec in recs:
-                del table.slots[rec.key], table.records[rec.slot]
+            table.empty(slots)
             table.changes += 1
         table.give(slots)
         extents = [entry.extents.pop(off) for off in offs]
         key = (entry.owner, entry.ns)
-        self.sequences.ns_bytes[key] -= len(recs) * table.block_bytes
+        self.sequences.ns_bytes[key] -= n * table.block_bytes
         dram, bb = self.residency.dram, entry.geometry.block_bytes
         self.gate.retire(lambda: dram.release(bb, dram_slots))
         self.gate.retire(lambda: self.space.release_extents(extents))
         self.space.ssd.unpark()
         self.space.keep_reserve()
-        self.counters["blocks_deleted" if what == "delete" else "blocks_quota_evicted"] += len(recs)
+        self.counters["blocks_deleted" if what == "delete" else "blocks_quota_evicted"] += n
 
     def enforce_quotas(self, prepared: list[PreparedPut]) -> None:
         """After a commit: each namespace these puts took past its --quota loses its least
@@ -425,9 +469,9 @@ class Blocks:
                     if over <= 0:
                         break
                     if slot not in keep:
-                        victims.append(table.records[slot])
+                        victims.append(slot)
                         over -= table.block_bytes
-            self._drop(table, victims, "quota")
+            self._drop(table, np.array(victims, np.int64), "quota")
             log.info("block namespace %s is over its quota %s: deleted its %d least recently used blocks",
                      table.entry.ns, format_size(limit), len(victims))
 

@@ -43,6 +43,7 @@ import numpy as np
 
 from kvdrive.layout.geometry import Geometry
 from kvstored.config import format_size
+from kvstored.protocol import MAX_IMPORTANCE
 
 ABSENT = -1
 # Bytes per (layer, head, page) slot: ssd_off int64, crc uint32, dram_off int64,
@@ -301,3 +302,28 @@ class BlockIndex:
         """Count ``columns`` (distinct, of a published put) as stored pages (index lock held)."""
         entry.num_pages += len(columns) - int(np.count_nonzero(entry.has_page[columns]))
         entry.has_page[columns] = True
+
+    def load_extents(self, entry: SeqEntry, exts: list) -> list[tuple[int, int]]:
+        """Fill ``entry``'s arrays from its catalog extents (:class:`~kvstored.catalog.ExtentRecord`);
+        the (offset, bytes) they use. All extents at once (a block namespace has one per block
+        and part: millions, at start-up)."""
+        bb = entry.geometry.block_bytes
+        counts = np.fromiter((len(e.pages) for e in exts), np.int64, len(exts))
+        pages = np.concatenate([e.pages for e in exts]).astype(np.int64)
+        # One window for everything stored: what LMDB holds is loaded whatever the limits.
+        self.grow(entry, self.plan_growth(entry, np.array([pages.min(), pages.max()]), enforce=False))
+        offsets = np.fromiter((e.offset for e in exts), np.int64, len(exts))
+        layers = np.repeat(np.fromiter((e.layer for e in exts), np.int64, len(exts)), counts)
+        heads = np.repeat(np.fromiter((e.head for e in exts), np.int64, len(exts)), counts)
+        within = np.arange(len(pages), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)  # i-th page of its extent
+        cols = entry.columns(pages)
+        entry.ssd_off[layers, heads, cols] = np.repeat(offsets, counts) + within * bb
+        entry.crc[layers, heads, cols] = np.concatenate([e.crc for e in exts])
+        # Stores written before hints were bounded may hold larger ones.
+        entry.importance[layers, heads, cols] = np.clip(np.concatenate([e.importance for e in exts]), 0.0, MAX_IMPORTANCE)
+        entry.has_page[cols] = True
+        used = list(zip(offsets.tolist(), (counts * bb).tolist()))
+        entry.extents.extend(used)
+        entry.num_blocks += len(pages)
+        entry.num_pages = int(np.count_nonzero(entry.has_page))
+        return used

@@ -29,6 +29,7 @@ Buffers are looked up in the calling session's registry only.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import itertools
 import logging
@@ -38,7 +39,6 @@ from collections import Counter
 from pathlib import Path
 
 import lmdb
-import numpy as np
 
 from kvdrive.layout.format import DATA_FILE, FORMAT_VERSION, META_DIR
 from kvstored.blocks import Blocks
@@ -50,7 +50,7 @@ from kvstored.gate import ReclaimGate
 from kvstored.get_path import READ_CHUNK_BYTES, DamagedBlockError, GetPath  # noqa: F401 (re-exported)
 from kvstored.index import BlockIndex, SeqEntry
 from kvstored.io_engine import choose_engine
-from kvstored.protocol import MAX_IMPORTANCE, Create, Delete, Get, ListSeqs, Lookup, OpenSeq, ProtocolError, Put
+from kvstored.protocol import Create, Delete, Get, ListSeqs, Lookup, OpenSeq, ProtocolError, Put
 from kvstored.put_path import PreparedPut, PutPath
 from kvstored.residency import Residency
 from kvstored.sequences import Sequences, owned_entry
@@ -112,6 +112,7 @@ class Store:
         self.blocks = Blocks(cfg, self.index, self.catalog, self.sequences, self.puts, self.gets, self.residency,
                              self.space, self.gate, self.counters)
         self._load()
+        _give_back_free_memory()  # what the catalog's decode left free: most of it, for a store of small blocks
         self.space.keep_reserve()
         log.info(
             "store at %s: format %d, %d sequences, %s on SSD (cap %s), DRAM tier %s pre-faulted, opened in %.2f s",
@@ -130,7 +131,7 @@ class Store:
         used = []
         for uid, exts in by_uid.items():
             entry = self.index.get(uid)
-            used.extend(_load_extents(self.index, entry, exts))
+            used.extend(self.index.load_extents(entry, exts))
             self.sequences.ns_bytes[(entry.owner, entry.ns)] += entry.bytes
         self.ssd.load(used)
         self.blocks.load(contents)
@@ -252,29 +253,12 @@ class Store:
             os.close(fd)
 
 
-def _load_extents(index: BlockIndex, entry: SeqEntry, exts: list[ExtentRecord]) -> list[tuple[int, int]]:
-    """Fill ``entry``'s arrays from its catalog extents; the (offset, bytes) they use.
-    All extents at once (a block namespace has one per block and part: millions, at start-up)."""
-    bb = entry.geometry.block_bytes
-    counts = np.fromiter((len(e.pages) for e in exts), np.int64, len(exts))
-    pages = np.concatenate([e.pages for e in exts]).astype(np.int64)
-    # One window for everything stored: what LMDB holds is loaded whatever the limits.
-    index.grow(entry, index.plan_growth(entry, np.array([pages.min(), pages.max()]), enforce=False))
-    offsets = np.fromiter((e.offset for e in exts), np.int64, len(exts))
-    layers = np.repeat(np.fromiter((e.layer for e in exts), np.int64, len(exts)), counts)
-    heads = np.repeat(np.fromiter((e.head for e in exts), np.int64, len(exts)), counts)
-    within = np.arange(len(pages), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)  # i-th page of its extent
-    cols = entry.columns(pages)
-    entry.ssd_off[layers, heads, cols] = np.repeat(offsets, counts) + within * bb
-    entry.crc[layers, heads, cols] = np.concatenate([e.crc for e in exts])
-    # Stores written before hints were bounded may hold larger ones.
-    entry.importance[layers, heads, cols] = np.clip(np.concatenate([e.importance for e in exts]), 0.0, MAX_IMPORTANCE)
-    entry.has_page[cols] = True
-    used = list(zip(offsets.tolist(), (counts * bb).tolist()))
-    entry.extents.extend(used)
-    entry.num_blocks += len(pages)
-    entry.num_pages = int(np.count_nonzero(entry.has_page))
-    return used
+def _give_back_free_memory() -> None:
+    """Return the heap's free pages to the system (glibc's ``malloc_trim``; elsewhere, nothing)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _lock_directory(path: Path) -> int:
