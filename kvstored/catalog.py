@@ -145,7 +145,7 @@ class ExtentRecord:
             raise ValueError(f"offset {v['off']!r}")
         if len({len(a) for a in arrays}) != 1 or not len(arrays[0]):
             raise ValueError(f"pages, crc, cluster and importance hold {[len(a) for a in arrays]} values")
-        if arrays[0].min() < 0:
+        if (arrays[0][0] if len(arrays[0]) == 1 else arrays[0].min()) < 0:  # most are one page: no reduction
             raise ValueError(f"page {int(arrays[0].min())}")
         return cls(uid, layer, head, extent_id, v["off"], *arrays)
 

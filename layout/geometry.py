@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 MAX_LAYERS = 1024
 MAX_KV_HEADS = 1024
@@ -53,7 +54,7 @@ class Geometry:
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
                 raise ValueError(f"{name} must be an integer in 1..{limit}, got {value!r}")
 
-    @property
+    @cached_property  # read per extent at start-up: millions of times for a store of small blocks
     def block_bytes(self) -> int:
         """Bytes of one block: K then V, each [page_size, head_dim]."""
         return 2 * self.page_size * self.head_dim * self.dtype.itemsize

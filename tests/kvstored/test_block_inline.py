@@ -87,3 +87,43 @@ def test_a_key_stored_again_in_its_old_slot_is_found_with_its_new_bytes(rig):
     put(store, session, src_id, [*range(N)])  # key 2 again, in the slot it left
     r = store.blocks.get(request(dst_id), session, picked)
     assert r["found"] == [True] * N and (dst.array == src.array).all()
+
+
+def test_a_table_kept_in_arrays_grows_reloads_and_reuses_freed_slots_lowest_first(tmp_path):
+    """A block table keeps its blocks in arrays by slot: filled past their first capacity,
+    emptied by deletes, and rebuilt from the catalog at a restart with the same keys, slots
+    and extents, the freed slots handed out again lowest first."""
+    cfg = DaemonConfig(ssd_dir=tmp_path / "ssd", dram_bytes=64 << 20, ssd_max_bytes=1 << 30)
+    bb, n = 4096, 150
+    src = SharedBuffer(n * bb)
+    src.array[:] = np.random.default_rng(1).integers(0, 256, n * bb, dtype=np.uint8)
+
+    def opened():
+        store = Store(cfg)
+        session = SessionTable(SessionLimits(), 1 << 40, store.gate.retire).open(1, 1000, 1000)
+        return store, session, session.buffers.register_fd(src.fd, src.size).buf_id
+
+    store, session, buf = opened()
+    keys = tuple(key(i) for i in range(n))
+    assert not store.commit_puts([store.blocks.prepare_put(BlockPut("eng", bb, keys, buf, 0), session)])
+    store.blocks.delete(BlockDelete("eng", (key(3), key(70), key(4)), False), session.uid)
+    before = store.blocks.tables[(session.uid, "eng")]
+    kept = {k: (s, before.extent_ids[s].tolist()) for k, s in before.slots.items()}
+    store.close()
+
+    store, session, buf = opened()
+    table = store.blocks.tables[(session.uid, "eng")]
+    assert {k: (s, table.extent_ids[s].tolist()) for k, s in table.slots.items()} == kept
+    assert all(table.keys[s] == k for k, s in table.slots.items()) and len(kept) == n - 3
+    offs = table.entry.ssd_off[0, 0, table.entry.columns(np.array(sorted(s for s, _ in kept.values())))]
+    assert sorted(o for o, _ in table.entry.extents) == sorted(offs.tolist()) and len(table.entry.extents) == n - 3
+    assert table.take(4).tolist() == [3, 4, 70, n]
+    dst = SharedBuffer(n * bb)
+    dst_id = session.buffers.register_fd(dst.fd, dst.size).buf_id
+    r = store.blocks.get(BlockGet("eng", keys, dst_id, 0), session)
+    assert r["found"] == [i not in (3, 4, 70) for i in range(n)]
+    got, want = dst.array.reshape(n, bb), src.array.reshape(n, bb)
+    assert all((got[i] == want[i]).all() for i in range(n) if i not in (3, 4, 70))
+    store.close()
+    src.close()
+    dst.close()
