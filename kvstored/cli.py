@@ -62,7 +62,7 @@ def _add_storage_options(p: argparse.ArgumentParser) -> None:
                    help="cap on the SSD tier; puts past it get a 'full' error (default: 1T)")
     p.add_argument("--index-max", default="4G", metavar="SIZE",
                    help="cap on the in-memory block index (32 bytes per (layer, head, page) of each sequence's page "
-                        "window), all users together; puts and creates past it get a 'full' error; refused at start "
+                        "window, and 256 per page of a block namespace's key table), all users together; puts and creates past it get a 'full' error; refused at start "
                         "if more than the host's memory less --dram (default: 4G)")
     p.add_argument("--index-max-per-uid", default=None, metavar="SIZE",
                    help="what one user's (uid's) sequences may take of --index-max, less than it so that other "

@@ -42,6 +42,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvdrive.layout.geometry import Geometry
+from kvstored.catalog import BLOCKS_NAME
 from kvstored.config import format_size
 from kvstored.protocol import MAX_IMPORTANCE
 
@@ -51,6 +52,10 @@ ABSENT = -1
 SLOT_BYTES = 8 + 4 + 8 + 4 + 8
 # What a sequence costs before it stores a block (its entry, names, dict slots).
 ENTRY_BYTES = 1024
+# What a block namespace's key table (blocks.py) costs per page of its window, beside its
+# slots: a key of up to 48 bytes, its place in the LRU order, its parts' extent ids, a
+# generation (about 200 to 250 bytes measured; a window holds up to twice its blocks).
+BLOCK_TABLE_BYTES = 256
 PAGE_SPAN_FACTOR = 2
 PAGE_SPAN_SLACK = 1024
 
@@ -105,6 +110,7 @@ class SeqEntry:
 
     def __post_init__(self) -> None:
         self._install(_arrays(self.geometry, 0))
+        self.page_extra = BLOCK_TABLE_BYTES if self.name == BLOCKS_NAME else 0
 
     def _install(self, arrays: tuple[np.ndarray, ...]) -> None:
         self.ssd_off, self.crc, self.dram_off, self.importance, self.last_use, self.has_page = arrays
@@ -116,7 +122,7 @@ class SeqEntry:
     @property
     def nbytes(self) -> int:
         """What this entry counts against the index budget."""
-        return index_bytes(self.geometry, self.capacity)
+        return index_bytes(self.geometry, self.capacity, self.page_extra)
 
     def columns(self, pages: np.ndarray) -> np.ndarray:
         """Array columns of ``pages`` (each must lie in the window)."""
@@ -139,8 +145,10 @@ class SeqEntry:
         return self.num_blocks * self.geometry.block_bytes
 
 
-def index_bytes(geometry: Geometry, capacity: int) -> int:
-    return ENTRY_BYTES + capacity * (geometry.num_layers * geometry.num_kv_heads * SLOT_BYTES + 1)
+def index_bytes(geometry: Geometry, capacity: int, page_extra: int = 0) -> int:
+    """What a sequence with a window of ``capacity`` pages counts against the budget
+    (``page_extra``: what else it keeps per page, a block namespace's key table)."""
+    return ENTRY_BYTES + capacity * (geometry.num_layers * geometry.num_kv_heads * SLOT_BYTES + 1 + page_extra)
 
 
 def _arrays(g: Geometry, cap: int) -> tuple[np.ndarray, ...]:
@@ -251,12 +259,12 @@ class BlockIndex:
 
     def _fits(self, entry: SeqEntry, capacity: int) -> bool:
         """Whether ``entry`` with a window of ``capacity`` pages stays within both budgets."""
-        grown = index_bytes(entry.geometry, capacity) - entry.nbytes
+        grown = index_bytes(entry.geometry, capacity, entry.page_extra) - entry.nbytes
         return (self.num_bytes + grown <= self.max_bytes
                 and self.owner_bytes(entry.owner) + grown <= self.max_bytes_per_owner)
 
     def _refuse(self, entry: SeqEntry, need: int) -> None:
-        cost = index_bytes(entry.geometry, need)
+        cost = index_bytes(entry.geometry, need, entry.page_extra)
         what = f"a window of {need} pages for {entry.ns}/{entry.name}"
         others = self.num_bytes - entry.nbytes
         if others + cost > self.max_bytes:

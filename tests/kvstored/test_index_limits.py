@@ -191,3 +191,26 @@ def test_a_get_gathers_blocks_of_many_sequences(daemon_factory, dram):
     assert reply["n"] == n
     got = buf.array[: n * SMALL.block_bytes].reshape(n, SMALL.block_bytes)
     np.testing.assert_array_equal(got, np.stack([data[w][l, h, p] for w, (l, h, p) in zip(which, blocks)]))
+
+
+def test_a_block_namespaces_key_table_counts_against_the_index_budget(daemon_factory):
+    """A block costs its slot in the index and its key in the namespace's table (key, LRU
+    place, extent ids): both count against --index-max, so a user storing small blocks
+    is refused with full long before the table could take the host's memory."""
+    d = started(daemon_factory, extra=["--index-max", "4M"])
+    c = d.client()
+    bb, batch = 4096, 512
+    buf = c._staging_buffer(batch * bb)
+    buf.array[: batch * bb] = np.random.default_rng(3).integers(0, 256, batch * bb, dtype=np.uint8)
+    stored = 0
+    with pytest.raises(StoreFullError, match=r"block index full"):
+        while stored < 200_000:
+            r = c.block_put_async("small", bb, [b"b%011d" % (stored + j) for j in range(batch)], buf).wait()
+            stored += r["stored"]
+    per_uid = c.stats()["index_max_bytes"] * 7 // 8  # the default --index-max-per-uid
+    # Slots alone (33 bytes a block) would have let ~111,000 blocks in; with the table, 289 bytes.
+    assert per_uid // 2 // 289 <= stored <= per_uid // 289, stored
+    assert c.stats()["index_bytes"] <= c.stats()["index_max_bytes"]
+    # Deleted blocks free their slots and table rows for new ones: the window need not grow.
+    assert c.block_delete("small", [b"b%011d" % j for j in range(batch)])["deleted"] == batch
+    assert c.block_put_async("small", bb, [b"n%011d" % j for j in range(batch)], buf).wait()["stored"] == batch
