@@ -148,10 +148,15 @@ class BlockTable:
         self.gen[slots] += 1
 
     def loaded(self, records: list[BlockRecord]) -> None:
-        """Fill from the catalog at start-up (in key order: recency is not durable)."""
-        slots = np.fromiter((r.slot for r in records), np.int64, len(records))
+        """Fill from the catalog at start-up, the oldest written first. Reads are not
+        durable, so the LRU order starts as the order blocks were written in (extent ids
+        grow with every put), not the catalog's key order: engine keys are hashes, and
+        that order would have the quota evict recent blocks as soon as old ones, and free
+        space all over the data file, so that new puts are written in small pieces."""
         ids = np.array([r.extent_ids for r in records], np.int64).reshape(len(records), self.parts)
-        self.fill([r.key for r in records], slots, ids)
+        order = np.argsort(ids[:, 0], kind="stable")
+        slots = np.fromiter((records[i].slot for i in order.tolist()), np.int64, len(records))
+        self.fill([records[i].key for i in order.tolist()], slots, ids[order])
         self._next = int(slots.max()) + 1 if len(slots) else 0
         self._free = np.setdiff1d(np.arange(self._next), slots).tolist()  # sorted: a heap
 

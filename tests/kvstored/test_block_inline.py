@@ -92,9 +92,10 @@ def test_a_key_stored_again_in_its_old_slot_is_found_with_its_new_bytes(rig):
 def test_a_table_kept_in_arrays_grows_reloads_and_reuses_freed_slots_lowest_first(tmp_path):
     """A block table keeps its blocks in arrays by slot: filled past their first capacity,
     emptied by deletes, and rebuilt from the catalog at a restart with the same keys, slots
-    and extents, the freed slots handed out again lowest first."""
+    and extents, its LRU order as the blocks were written, the freed slots handed out
+    again lowest first."""
     cfg = DaemonConfig(ssd_dir=tmp_path / "ssd", dram_bytes=64 << 20, ssd_max_bytes=1 << 30)
-    bb, n = 4096, 150
+    bb, n = 4096, 300
     src = SharedBuffer(n * bb)
     src.array[:] = np.random.default_rng(1).integers(0, 256, n * bb, dtype=np.uint8)
 
@@ -114,6 +115,8 @@ def test_a_table_kept_in_arrays_grows_reloads_and_reuses_freed_slots_lowest_firs
     store, session, buf = opened()
     table = store.blocks.tables[(session.uid, "eng")]
     assert {k: (s, table.extent_ids[s].tolist()) for k, s in table.slots.items()} == kept
+    # Least recently used first, as written (the keys' own order differs: little-endian numbers).
+    assert list(table.slots) == [k for k in keys if k in kept] != sorted(kept)
     assert all(table.keys[s] == k for k, s in table.slots.items()) and len(kept) == n - 3
     offs = table.entry.ssd_off[0, 0, table.entry.columns(np.array(sorted(s for s, _ in kept.values())))]
     assert sorted(o for o, _ in table.entry.extents) == sorted(offs.tolist()) and len(table.entry.extents) == n - 3
