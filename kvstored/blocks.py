@@ -37,6 +37,7 @@ Life cycle, on the writer thread but for lookups and gets:
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ from kvstored.copy import address_tags
 from kvstored.footprint import check_put_bytes
 from kvstored.gate import ReclaimGate
 from kvstored.get_path import DamagedBlockError, GetPath
-from kvstored.index import BlockIndex, SeqEntry
+from kvstored.index import BlockIndex, Growth, SeqEntry
 from kvstored.protocol import (
     BlockDelete, BlockGet, BlockLookup, BlockPut, Create, ErrorCode, Get, ProtocolError,
 )
@@ -358,16 +359,37 @@ class Blocks:
         if count > self.cfg.max_blocks_per_request:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"put of {count} parts, limit {self.cfg.max_blocks_per_request}")
         check_put_bytes(count, 1, part_bytes)
-        slots = table.take(len(new))
+        slots, growth = self._room(table, len(new))
         try:
-            return self._write(table, req, session, mb, list(new), at[list(new.values())].reshape(-1), slots, reply)
+            return self._write(table, req, session, mb, list(new), at[list(new.values())].reshape(-1), slots, growth,
+                               reply)
         except BaseException:
             table.give(slots)
             raise
 
-    def _write(self, table, req, session, mb, new, at, slots, reply) -> PreparedPut:
+    def _room(self, table: BlockTable, n: int) -> tuple[np.ndarray, Growth]:
+        """Slots for ``n`` new blocks, and the window that holds them. Where the index
+        budget cannot grow the window, a namespace under a --quota loses its least recently
+        used blocks to make room in it (as its quota would), so that a quota past what
+        --index-max holds does not stop its stores; elsewhere the put is refused (``full``)."""
+        slots = table.take(n)
+        try:
+            return slots, self.puts.plan_growth(table.entry, slots)
+        except ProtocolError as exc:
+            table.give(slots)
+            if exc.code != ErrorCode.FULL or self.sequences.quota_of(table.entry.ns) is None or n > len(table.slots):
+                raise
+        # Its n least recently used blocks' slots lie in the window, and free slots go lowest first.
+        with self.index.lock:
+            victims = np.fromiter(itertools.islice(table.slots.values(), n), np.int64, n)
+        self._drop(table, victims, "quota")
+        log.info("block namespace %s: the block index is full, so its %d least recently used blocks made room",
+                 table.entry.ns, n)
+        slots = table.take(n)
+        return slots, self.puts.plan_growth(table.entry, slots)
+
+    def _write(self, table, req, session, mb, new, at, slots, growth, reply) -> PreparedPut:
         entry, parts, part_bytes = table.entry, table.parts, table.entry.geometry.block_bytes
-        growth = self.puts.plan_growth(entry, slots)
         self.space.check_room("put")
         n = len(new)
         lay = np.tile(np.arange(parts, dtype=np.int64), n)

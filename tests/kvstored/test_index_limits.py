@@ -214,3 +214,24 @@ def test_a_block_namespaces_key_table_counts_against_the_index_budget(daemon_fac
     # Deleted blocks free their slots and table rows for new ones: the window need not grow.
     assert c.block_delete("small", [b"b%011d" % j for j in range(batch)])["deleted"] == batch
     assert c.block_put_async("small", bb, [b"n%011d" % j for j in range(batch)], buf).wait()["stored"] == batch
+
+
+def test_a_block_namespace_under_a_quota_past_what_the_index_holds_makes_room_in_its_window(daemon_factory):
+    """Where --index-max cannot grow a block namespace's window and a --quota applies to
+    it, its least recently used blocks make room, as its quota would: its stores go on."""
+    d = started(daemon_factory, extra=["--index-max", "4M", "--quota", "small=1G"])
+    c = d.client()
+    bb, batch = 4096, 512
+    buf = c._staging_buffer(batch * bb)
+    buf.array[: batch * bb] = np.random.default_rng(4).integers(0, 256, batch * bb, dtype=np.uint8)
+    jobs = 60  # 30,720 blocks: well past the ~12,300 the index holds, well under the quota's 262,144
+    for j in range(jobs):
+        keys = [b"j%05d-%05d" % (j, i) for i in range(batch)]
+        assert c.block_put_async("small", bb, keys, buf).wait()["stored"] == batch, j
+    stats = c.stats()
+    assert stats["index_bytes"] <= stats["index_max_bytes"]
+    assert 12_000 < stats["blocks"] < 13_000
+    assert stats["counters"]["blocks_quota_evicted"] == jobs * batch - stats["blocks"]
+    assert all(c.block_lookup("small", [b"j%05d-%05d" % (jobs - 1, i) for i in range(batch)]))
+    assert not any(c.block_lookup("small", [b"j%05d-%05d" % (0, i) for i in range(batch)]))
+    assert "the block index is full, so its" in d.log()
