@@ -17,8 +17,9 @@ nothing and makes two system calls (``mmap``, ``sigaction``), so it is safe in a
 handler and on any thread (SIGBUS is delivered to the thread that faulted). It reads the
 ranges from a fixed table whose address is compiled into it (~0.2-1 s, and not cached), so
 kvstored compiles and installs it on a thread of its own as it starts (:func:`install_soon`):
-an engine's first pool registration after a restart does not wait for the compiler. Table rows are written under a lock, and a
-row is cleared only once no copy can use its range (the buffer's ReclaimGate).
+an engine's first pool registration after a restart does not wait for the compiler. Table
+rows are written under a lock, and a row is cleared only once no copy can use its range
+(the buffer's ReclaimGate).
 """
 
 from __future__ import annotations
