@@ -54,7 +54,7 @@ from kvstored.copy import address_tags
 from kvstored.footprint import check_put_bytes
 from kvstored.gate import ReclaimGate
 from kvstored.get_path import DamagedBlockError, GetPath
-from kvstored.index import BlockIndex, Growth, SeqEntry
+from kvstored.index import BlockIndex, Growth, IndexFullError, IndexLimitError, SeqEntry
 from kvstored.protocol import (
     BlockDelete, BlockGet, BlockLookup, BlockPut, Create, ErrorCode, Get, ProtocolError,
 )
@@ -374,19 +374,27 @@ class Blocks:
         --index-max holds does not stop its stores; elsewhere the put is refused (``full``)."""
         slots = table.take(n)
         try:
-            return slots, self.puts.plan_growth(table.entry, slots)
-        except ProtocolError as exc:
+            return slots, self.index.plan_growth(table.entry, slots)
+        except IndexFullError:
+            room = self.sequences.quota_of(table.entry.ns) is not None and n <= len(table.slots)
+        except IndexLimitError:
+            room = False
+        if room:  # its n least recently used blocks' slots lie in the window, and free slots go lowest first
             table.give(slots)
-            if exc.code != ErrorCode.FULL or self.sequences.quota_of(table.entry.ns) is None or n > len(table.slots):
-                raise
-        # Its n least recently used blocks' slots lie in the window, and free slots go lowest first.
+            self._drop(table, self._least_recent(table, n), "quota")
+            log.info("block namespace %s: the block index is full, so its %d least recently used blocks made room",
+                     table.entry.ns, n)
+            slots = table.take(n)
+        try:
+            return slots, self.puts.plan_growth(table.entry, slots)  # refused (and counted) as any put
+        except BaseException:
+            table.give(slots)
+            raise
+
+    def _least_recent(self, table: BlockTable, n: int, keep=frozenset()) -> np.ndarray:
+        """The slots of ``table``'s ``n`` least recently used blocks, but for those in ``keep``."""
         with self.index.lock:
-            victims = np.fromiter(itertools.islice(table.slots.values(), n), np.int64, n)
-        self._drop(table, victims, "quota")
-        log.info("block namespace %s: the block index is full, so its %d least recently used blocks made room",
-                 table.entry.ns, n)
-        slots = table.take(n)
-        return slots, self.puts.plan_growth(table.entry, slots)
+            return np.fromiter(itertools.islice((s for s in table.slots.values() if s not in keep), n), np.int64)
 
     def _write(self, table, req, session, mb, new, at, slots, growth, reply) -> PreparedPut:
         entry, parts, part_bytes = table.entry, table.parts, table.entry.geometry.block_bytes
@@ -490,15 +498,9 @@ class Blocks:
             key = (table.entry.owner, table.entry.ns)
             if limit is None or self.sequences.ns_bytes[key] <= limit:
                 continue
-            over, keep, victims = self.sequences.ns_bytes[key] - limit, written[table.entry.uid], []
-            with self.index.lock:
-                for _, slot in table.slots.items():  # least recently used first
-                    if over <= 0:
-                        break
-                    if slot not in keep:
-                        victims.append(slot)
-                        over -= table.block_bytes
-            self._drop(table, np.array(victims, np.int64), "quota")
+            over = self.sequences.ns_bytes[key] - limit
+            victims = self._least_recent(table, -(-over // table.block_bytes), written[table.entry.uid])
+            self._drop(table, victims, "quota")
             log.info("block namespace %s is over its quota %s: deleted its %d least recently used blocks",
                      table.entry.ns, format_size(limit), len(victims))
 

@@ -232,6 +232,7 @@ def test_a_block_namespace_under_a_quota_past_what_the_index_holds_makes_room_in
     assert stats["index_bytes"] <= stats["index_max_bytes"]
     assert 12_000 < stats["blocks"] < 13_000
     assert stats["counters"]["blocks_quota_evicted"] == jobs * batch - stats["blocks"]
+    assert stats["counters"].get("puts_refused_index", 0) == 0  # none was refused
     assert all(c.block_lookup("small", [b"j%05d-%05d" % (jobs - 1, i) for i in range(batch)]))
     assert not any(c.block_lookup("small", [b"j%05d-%05d" % (0, i) for i in range(batch)]))
     assert "the block index is full, so its" in d.log()
