@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import queue
+import threading
+
 import numba
 import numpy as np
 
@@ -27,6 +30,14 @@ PARALLEL_MIN_THREADS = 4
 # streamed too: the two copies share the memory bandwidth. Smaller gets (a decode
 # step's fetch) stay in the cache for the reader that follows.
 STREAM_MIN_BYTES = 8 << 20
+# Copies at least this large, and too small for the thread pool above, share their blocks
+# with one helper thread where it is idle: both take chunks of SPLIT_CHUNK_BYTES until none
+# is left, so a helper that wakes late (its core busy) takes fewer, and the caller waits
+# only for the chunk the helper is copying. A DRAM get of 128 blocks of 64 KiB (8 MiB,
+# served on the daemon's main thread while its client waits) copied in 0.52 ms against
+# 0.81 ms on this thread alone on a 2-core host; the helper's wake-up is tens of us.
+SPLIT_MIN_BYTES = 4 << 20
+SPLIT_CHUNK_BYTES = 1 << 20
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
@@ -53,11 +64,94 @@ def gather_scatter(src: np.ndarray, src_offs: np.ndarray, dst: np.ndarray, dst_o
     src_offs, dst_offs = src_offs.astype(np.int64, copy=False), dst_offs.astype(np.int64, copy=False)
     if total >= PARALLEL_MIN_BYTES and numba.config.NUMBA_NUM_THREADS >= PARALLEL_MIN_THREADS:
         ok = _gather_scatter_parallel(src, src_offs, dst, dst_offs, nbytes)
+    elif total >= SPLIT_MIN_BYTES and len(src_offs) > 1:
+        ok = _split(src, src_offs, dst, dst_offs, nbytes, total >= STREAM_MIN_BYTES)
     else:
         ok = _gather_scatter(src, src_offs, dst, dst_offs, nbytes, total >= STREAM_MIN_BYTES)
     if not ok:
         raise ValueError(f"gather_scatter: a {nbytes} B block lies outside the source ({len(src)} B) "
                          f"or the destination ({len(dst)} B), or the offset lists differ in length")
+
+
+class _Chunks:
+    """One copy cut into chunks of blocks, taken one at a time by whichever thread asks next."""
+
+    def __init__(self, src, src_offs, dst, dst_offs, nbytes: int, stream: bool) -> None:
+        self.args = (src, src_offs, dst, dst_offs)
+        self.nbytes, self.stream = nbytes, stream
+        self.per = max(1, SPLIT_CHUNK_BYTES // max(nbytes, 1))
+        self.count = -(-len(src_offs) // self.per)
+        self.taken, self.left = 0, self.count
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def work(self) -> None:
+        """Copy chunks until none is left to take; the last one finished sets ``done``."""
+        src, src_offs, dst, dst_offs = self.args
+        while True:
+            with self.lock:
+                c = self.taken
+                if c >= self.count:
+                    return
+                self.taken += 1
+            at = slice(c * self.per, (c + 1) * self.per)
+            try:
+                _gather_scatter(src, src_offs[at], dst, dst_offs[at], self.nbytes, self.stream)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, which raises it
+                self.error = exc
+            with self.lock:
+                self.left -= 1
+                if not self.left:
+                    self.done.set()
+
+
+class _Helper:
+    """The process's one copy helper: a thread started on first use, taking one copy's
+    chunks at a time beside its caller; a copy that finds it busy runs on its caller alone."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._busy = False
+        self._thread: threading.Thread | None = None
+
+    def offer(self, job: _Chunks) -> bool:
+        with self._lock:
+            if self._busy:
+                return False
+            self._busy = True
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvstored-copy", daemon=True)
+                self._thread.start()
+        self._jobs.put(job)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            job.work()
+            job = None  # hold no arrays while idle
+            with self._lock:
+                self._busy = False
+
+
+_HELPER = _Helper()
+
+
+def _split(src, src_offs, dst, dst_offs, nbytes: int, stream: bool) -> bool:
+    """:func:`gather_scatter` on this thread and the helper (where it is idle); False, nothing
+    copied, where a block lies outside either array."""
+    if not _in_bounds(len(src), src_offs, len(dst), dst_offs, nbytes):
+        return False
+    job = _Chunks(src, src_offs, dst, dst_offs, nbytes, stream)
+    if not _HELPER.offer(job):
+        return _gather_scatter(src, src_offs, dst, dst_offs, nbytes, stream)
+    job.work()
+    job.done.wait()
+    if job.error is not None:
+        raise job.error
+    return True
 
 
 def address_tags(uid: int, layers: np.ndarray, heads: np.ndarray, pages: np.ndarray) -> np.ndarray:

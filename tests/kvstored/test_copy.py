@@ -1,8 +1,12 @@
 """The daemon's byte mover: serial and parallel kernels against a numpy reference."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
+import kvstored.copy as copy_mod
 from kvstored.copy import _gather_scatter, _gather_scatter_parallel, gather_scatter
 
 
@@ -86,3 +90,64 @@ def test_large_copies_through_the_wrapper_are_exact():
     dst_offs = np.arange(count, dtype=np.int64) * nbytes
     gather_scatter(src, src_offs, dst, dst_offs, nbytes)
     np.testing.assert_array_equal(dst.reshape(count, nbytes), src.reshape(-1, nbytes)[src_offs // nbytes])
+
+
+def test_copies_split_with_the_helper_are_exact_from_many_threads_at_once():
+    """A copy of SPLIT_MIN_BYTES or more shares its chunks with the helper thread where it is
+    idle and runs alone where it is not; four threads copying at once get every byte right."""
+    rng = np.random.default_rng(3)
+    nbytes, count = 64 << 10, copy_mod.SPLIT_MIN_BYTES // (64 << 10) + 3  # past the size, chunks not whole
+    src = np.frombuffer(rng.bytes(4 * count * nbytes), dtype=np.uint8)
+    barrier, errors = threading.Barrier(4), []
+
+    def run(seed: int) -> None:
+        r = np.random.default_rng(seed)
+        dst = np.zeros(count * nbytes + 7, dtype=np.uint8)
+        barrier.wait()
+        for _ in range(8):
+            src_offs = r.permutation(4 * count)[:count].astype(np.int64) * nbytes
+            dst_offs = r.permutation(count).astype(np.int64) * nbytes + 7
+            gather_scatter(src, src_offs, dst, dst_offs, nbytes)
+            placed = src_offs[np.argsort(dst_offs)] // nbytes  # the source block of each destination row
+            if not np.array_equal(dst[7:].reshape(count, nbytes), src.reshape(-1, nbytes)[placed]):
+                errors.append(seed)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert copy_mod._HELPER._thread is not None and copy_mod._HELPER._thread.is_alive()
+
+
+def test_a_split_copy_refuses_a_block_outside_before_copying_any():
+    nbytes, count = 64 << 10, copy_mod.SPLIT_MIN_BYTES // (64 << 10) * 2
+    src = np.ones(count * nbytes, dtype=np.uint8)
+    dst = np.zeros(count * nbytes, dtype=np.uint8)
+    offs = np.arange(count, dtype=np.int64) * nbytes
+    bad = offs.copy()
+    bad[-1] += 1  # the last block runs one byte past the end
+    with pytest.raises(ValueError, match="outside"):
+        gather_scatter(src, offs, dst, bad, nbytes)
+    assert not dst.any()
+
+
+def test_an_error_in_a_chunk_the_helper_copies_reaches_the_caller(monkeypatch):
+    nbytes, count = 64 << 10, copy_mod.SPLIT_MIN_BYTES // (64 << 10) * 4
+    src = np.ones(count * nbytes, dtype=np.uint8)
+    dst = np.zeros(count * nbytes, dtype=np.uint8)
+    offs = np.arange(count, dtype=np.int64) * nbytes
+    kernel, threads = copy_mod._gather_scatter, set()
+
+    def failing(s, s_offs, d, d_offs, n, stream):
+        threads.add(threading.current_thread().name)
+        if threading.current_thread().name == "kvstored-copy":
+            raise RuntimeError("chunk failed")
+        time.sleep(0.01)  # leave the helper chunks to take
+        return kernel(s, s_offs, d, d_offs, n, stream)
+
+    monkeypatch.setattr(copy_mod, "_gather_scatter", failing)
+    with pytest.raises(RuntimeError, match="chunk failed"):
+        gather_scatter(src, offs, dst, offs, nbytes)
+    assert "kvstored-copy" in threads
