@@ -580,7 +580,10 @@ def _place(fields: dict, offsets, regions: int) -> None:
 def _int_list(x) -> list[int]:
     if isinstance(x, range):
         return list(x)
-    return [int(v) for v in np.asarray(x).ravel()]
+    a = np.asarray(x).ravel()
+    if a.dtype.kind not in "iu":
+        a = a.astype(np.int64)  # as int() would: floats truncated, a str of digits read
+    return a.tolist()
 
 
 def _as_bytes(data) -> np.ndarray:

@@ -180,13 +180,14 @@ class Picks:
 
 @dataclass(frozen=True)
 class Picked:
-    """A block get's :class:`Picks` made when ``table.changes`` was ``changes``, and the get
-    path's request for them."""
+    """A block get's :class:`Picks` made when ``table.changes`` was ``changes``, the get
+    path's request for them, and where each part of each block goes (:func:`part_spans`)."""
 
     table: BlockTable
     changes: int
     picks: Picks
     get: Get
+    at: np.ndarray
 
 
 class Blocks:
@@ -233,7 +234,10 @@ class Blocks:
         table = self.tables.get((session.uid, req.ns))
         if table is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no block namespace {req.ns}")
-        at = part_spans(session.buffers.lookup(req.buf), req, table.block_bytes, table.parts, "destination")
+        if picked is not None and picked.table is table:
+            at = picked.at  # checked against the buffer on this thread, just before
+        else:
+            at = part_spans(session.buffers.lookup(req.buf), req, table.block_bytes, table.parts, "destination")
         for _ in range(GET_TRIES):
             if self.tables.get((session.uid, req.ns)) is not table:
                 raise ProtocolError(ErrorCode.NOT_FOUND, f"no block namespace {req.ns} (deleted during this get)")
@@ -276,14 +280,15 @@ class Blocks:
         if not picks:
             return None
         whole = self._get_of(table, req, picks, at)
-        return Picked(table, changes, picks, whole) if self.gets.in_dram(whole, session, max_bytes) else None
+        return Picked(table, changes, picks, whole, at) if self.gets.in_dram(whole, session, max_bytes) else None
 
     @staticmethod
     def _pick(table: BlockTable, req: BlockGet) -> Picks:
         """The keys of ``req`` the table holds (index lock held)."""
         get = table.slots.get
-        found = [(i, slot) for i, key in enumerate(req.keys) if (slot := get(key)) is not None]
-        pos, slots = np.array(found, np.int64).reshape(-1, 2).T
+        every = np.array([get(key, -1) for key in req.keys], np.int64)
+        pos = np.flatnonzero(every >= 0)
+        slots = every[pos]
         return Picks(pos, slots, table.gen[slots])
 
     def _read(self, table: BlockTable, req: BlockGet, session: Session, picks: Picks, at: np.ndarray,

@@ -116,26 +116,27 @@ class GetPath:
                 hit = f.dram_off >= 0
                 mb.write_blocks(self.residency.dram.arena, f.dram_off[hit], f.dst[hit], bb)
                 misses.append(np.flatnonzero(~hit))
-            # Every sequence's SSD blocks in one read plan: their reads are in flight together.
-            part = np.concatenate([np.full(len(m), j) for j, m in enumerate(misses)])
-            pick = lambda name: np.concatenate([getattr(f, name)[m] for f, m in zip(found, misses)])  # noqa: E731
-            plan = self._read_ssd([f.entry for f in found], part, pick("lay"), pick("hed"), pick("pag"), pick("ssd_off"),
-                                  pick("crc"), mb, pick("dst"))
-            for f, miss in zip(found, misses):
-                if len(miss):
-                    self.residency.admit(f.entry, f.lay[miss], f.hed[miss], f.pag[miss], None, mb, f.dst[miss],
-                                         replace=False, expect_crc=f.crc[miss])
-        n_ssd = sum(len(m) for m in misses)
+            n_ssd = sum(len(m) for m in misses)
+            reads = bytes_read = 0
+            if n_ssd:
+                # Every sequence's SSD blocks in one read plan: their reads are in flight together.
+                part = np.concatenate([np.full(len(m), j) for j, m in enumerate(misses)])
+                pick = lambda name: np.concatenate([getattr(f, name)[m] for f, m in zip(found, misses)])  # noqa: E731
+                plan = self._read_ssd([f.entry for f in found], part, pick("lay"), pick("hed"), pick("pag"),
+                                      pick("ssd_off"), pick("crc"), mb, pick("dst"))
+                reads, bytes_read = plan.num_reads, plan.bytes_read
+                for f, miss in zip(found, misses):
+                    if len(miss):
+                        self.residency.admit(f.entry, f.lay[miss], f.hed[miss], f.pag[miss], None, mb, f.dst[miss],
+                                             replace=False, expect_crc=f.crc[miss])
         c = self.counters
         c["gets"] += 1
         c["blocks_dram"] += n - n_ssd
         c["blocks_ssd"] += n_ssd
-        c["ssd_reads"] += plan.num_reads
-        c["ssd_bytes_read"] += plan.bytes_read
-        return {
-            "n": n, "dram": n - n_ssd, "ssd": n_ssd, "reads": plan.num_reads,
-            "bytes_read": plan.bytes_read, "ms": (time.perf_counter() - t0) * 1e3,
-        }
+        c["ssd_reads"] += reads
+        c["ssd_bytes_read"] += bytes_read
+        return {"n": n, "dram": n - n_ssd, "ssd": n_ssd, "reads": reads, "bytes_read": bytes_read,
+                "ms": (time.perf_counter() - t0) * 1e3}
 
     def _look_up(self, parts, blocks: np.ndarray, dst: np.ndarray) -> list[_Looked]:
         """Every sequence's blocks checked, under the index lock, before any is copied; each

@@ -202,7 +202,8 @@ def _regions(pool: Any, page_bytes: int, n: int, host_indices: Any) -> Spans | l
     ptrs, sizes = pool.get_page_buffer_meta(host_indices)
     per = len(ptrs) // n
     pages = [range(i * per, (i + 1) * per) for i in range(n)]
-    if not per or per * n != len(ptrs) or any(sum(sizes[j] for j in p) != page_bytes for p in pages):
+    if not per or per * n != len(ptrs) or len(sizes) != len(ptrs) or \
+            (np.asarray(sizes, np.int64).reshape(n, per).sum(1) != page_bytes).any():
         log.error("KVDrive storage: the host pool's %d regions are not %d pages of %d bytes", len(ptrs), n,
                   page_bytes)
         return None

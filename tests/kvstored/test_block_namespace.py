@@ -238,6 +238,12 @@ def test_hostile_block_requests_get_error_replies_and_the_daemon_carries_on(daem
         (Op.BLOCK_LOOKUP, {"ns": "eng", "keys": [b"x" * (MAX_BLOCK_KEY_BYTES + 1)]}, "bad_field"),
         (Op.BLOCK_LOOKUP, {"ns": "eng", "keys": [b"k"] * (MAX_BLOCK_KEYS + 1)}, "bad_field"),
         (Op.BLOCK_LOOKUP, {"ns": "eng", "keys": {"a": 1}}, "bad_field"),
+        (Op.BLOCK_LOOKUP, {"ns": "eng", "keys": [b"a", "b", b"c"]}, "bad_field"),  # one key text
+        (Op.BLOCK_LOOKUP, {"ns": "eng", "keys": [b"a", 7]}, "bad_field"),
+        # offsets: one a bool, a float, a string, negative, past 2^44
+        *((Op.BLOCK_GET, {"ns": "eng", "keys": [b"a", b"b"], "buf": buf.buf_id, "offset": 0, "offsets": offs}, code)
+          for offs, code in [([0, True], "bad_field"), ([0, 1.0], "bad_field"), ([0, "8"], "bad_field"),
+                             ([BB, -BB], "out_of_range"), ([0, 1 << 45], "out_of_range")]),
         (Op.BLOCK_PUT, {"ns": "eng", "block_bytes": 6, "keys": [b"a"], "buf": buf.buf_id, "offset": 0}, "bad_field"),
         (Op.BLOCK_PUT, {"ns": "eng", "block_bytes": 4 << 30, "keys": [b"a"], "buf": buf.buf_id, "offset": 0},
          "out_of_range"),
