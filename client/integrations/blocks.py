@@ -55,6 +55,7 @@ from typing import Any
 Buffer = Any  # anything with the buffer protocol (memoryview, numpy, bytearray)
 
 import numpy as np
+import zmq
 
 from kvdrive.protocol import MAX_BLOCK_KEYS, ErrorCode, Op
 from kvdrive.protocol.blocks import MAX_BLOCK_BYTES, MAX_PART_BYTES, block_geometry  # noqa: F401 (re-exported)
@@ -182,7 +183,9 @@ class BlockStore(InPlace):
             for lane in (self.loads, self.stores):
                 if not self._closed:
                     lane.open(self.timeout, self._shared)
-        except (KVDriveError, OSError) as exc:
+        except (KVDriveError, OSError, zmq.ZMQError) as exc:
+            # ZMQError: its sockets closed under it, by close() or by the clients' finalisers
+            # as the interpreter exits (this is a daemon thread).
             log.info("kvstored channels of %s not opened early (%s); the first call opens them", self.ns, exc)
         except Exception:  # a store closed under it: close() gave up waiting and closed its sockets
             if not self._closed:

@@ -165,3 +165,31 @@ def test_open_early_without_a_daemon_only_logs_and_calls_are_misses(tmp_path, ca
     assert not any(ch.opened for ch in store.loads._channels)
     assert store.load(["k"], [np.zeros(BB, np.uint8)]) == [False]
     store.close()
+
+
+def test_an_engine_that_exits_while_channels_still_open_early_prints_no_traceback(daemon, tmp_path):
+    """The opening thread is a daemon thread: at the interpreter's exit the clients'
+    finalisers close the sockets it is still waiting on, which must end it quietly (the
+    daemon here is stopped, so its wait would last seconds more)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import time\n"
+        "from kvdrive_client.integrations.blocks import BlockStore\n"
+        f"store = BlockStore({BB}, engine='test', model='m', address={daemon.address!r}, timeout=5.0,\n"
+        f"                   staging_bytes={2 * SLOT_BLOCKS * BB})\n"
+        "store.open_early()\n"
+        "time.sleep(0.5)\n"
+        "assert not store.wait_open(0)\n"
+        "print('exiting', flush=True)\n"
+    )
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    assert run.returncode == 0 and "exiting" in run.stdout, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
