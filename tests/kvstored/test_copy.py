@@ -2,6 +2,7 @@
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -112,11 +113,8 @@ def test_copies_split_with_the_helper_are_exact_from_many_threads_at_once():
             if not np.array_equal(dst[7:].reshape(count, nbytes), src.reshape(-1, nbytes)[placed]):
                 errors.append(seed)
 
-    threads = [threading.Thread(target=run, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(run, range(4)))
     assert errors == []
     assert copy_mod._HELPER._thread is not None and copy_mod._HELPER._thread.is_alive()
 
