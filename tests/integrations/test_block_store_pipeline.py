@@ -177,13 +177,16 @@ def test_an_engine_that_exits_while_channels_still_open_early_prints_no_tracebac
     import sys
 
     script = (
-        "import time\n"
+        "import sys, time, traceback\n"
         "from kvdrive_client.integrations.blocks import BlockStore\n"
         f"store = BlockStore({BB}, engine='test', model='m', address={daemon.address!r}, timeout=5.0,\n"
         f"                   staging_bytes={2 * SLOT_BLOCKS * BB})\n"
         "store.open_early()\n"
-        "time.sleep(0.5)\n"
-        "assert not store.wait_open(0)\n"
+        "deadline = time.monotonic() + 10\n"
+        "while not any(f.name == 'ping' for f in traceback.extract_stack(\n"
+        "        sys._current_frames().get(store._opener.ident, sys._getframe()))):\n"
+        "    assert time.monotonic() < deadline, 'the opening thread never waited on the daemon'\n"
+        "    time.sleep(0.01)\n"
         "print('exiting', flush=True)\n"
     )
     os.kill(daemon.proc.pid, signal.SIGSTOP)

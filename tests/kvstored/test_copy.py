@@ -139,15 +139,20 @@ def test_an_error_in_a_chunk_the_helper_copies_reaches_the_caller(monkeypatch):
     src = np.ones(count * nbytes, dtype=np.uint8)
     dst = np.zeros(count * nbytes, dtype=np.uint8)
     offs = np.arange(count, dtype=np.int64) * nbytes
-    kernel, threads = copy_mod._gather_scatter, set()
+    kernel, threads, helper_took = copy_mod._gather_scatter, set(), threading.Event()
 
     def failing(s, s_offs, d, d_offs, n, stream):
         threads.add(threading.current_thread().name)
         if threading.current_thread().name == "kvstored-copy":
+            helper_took.set()
             raise RuntimeError("chunk failed")
-        time.sleep(0.01)  # leave the helper chunks to take
+        helper_took.wait(10)  # the caller's first chunk waits until the helper has taken one
         return kernel(s, s_offs, d, d_offs, n, stream)
 
+    deadline = time.monotonic() + 10
+    while copy_mod._HELPER._busy:  # the helper may still be winding down an earlier copy
+        assert time.monotonic() < deadline, "the copy helper stayed busy"
+        time.sleep(0.001)
     monkeypatch.setattr(copy_mod, "_gather_scatter", failing)
     with pytest.raises(RuntimeError, match="chunk failed"):
         gather_scatter(src, offs, dst, offs, nbytes)
