@@ -106,13 +106,10 @@ def delete_blocks(cat: Catalog, txn: lmdb.Transaction, uid: int, keys: list[byte
                 cat.num_extents -= 1
 
 
-def check_blocks(cat: Catalog, txn: lmdb.Transaction, by_uid: dict[int, SeqRecord], extents: list[ExtentRecord],
-                 problems: list[str], progress=None) -> tuple[list[BlockRecord], int]:
-    """The block records that decode and agree with their namespace and extents, and how
-    many records there are; every extent of a namespace must belong to exactly one block."""
-    if cat.blocks is None:
-        return [], 0
-    rows = list(txn.cursor(db=cat.blocks))
+def check_blocks(rows: list[tuple[bytes, bytes]], by_uid: dict[int, SeqRecord], extents: list[ExtentRecord],
+                 problems: list[str], progress=None) -> list[BlockRecord]:
+    """The block records among ``rows`` that decode and agree with their namespace and
+    extents; every extent of a namespace must belong to exactly one block."""
     ext_of = {(e.uid, e.layer, e.extent_id): e for e in extents if by_uid[e.uid].name == BLOCKS_NAME}
     claimed: set[tuple[int, int, int]] = set()
     slots: set[tuple[int, int]] = set()
@@ -136,4 +133,4 @@ def check_blocks(cat: Catalog, txn: lmdb.Transaction, by_uid: dict[int, SeqRecor
     for key, ext in ext_of.items():
         if key not in claimed:
             problems.append(f"{ext.describe()} of block namespace {by_uid[ext.uid].ns} belongs to no block")
-    return out, len(rows)
+    return out

@@ -148,16 +148,16 @@ class BlockTable:
         self.extent_ids[slots] = 0
         self.gen[slots] += 1
 
-    def loaded(self, records: list[BlockRecord]) -> None:
-        """Fill from the catalog at start-up, the oldest written first. Reads are not
-        durable, so the LRU order starts as the order blocks were written in (extent ids
-        grow with every put), not the catalog's key order: engine keys are hashes, and
-        that order would have the quota evict recent blocks as soon as old ones, and free
-        space all over the data file, so that new puts are written in small pieces."""
-        ids = np.array([r.extent_ids for r in records], np.int64).reshape(len(records), self.parts)
+    def loaded(self, keys: list[bytes], slots: np.ndarray, ids: np.ndarray) -> None:
+        """Fill from the catalog at start-up (block ``keys[i]`` in slot ``slots[i]``, its
+        parts in extents ``ids[i]``), the oldest written first. Reads are not durable, so
+        the LRU order starts as the order blocks were written in (extent ids grow with every
+        put), not the catalog's key order: engine keys are hashes, and that order would have
+        the quota evict recent blocks as soon as old ones, and free space all over the data
+        file, so that new puts are written in small pieces."""
         order = np.argsort(ids[:, 0], kind="stable")
-        slots = np.fromiter((records[i].slot for i in order.tolist()), np.int64, len(records))
-        self.fill([records[i].key for i in order.tolist()], slots, ids[order])
+        slots = slots[order]
+        self.fill([keys[i] for i in order.tolist()], slots, ids[order])
         self._next = int(slots.max()) + 1 if len(slots) else 0
         self._free = np.setdiff1d(np.arange(self._next), slots).tolist()  # sorted: a heap
 
@@ -199,14 +199,21 @@ class Blocks:
         self.tables: dict[tuple[int, str], BlockTable] = {}
 
     def load(self, contents: Contents) -> None:
+        """The tables of the block namespaces the catalog holds, as records or as columns."""
         by_uid: dict[int, list[BlockRecord]] = {}
         for rec in contents.blocks:
             by_uid.setdefault(rec.uid, []).append(rec)
         for seq in contents.sequences:
-            if seq.name == BLOCKS_NAME:
-                entry = self.index.get(seq.uid)
-                table = self._add_table(entry)
-                table.loaded(by_uid.pop(seq.uid, []))
+            if seq.name != BLOCKS_NAME:
+                continue
+            table = self._add_table(self.index.get(seq.uid))
+            cols = contents.block_columns.get(seq.uid)
+            if cols is not None:
+                table.loaded(cols.keys, cols.slots, cols.ext_ids)
+                continue
+            recs = by_uid.pop(seq.uid, [])
+            table.loaded([r.key for r in recs], np.array([r.slot for r in recs], np.int64),
+                         np.array([r.extent_ids for r in recs], np.int64).reshape(len(recs), table.parts))
 
     def _add_table(self, entry: SeqEntry) -> BlockTable:
         g = entry.geometry

@@ -167,6 +167,7 @@ class Contents:
     extents: list[ExtentRecord]
     problems: list[str]
     blocks: list = field(default_factory=list)  # block_catalog.BlockRecord, by namespace uid and key
+    block_columns: dict = field(default_factory=dict)  # uid -> block_columns.BlockColumns (Catalog.load)
 
 
 def name_key(owner: int, ns: str, name: str) -> bytes:
@@ -412,19 +413,18 @@ class Catalog:
 
     # ------------------------------------------------------------ reading
 
-    def read(self, data_bytes: int | None = None) -> Contents:
+    def read(self, data_bytes: int | None = None, columns: bool = False) -> Contents:
         """Every intact record, checked, in one read transaction; ``problems`` names the rest.
-
-        ``data_bytes`` (the data file's size), when known, bounds every extent.
-        """
+        ``data_bytes`` (the data file's size), when known, bounds every extent. With
+        ``columns``, a sound catalog's block namespaces come as columns, not records."""
         with self.env.begin() as txn:
             from kvstored.catalog_check import check  # it reads this module's records
 
-            return check(self, txn, data_bytes)
+            return check(self, txn, data_bytes, columns)
 
     def load(self, data_bytes: int | None = None) -> Contents:
-        """:meth:`read`, refusing a catalog with any problem."""
-        contents = self.read(data_bytes)
+        """:meth:`read` with columns, refusing a catalog with any problem."""
+        contents = self.read(data_bytes, columns=True)
         if contents.problems:
             raise CatalogDamagedError(self.path, contents.problems)
         return contents

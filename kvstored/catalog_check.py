@@ -7,30 +7,47 @@ damaged catalog is refused in sentences that name what is wrong.
 
 from __future__ import annotations
 
-import lmdb
+from operator import itemgetter
 
+import lmdb
+import numpy as np
+
+from kvstored import block_columns
 from kvstored.block_catalog import check_blocks
+from kvstored.block_columns import BlockLoad
 from kvstored.catalog import UID_KEY, Catalog, Contents, ExtentRecord, SeqRecord, decode_seq, intact_records, show_key, unseal_many
 from kvstored.notify import Progress
 
 
-def check(cat: Catalog, txn: lmdb.Transaction, data_bytes: int | None) -> Contents:
+def check(cat: Catalog, txn: lmdb.Transaction, data_bytes: int | None, columns: bool = False) -> Contents:
     """Everything the catalog holds, decoded, with every problem found: damaged records,
     uid records that disagree, extents of no sequence or past the data file, overlaps,
-    and counts that do not match."""
+    and counts that do not match. With ``columns``, block namespaces come as
+    :class:`~kvstored.block_columns.BlockColumns` in ``block_columns`` where every one of
+    their rows is sound (the checks are the same; a damaged catalog is read record by record)."""
     problems: list[str] = []
     # A store of small blocks holds millions of records: minutes, under a unit's start timeout.
-    records = txn.stat(cat.extents)["entries"] + (txn.stat(cat.blocks)["entries"] if cat.blocks is not None else 0)
-    progress = Progress("catalog", "checked", records, unit=" records")
+    num_ext_records = txn.stat(cat.extents)["entries"]
+    num_block_records = txn.stat(cat.blocks)["entries"] if cat.blocks is not None else 0
+    progress = Progress("catalog", "checked", num_ext_records + num_block_records, unit=" records")
     by_key, by_uid = _check_sequences(cat, txn, problems)
-    extents, num_ext_records = _check_extents(cat, txn, by_uid, data_bytes, problems, progress)
-    problems.extend(_overlaps(extents, by_uid))
-    blocks, num_block_records = check_blocks(cat, txn, by_uid, extents, problems, progress)
-    _check_counts(cat, txn, len(by_key), num_ext_records, by_uid, extents, problems)
+    fast = block_columns.read(cat, txn, by_uid, data_bytes, progress) if columns else None
+    if fast is None:
+        progress.done = 0  # the rows read again, one by one
+        ext_rows = list(txn.cursor(db=cat.extents))
+        blk_rows = list(txn.cursor(db=cat.blocks)) if cat.blocks is not None else []
+    else:
+        ext_rows, blk_rows = fast.other_rows, []
+    extents = _check_extents(ext_rows, by_uid, data_bytes, problems, progress)
+    problems.extend(_overlaps(extents, by_uid, fast))
+    blocks = check_blocks(blk_rows, by_uid, extents, problems, progress) if cat.blocks is not None else []
+    top = max([e.extent_id for e in extents] + [fast.max_extent_id if fast else 0])
+    _check_counts(cat, txn, len(by_key), num_ext_records, by_uid, top, problems)
     counts = cat.counts(txn)
     if isinstance(counts, dict) and counts.get("blocks", num_block_records) != num_block_records:
         problems.append(f"the counts record says {counts['blocks']} blocks, the catalog holds {num_block_records}")
-    return Contents(sorted(by_key.values(), key=lambda s: (s.ns, s.name, s.owner)), extents, problems, blocks)
+    return Contents(sorted(by_key.values(), key=lambda s: (s.ns, s.name, s.owner)), extents, problems, blocks,
+                    fast.columns if fast else {})
 
 
 def _check_sequences(cat: Catalog, txn: lmdb.Transaction, problems: list[str]):
@@ -67,12 +84,10 @@ def _check_sequences(cat: Catalog, txn: lmdb.Transaction, problems: list[str]):
     return by_key, by_uid
 
 
-def _check_extents(cat: Catalog, txn: lmdb.Transaction, by_uid: dict[int, SeqRecord], data_bytes: int | None,
-                   problems: list[str], progress: Progress | None = None) -> tuple[list[ExtentRecord], int]:
-    """The extent records that decode and fit their sequence and the data file, and how many records there are."""
+def _check_extents(rows: list[tuple[bytes, bytes]], by_uid: dict[int, SeqRecord], data_bytes: int | None,
+                   problems: list[str], progress: Progress | None = None) -> list[ExtentRecord]:
+    """The extent records among ``rows`` that decode and fit their sequence and the data file."""
     extents: list[ExtentRecord] = []
-    rows = list(txn.cursor(db=cat.extents))
-    num_ext_records = len(rows)
     for ext in intact_records(rows, ExtentRecord.decode, show_key, problems, progress):
         seq = by_uid.get(ext.uid)
         if seq is None:
@@ -86,12 +101,12 @@ def _check_extents(cat: Catalog, txn: lmdb.Transaction, by_uid: dict[int, SeqRec
         if data_bytes is not None and end > data_bytes:
             problems.append(f"{ext.describe()} ends at byte {end}, past the end of the {data_bytes}-byte data file")
         extents.append(ext)
-    return extents, num_ext_records
+    return extents
 
 
 def _check_counts(cat: Catalog, txn: lmdb.Transaction, num_seqs: int, num_ext_records: int,
-                  by_uid: dict[int, SeqRecord], extents: list[ExtentRecord], problems: list[str]) -> None:
-    """The counts record against what the catalog holds."""
+                  by_uid: dict[int, SeqRecord], top_extent: int, problems: list[str]) -> None:
+    """The counts record against what the catalog holds (``top_extent``: its highest extent id)."""
     counts = cat.counts(txn)
     if isinstance(counts, str):
         problems.append(counts)
@@ -102,13 +117,23 @@ def _check_counts(cat: Catalog, txn: lmdb.Transaction, num_seqs: int, num_ext_re
         if by_uid and max(by_uid) >= counts["next_uid"]:
             problems.append(f"the next uid to hand out ({counts['next_uid']}) is already taken")
         # next_extent is the last extent id handed out (the writer increments it first).
-        if extents and max(e.extent_id for e in extents) > counts["next_extent"]:
-            problems.append(f"extent id {max(e.extent_id for e in extents)} is past the last one handed out "
-                            f"({counts['next_extent']})")
+        if top_extent > counts["next_extent"]:
+            problems.append(f"extent id {top_extent} is past the last one handed out ({counts['next_extent']})")
 
 
-def _overlaps(extents: list[ExtentRecord], by_uid: dict[int, SeqRecord]) -> list[str]:
-    spans = sorted((e.offset, e.offset + len(e.pages) * by_uid[e.uid].geometry.block_bytes, e) for e in extents)
+def _overlaps(extents: list[ExtentRecord], by_uid: dict[int, SeqRecord], fast: BlockLoad | None = None) -> list[str]:
+    """Every extent that overlaps one before it in the data file, in words. The block parts
+    of ``fast`` are checked as arrays first, and named only if something overlaps."""
+    if fast is not None and len(fast.starts):
+        starts = np.concatenate([fast.starts, np.fromiter((e.offset for e in extents), np.int64, len(extents))])
+        ends = np.concatenate([fast.ends, np.fromiter((e.offset + len(e.pages) * by_uid[e.uid].geometry.block_bytes
+                                                       for e in extents), np.int64, len(extents))])
+        order = np.lexsort((ends, starts))
+        if not (starts[order][1:] < np.maximum.accumulate(ends[order])[:-1]).any():
+            return []
+        extents = extents + fast.records()
+    spans = sorted(((e.offset, e.offset + len(e.pages) * by_uid[e.uid].geometry.block_bytes, e) for e in extents),
+                   key=itemgetter(0, 1))
     out = []
     reach, last = -1, None
     for start, end, ext in spans:

@@ -313,25 +313,42 @@ class BlockIndex:
 
     def load_extents(self, entry: SeqEntry, exts: list) -> list[tuple[int, int]]:
         """Fill ``entry``'s arrays from its catalog extents (:class:`~kvstored.catalog.ExtentRecord`);
-        the (offset, bytes) they use. All extents at once (a block namespace has one per block
-        and part: millions, at start-up)."""
-        bb = entry.geometry.block_bytes
+        the (offset, bytes) they use."""
         counts = np.fromiter((len(e.pages) for e in exts), np.int64, len(exts))
-        pages = np.concatenate([e.pages for e in exts]).astype(np.int64)
+        offsets = np.fromiter((e.offset for e in exts), np.int64, len(exts))
+        self._load(entry, np.concatenate([e.pages for e in exts]).astype(np.int64), counts, offsets,
+                   np.repeat(np.fromiter((e.layer for e in exts), np.int64, len(exts)), counts),
+                   np.repeat(np.fromiter((e.head for e in exts), np.int64, len(exts)), counts),
+                   np.concatenate([e.crc for e in exts]), np.concatenate([e.importance for e in exts]))
+        used = list(zip(offsets.tolist(), (counts * entry.geometry.block_bytes).tolist()))
+        entry.extents.extend(used)
+        return used
+
+    def load_parts(self, entry: SeqEntry, cols) -> None:
+        """Fill a block namespace's arrays from its blocks' columns
+        (:class:`~kvstored.block_columns.BlockColumns`): part ``p`` of a block is layer ``p``
+        of its slot, one page at its offset."""
+        n, parts = cols.ext_ids.shape
+        self._load(entry, np.repeat(cols.slots, parts), np.ones(n * parts, np.int64), cols.offsets.ravel(),
+                   np.tile(np.arange(parts, dtype=np.int64), n), np.zeros(n * parts, np.int64), cols.crcs.ravel(),
+                   np.zeros(n * parts, np.float32))
+
+    def _load(self, entry: SeqEntry, pages: np.ndarray, counts: np.ndarray, offsets: np.ndarray, layers: np.ndarray,
+              heads: np.ndarray, crc: np.ndarray, importance: np.ndarray) -> None:
+        """Fill ``entry``'s arrays: extent ``i`` holds ``counts[i]`` of ``pages`` from ``offsets[i]``;
+        ``layers``, ``heads``, ``crc`` and ``importance`` by page. All at once (a block
+        namespace has one extent per block and part: millions, at start-up)."""
+        if not len(pages):
+            return
+        bb = entry.geometry.block_bytes
         # One window for everything stored: what LMDB holds is loaded whatever the limits.
         self.grow(entry, self.plan_growth(entry, np.array([pages.min(), pages.max()]), enforce=False))
-        offsets = np.fromiter((e.offset for e in exts), np.int64, len(exts))
-        layers = np.repeat(np.fromiter((e.layer for e in exts), np.int64, len(exts)), counts)
-        heads = np.repeat(np.fromiter((e.head for e in exts), np.int64, len(exts)), counts)
         within = np.arange(len(pages), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)  # i-th page of its extent
         cols = entry.columns(pages)
         entry.ssd_off[layers, heads, cols] = np.repeat(offsets, counts) + within * bb
-        entry.crc[layers, heads, cols] = np.concatenate([e.crc for e in exts])
+        entry.crc[layers, heads, cols] = crc
         # Stores written before hints were bounded may hold larger ones.
-        entry.importance[layers, heads, cols] = np.clip(np.concatenate([e.importance for e in exts]), 0.0, MAX_IMPORTANCE)
+        entry.importance[layers, heads, cols] = np.clip(importance, 0.0, MAX_IMPORTANCE)
         entry.has_page[cols] = True
-        used = list(zip(offsets.tolist(), (counts * bb).tolist()))
-        entry.extents.extend(used)
         entry.num_blocks += len(pages)
         entry.num_pages = int(np.count_nonzero(entry.has_page))
-        return used

@@ -96,8 +96,9 @@ class SsdTier(Tier):
             pending = sum(align_up(n) for _, n in self._ready_frees)
         return self.allocator.used_bytes - self._parked_bytes - pending
 
-    def load(self, used: list[tuple[int, int]]) -> None:
-        self.allocator = ExtentAllocator.from_used(self.allocator.capacity, used)
+    def load(self, starts: np.ndarray, lengths: np.ndarray) -> None:
+        """The ranges in use, found in the catalog: the rest of the file is free."""
+        self.allocator = ExtentAllocator.from_spans(self.allocator.capacity, starts, lengths)
         size = os.fstat(self.fd).st_size
         if size < self.allocator.end:
             raise RuntimeError(f"{self.path} is {size} bytes but extents reach {self.allocator.end}: data file truncated")

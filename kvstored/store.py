@@ -39,6 +39,7 @@ from collections import Counter
 from pathlib import Path
 
 import lmdb
+import numpy as np
 
 from kvdrive.layout.format import DATA_FILE, FORMAT_VERSION, META_DIR
 from kvstored.blocks import Blocks
@@ -133,7 +134,14 @@ class Store:
             entry = self.index.get(uid)
             used.extend(self.index.load_extents(entry, exts))
             self.sequences.ns_bytes[(entry.owner, entry.ns)] += entry.bytes
-        self.ssd.load(used)
+        starts, lengths = [np.array([u[0] for u in used], np.int64)], [np.array([u[1] for u in used], np.int64)]
+        for uid, cols in contents.block_columns.items():
+            entry = self.index.get(uid)
+            self.index.load_parts(entry, cols)
+            self.sequences.ns_bytes[(entry.owner, entry.ns)] += entry.bytes
+            starts.append(cols.offsets.ravel())
+            lengths.append(np.full(cols.offsets.size, entry.geometry.block_bytes, np.int64))
+        self.ssd.load(np.concatenate(starts), np.concatenate(lengths))
         self.blocks.load(contents)
         if self.index.num_bytes > self.index.max_bytes:
             log.warning("the block index holds %s, past --index-max %s: puts that grow it are refused until sequences "

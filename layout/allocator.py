@@ -5,6 +5,8 @@ from __future__ import annotations
 import bisect
 from typing import Iterable
 
+import numpy as np
+
 from kvdrive.layout.format import ALIGN, align_up
 
 
@@ -33,16 +35,24 @@ class ExtentAllocator:
     @classmethod
     def from_used(cls, capacity: int, used: Iterable[tuple[int, int]], align: int = ALIGN) -> "ExtentAllocator":
         """Rebuild the free list as the complement of the ranges in use."""
+        pairs = np.array(list(used), dtype=np.int64).reshape(-1, 2)
+        return cls.from_spans(capacity, pairs[:, 0], pairs[:, 1], align)
+
+    @classmethod
+    def from_spans(cls, capacity: int, starts: np.ndarray, lengths: np.ndarray, align: int = ALIGN) -> "ExtentAllocator":
+        """:meth:`from_used` of the ranges ``(starts[i], lengths[i])``, in arrays (a store of
+        small blocks holds millions)."""
         alloc = cls(capacity, align)
-        pos = 0
-        for start, length in sorted(used):
-            if start < pos:
-                raise ValueError(f"ranges in use overlap at offset {start}")
-            if start > pos:
-                alloc._starts.append(pos)
-                alloc._lengths.append(start - pos)
-            pos = start + align_up(length, align)
-        alloc.end = pos
+        order = np.lexsort((lengths, starts))
+        start = np.asarray(starts, np.int64)[order]
+        end = start + (np.asarray(lengths, np.int64)[order] + align - 1) // align * align
+        pos = np.concatenate([np.zeros(1, np.int64), end[:-1]])  # where the range before ends
+        overlap = np.flatnonzero(start < pos)
+        if len(overlap):
+            raise ValueError(f"ranges in use overlap at offset {int(start[overlap[0]])}")
+        hole = start > pos
+        alloc._starts, alloc._lengths = pos[hole].tolist(), (start - pos)[hole].tolist()
+        alloc.end = int(end[-1]) if len(end) else 0
         return alloc
 
     @property
