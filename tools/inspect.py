@@ -61,20 +61,66 @@ def _format_size(n: float) -> str:
 
 
 @dataclass
+class BlockPart:
+    """Part ``layer`` of every block of a block namespace, by offset: block ``i``'s part is
+    one page (its slot ``slots[i]``) at ``offsets[i]`` in extent ``ext_ids[i]``."""
+
+    offsets: np.ndarray
+    slots: np.ndarray
+    crcs: np.ndarray
+    ext_ids: np.ndarray
+
+    def record(self, uid: int, layer: int, i: int) -> ExtentRecord:
+        from kvstored.catalog import ExtentRecord  # noqa: PLC0415
+
+        return ExtentRecord(uid, layer, 0, int(self.ext_ids[i]), int(self.offsets[i]), self.slots[i:i + 1].astype("<i4"),
+                            self.crcs[i:i + 1].astype("<u4"), np.zeros(1, "<i4"), np.zeros(1, "<f4"))
+
+
+@dataclass
 class Partition:
     seq: SeqRecord
     layer: int
     head: int
-    extents: list[ExtentRecord] = field(default_factory=list)
+    records: list[ExtentRecord] = field(default_factory=list)
+    blocks: BlockPart | None = None  # where it is a block namespace's part, read as columns
+
+    @property
+    def extents(self) -> list[ExtentRecord]:
+        """Its extents as records, by offset (made here for a block namespace's part)."""
+        if self.blocks is None:
+            return self.records
+        return [self.blocks.record(self.seq.uid, self.layer, i) for i in range(len(self.blocks.offsets))]
+
+    def num_extents(self) -> int:
+        return len(self.records) if self.blocks is None else len(self.blocks.offsets)
+
+    def spans(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each extent's offset and bytes. Damaged extent records are left out: their space counts as free."""
+        bb = self.seq.geometry.block_bytes
+        if self.blocks is not None:
+            return self.blocks.offsets, np.full(len(self.blocks.offsets), bb, np.int64)
+        return (np.fromiter((e.offset for e in self.records), np.int64, len(self.records)),
+                np.fromiter((len(e.pages) * bb for e in self.records), np.int64, len(self.records)))
+
+    def pages(self) -> np.ndarray:
+        if self.blocks is not None:
+            return self.blocks.slots
+        return np.concatenate([e.pages for e in self.records]) if self.records else np.zeros(0, np.int64)
 
     def describe(self) -> dict:
-        pages = sum(len(e.pages) for e in self.extents)
-        runs = sum(_runs(e.cluster) for e in self.extents)
-        clusters = np.unique(np.concatenate([e.cluster for e in self.extents])) if self.extents else []
+        if self.blocks is not None:  # one page an extent, no clusters: a run and a page run each
+            n = len(self.blocks.offsets)
+            extents, pages, clusters, runs, page_runs = n, n, min(n, 1), n, n
+        else:
+            extents, pages = len(self.records), sum(len(e.pages) for e in self.records)
+            clusters = len(np.unique(np.concatenate([e.cluster for e in self.records]))) if self.records else 0
+            runs = sum(_runs(e.cluster) for e in self.records)
+            page_runs = sum(_page_runs(e.pages) for e in self.records)
         return {
-            **_name(self.seq), "layer": self.layer, "head": self.head, "extents": len(self.extents),
-            "pages": pages, "bytes": pages * self.seq.geometry.block_bytes, "clusters": len(clusters),
-            "runs": runs, "mean_run": _ratio(pages, runs), "page_runs": sum(_page_runs(e.pages) for e in self.extents),
+            **_name(self.seq), "layer": self.layer, "head": self.head, "extents": extents,
+            "pages": pages, "bytes": pages * self.seq.geometry.block_bytes, "clusters": clusters,
+            "runs": runs, "mean_run": _ratio(pages, runs), "page_runs": page_runs,
         }
 
 
@@ -94,12 +140,18 @@ class Layout:
     def data_path(self) -> Path:
         return self.ssd_dir / DATA_FILE
 
-    def used_ranges(self) -> list[tuple[int, int]]:
-        # Damaged extent records are left out: their space counts as free.
-        return [(e.offset, len(e.pages) * p.seq.geometry.block_bytes) for p in self.partitions.values() for e in p.extents]
+    def used_ranges(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every extent's offset and bytes, by offset then bytes."""
+        spans = [p.spans() for p in self.partitions.values()]
+        starts = np.concatenate([a for a, _ in spans]) if spans else np.zeros(0, np.int64)
+        nbytes = np.concatenate([b for _, b in spans]) if spans else np.zeros(0, np.int64)
+        order = np.lexsort((nbytes, starts))
+        return starts[order], nbytes[order]
 
 
-def open_layout(ssd_dir: Path) -> Layout:
+def open_layout(ssd_dir: Path, columns: bool = True) -> Layout:
+    """The store's catalog, checked; with ``columns``, a sound catalog's block namespaces as
+    columns (a store of small blocks holds millions: a record each would not fit in memory)."""
     import lmdb  # noqa: PLC0415
 
     from kvstored.catalog import Catalog, CatalogDamagedError, CatalogMissingError, StoreOpenError  # noqa: PLC0415
@@ -122,7 +174,7 @@ def open_layout(ssd_dir: Path) -> Layout:
     try:
         # One read transaction: a daemon writing meanwhile cannot show us extents without
         # their sequence or a sequence without its extents.
-        contents = catalog.read(file_bytes)
+        contents = catalog.read(file_bytes, columns=columns)
     except lmdb.Error as exc:
         catalog.close()
         raise CatalogDamagedError(ssd_dir / META_DIR, [f"reading it failed: {exc}"]) from None
@@ -130,11 +182,16 @@ def open_layout(ssd_dir: Path) -> Layout:
     partitions: dict[tuple[int, int, int], Partition] = {}
     for ext in contents.extents:
         key = (ext.uid, ext.layer, ext.head)
-        partitions.setdefault(key, Partition(by_uid[ext.uid], ext.layer, ext.head)).extents.append(ext)
+        partitions.setdefault(key, Partition(by_uid[ext.uid], ext.layer, ext.head)).records.append(ext)
     for part in partitions.values():
-        part.extents.sort(key=lambda e: e.offset)
-    return Layout(ssd_dir, catalog, contents.sequences, partitions, contents.problems, file_bytes,
-                  len(contents.blocks))
+        part.records.sort(key=lambda e: e.offset)
+    for uid, cols in contents.block_columns.items():
+        for layer in range(cols.ext_ids.shape[1]):
+            o = np.argsort(cols.offsets[:, layer], kind="stable")
+            partitions[(uid, layer, 0)] = Partition(by_uid[uid], layer, 0, blocks=BlockPart(
+                cols.offsets[o, layer], cols.slots[o], cols.crcs[o, layer], cols.ext_ids[o, layer]))
+    num_blocks = len(contents.blocks) + sum(len(c.keys) for c in contents.block_columns.values())
+    return Layout(ssd_dir, catalog, contents.sequences, partitions, contents.problems, file_bytes, num_blocks)
 
 
 @dataclass
@@ -228,19 +285,22 @@ def ssd_report(layout: Layout | None, live: Live | None, cap: int | None) -> dic
         return {"used_bytes": s["ssd_used_bytes"], "extent_end": s["ssd_file_bytes"], "cap_bytes": cap,
                 "free_bytes": max(0, cap - s["ssd_used_bytes"]) if cap else None}
     # Overlapping extents are catalog damage (reported as such); count the first of each overlap.
-    ranges, reach = [], 0
-    for start, nbytes in sorted(layout.used_ranges()):
-        if start >= reach:
-            ranges.append((start, nbytes))
-            reach = start + nbytes
-    alloc = ExtentAllocator.from_used(cap or UNBOUNDED, ranges)
+    starts, nbytes = layout.used_ranges()
+    if len(starts) > 1 and (starts[1:] < np.maximum.accumulate(starts + nbytes)[:-1]).any():
+        keep, reach = [], 0
+        for i, (start, n) in enumerate(zip(starts.tolist(), nbytes.tolist())):
+            if start >= reach:
+                keep.append(i)
+                reach = start + n
+        starts, nbytes = starts[keep], nbytes[keep]
+    alloc = ExtentAllocator.from_spans(cap or UNBOUNDED, starts, nbytes)
     holes = alloc.holes
     hole_bytes = sum(n for _, n in holes)
     tail = max(0, layout.file_bytes - alloc.end)
     return {
         "used_bytes": alloc.used_bytes, "file_bytes": layout.file_bytes, "extent_end": alloc.end,
         "cap_bytes": cap, "free_bytes": max(0, alloc.capacity - alloc.used_bytes) if cap else None,
-        "extents": sum(len(p.extents) for p in layout.partitions.values()),
+        "extents": sum(p.num_extents() for p in layout.partitions.values()),
         "catalog_problems": layout.problems, "num_holes": len(holes),
         "largest_hole_bytes": max((n for _, n in holes), default=0), "hole_bytes": hole_bytes,
         "tail_bytes": tail, "free_in_file_bytes": hole_bytes + tail, "holes": [list(h) for h in holes],
@@ -288,7 +348,7 @@ def _complete_pages(g: Geometry, parts: list[Partition]) -> int:
         return 0
     prefix = None
     for part in parts:
-        pages = np.unique(np.concatenate([e.pages for e in part.extents]))
+        pages = np.unique(part.pages())
         gaps = np.flatnonzero(pages != np.arange(len(pages)))
         n = int(gaps[0]) if len(gaps) else len(pages)
         prefix = n if prefix is None else min(prefix, n)
@@ -351,9 +411,11 @@ def verify(layout: Layout, selected: list[SeqRecord], progress: bool) -> dict:
     from kvstored.copy import address_tags  # noqa: PLC0415
 
     uids = {s.uid for s in selected}
-    work = sorted(((p.seq, e) for p in layout.partitions.values() if p.seq.uid in uids for e in p.extents),
+    work = sorted(((p.seq, e) for p in layout.partitions.values() if p.seq.uid in uids for e in p.records),
                   key=lambda se: se[1].offset)
+    blocks = [p for p in layout.partitions.values() if p.seq.uid in uids and p.blocks is not None]
     total = sum(len(e.pages) * s.geometry.block_bytes for s, e in work)
+    total += sum(len(p.blocks.offsets) * p.seq.geometry.block_bytes for p in blocks)
     meter = Progress(total, progress)
     bad: list[BadBlock] = []
     t0 = time.monotonic()
@@ -377,13 +439,55 @@ def verify(layout: Layout, selected: list[SeqRecord], progress: bool) -> dict:
                 bad.extend(BadBlock(seq, ext, int(s)) for s in ok[crc != ext.crc[ok]])
                 bad.extend(BadBlock(seq, ext, int(s), why) for s in slots[whole:])
                 meter.add(len(slots) * bb)
+        for seq in {p.seq.uid: p.seq for p in blocks}.values():
+            bad.extend(_verify_blocks(fd, seq, [p for p in blocks if p.seq is seq], meter))
     finally:
         os.close(fd)
         meter.close()
+    bad.sort(key=lambda b: b.offset)
     stale = _changed_since(layout, bad)
     kept = [b for b in bad if id(b.ext) not in stale]
-    return {"blocks": sum(len(e.pages) for _, e in work), "bytes": total, "seconds": round(time.monotonic() - t0, 3),
+    num = sum(len(e.pages) for _, e in work) + sum(len(p.blocks.offsets) for p in blocks)
+    return {"blocks": num, "bytes": total, "seconds": round(time.monotonic() - t0, 3),
             "skipped_changed": len(bad) - len(kept), "bad": kept}
+
+
+def _verify_blocks(fd: int, seq: SeqRecord, parts: list[Partition], meter: Progress) -> list[BadBlock]:
+    """Check every part of a block namespace's blocks (``parts``, read as columns), in file
+    order, :data:`READ_CHUNK` bytes a read where they lie close together."""
+    from kvstored.checksum import block_crcs  # noqa: PLC0415
+    from kvstored.copy import address_tags  # noqa: PLC0415
+
+    bb = seq.geometry.block_bytes
+    offs = np.concatenate([p.blocks.offsets for p in parts])
+    which = np.concatenate([np.full(len(p.blocks.offsets), j) for j, p in enumerate(parts)])
+    at = np.concatenate([np.arange(len(p.blocks.offsets)) for p in parts])
+    order = np.argsort(offs, kind="stable")
+    offs, which, at = offs[order], which[order], at[order]
+    layers = np.array([p.layer for p in parts])[which]
+    slots = np.concatenate([p.blocks.slots for p in parts])[order]
+    expect = np.concatenate([p.blocks.crcs for p in parts])[order]
+    step = max(1, READ_CHUNK // bb)
+    bad = []
+    buf = bytearray(max(READ_CHUNK, bb))
+    for first in range(0, len(offs), step):
+        i = np.arange(first, min(first + step, len(offs)))
+        if offs[i[-1]] + bb - offs[i[0]] > len(buf):  # far apart: a read each
+            groups = [i[k:k + 1] for k in range(len(i))]
+        else:
+            groups = [i]
+        for g in groups:
+            base = int(offs[g[0]])
+            got, why = _pread(fd, buf, int(offs[g[-1]]) + bb - base, base)
+            whole = offs[g] + bb - base <= got
+            ok = g[whole]
+            tags = address_tags(seq.uid, layers[ok], np.zeros(len(ok), np.int64), slots[ok])
+            crc = block_crcs(np.frombuffer(buf, np.uint8, got), offs[ok] - base, bb) ^ tags
+            for k, problem in [(k, "") for k in ok[crc != expect[ok]].tolist()] + [(k, why) for k in g[~whole].tolist()]:
+                part = parts[which[k]]
+                bad.append(BadBlock(seq, part.blocks.record(seq.uid, part.layer, int(at[k])), 0, problem))
+        meter.add(len(i) * bb)
+    return bad
 
 
 def _pread(fd: int, buf: bytearray, nbytes: int, offset: int) -> tuple[int, str]:
