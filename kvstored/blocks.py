@@ -37,15 +37,15 @@ Life cycle, on the writer thread but for lookups and gets:
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvdrive.layout.geometry import Geometry
 from kvdrive.protocol.blocks import block_geometry
+from kvstored.block_keys import BlockKeys
 from kvstored.block_catalog import BlockRecord, add_blocks, block_rows, delete_blocks, part_rows
 from kvstored.buffers import MappedBuffer
 from kvstored.catalog import BLOCKS_NAME, Catalog, Contents
@@ -105,8 +105,7 @@ class BlockTable:
     def __init__(self, entry: SeqEntry, block_bytes: int) -> None:
         self.entry, self.block_bytes = entry, block_bytes
         self.parts = entry.geometry.num_layers
-        self.slots: OrderedDict[bytes, int] = OrderedDict()
-        self.keys = np.empty(0, object)
+        self.held = BlockKeys()  # key -> slot, least recently used first
         self.extent_ids = np.zeros((0, self.parts), np.int64)
         self.gen = np.zeros(0, np.uint32)
         self.pending: dict[bytes, int] = {}  # keys of prepared puts not yet committed
@@ -129,22 +128,19 @@ class BlockTable:
 
     def fill(self, keys: list[bytes], slots: np.ndarray, extent_ids: np.ndarray) -> None:
         """Block ``keys[i]`` is in slot ``slots[i]``, its parts in extents ``extent_ids[i]``."""
-        if len(slots) and int(slots.max()) >= len(self.keys):
-            cap = max(int(slots.max()) + 1, 2 * len(self.keys), 64)
-            grow = cap - len(self.keys)
-            self.keys = np.concatenate([self.keys, np.full(grow, None, object)])
+        if len(slots) and int(slots.max()) >= len(self.gen):
+            cap = max(int(slots.max()) + 1, 2 * len(self.gen), 64)
+            grow = cap - len(self.gen)
+            self.held.grow(cap)
             self.extent_ids = np.concatenate([self.extent_ids, np.zeros((grow, self.parts), np.int64)])
             self.gen = np.concatenate([self.gen, np.zeros(grow, np.uint32)])
-        self.slots.update(zip(keys, slots.tolist()))
-        self.keys[slots] = keys
+        self.held.add(keys, slots)
         self.extent_ids[slots] = extent_ids
         self.gen[slots] += 1
 
     def empty(self, slots: np.ndarray) -> None:
         """Forget the blocks in ``slots``; the caller gives the slots back once nothing reads them."""
-        for key in self.keys[slots].tolist():
-            del self.slots[key]
-        self.keys[slots] = None
+        self.held.remove(slots)
         self.extent_ids[slots] = 0
         self.gen[slots] += 1
 
@@ -222,14 +218,14 @@ class Blocks:
         return table
 
     def num_blocks(self) -> int:
-        return sum(len(t.slots) for t in self.tables.values())
+        return sum(len(t.held) for t in self.tables.values())
 
     # ------------------------------------------------------------ any thread
 
     def lookup(self, req: BlockLookup, owner: int) -> dict:
         with self.index.lock:
             table = self.tables.get((owner, req.ns))
-            found = [False] * len(req.keys) if table is None else [k in table.slots for k in req.keys]
+            found = [False] * len(req.keys) if table is None else (table.held.find(req.keys) >= 0).tolist()
         self.counters["block_lookups"] += 1
         return {"found": found}
 
@@ -253,8 +249,7 @@ class Blocks:
                     picks, whole = picked.picks, picked.get
                 else:
                     picks, whole = self._pick(table, req), None
-                for i in picks.pos.tolist():
-                    table.slots.move_to_end(req.keys[i])
+                table.held.touch(picks.slots)
             picked = None  # a second try looks the keys up again
             try:
                 damaged = self._read(table, req, session, picks, at, whole)
@@ -292,8 +287,7 @@ class Blocks:
     @staticmethod
     def _pick(table: BlockTable, req: BlockGet) -> Picks:
         """The keys of ``req`` the table holds (index lock held)."""
-        get = table.slots.get
-        every = np.array([get(key, -1) for key in req.keys], np.int64)
+        every = table.held.find(req.keys)
         pos = np.flatnonzero(every >= 0)
         slots = every[pos]
         return Picks(pos, slots, table.gen[slots])
@@ -361,8 +355,9 @@ class Blocks:
         entry, parts = table.entry, table.parts
         with self.index.lock:
             new: dict[bytes, int] = {}
+            held = table.held.find(req.keys).tolist()
             for i, key in enumerate(req.keys):
-                if key not in new and key not in table.slots and key not in table.pending:
+                if held[i] < 0 and key not in new and key not in table.pending:
                     new[key] = i
         reply = {"stored": len(new), "present": len(req.keys) - len(new)}
         if not new:
@@ -388,7 +383,7 @@ class Blocks:
         try:
             return slots, self.index.plan_growth(table.entry, slots)
         except IndexFullError:
-            room = self.sequences.quota_of(table.entry.ns) is not None and n <= len(table.slots)
+            room = self.sequences.quota_of(table.entry.ns) is not None and n <= len(table.held)
         except IndexLimitError:
             room = False
         if room:  # its n least recently used blocks' slots lie in the window, and free slots go lowest first
@@ -406,7 +401,7 @@ class Blocks:
     def _least_recent(self, table: BlockTable, n: int, keep=frozenset()) -> np.ndarray:
         """The slots of ``table``'s ``n`` least recently used blocks, but for those in ``keep``."""
         with self.index.lock:
-            return np.fromiter(itertools.islice((s for s in table.slots.values() if s not in keep), n), np.int64)
+            return table.held.oldest(n, np.fromiter(keep, np.int64, len(keep)))
 
     def _write(self, table, req, session, mb, new, at, slots, growth, reply) -> PreparedPut:
         entry, parts, part_bytes = table.entry, table.parts, table.entry.geometry.block_bytes
@@ -457,13 +452,14 @@ class Blocks:
         if table is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no block namespace {req.ns}")
         if req.all:
-            count, freed = len(table.slots), table.entry.bytes
+            count, freed = len(table.held), table.entry.bytes
             self.sequences.delete_entries([table.entry], "delete")
             del self.tables[(owner, req.ns)]
             log.info("deleted block namespace %s of uid %d: %d blocks, %s", req.ns, owner, count, format_size(freed))
             return {"deleted": count, "freed_bytes": freed}
         with self.index.lock:
-            slots = np.array([table.slots[k] for k in dict.fromkeys(req.keys) if k in table.slots], np.int64)
+            slots = table.held.find(list(dict.fromkeys(req.keys)))
+            slots = slots[slots >= 0]
         self._drop(table, slots, "delete")
         return {"deleted": len(slots), "freed_bytes": len(slots) * table.block_bytes}
 
@@ -474,7 +470,7 @@ class Blocks:
             return
         entry, parts, n = table.entry, table.parts, len(slots)
         with self.index.lock:
-            keys, ids = table.keys[slots].tolist(), table.extent_ids[slots]
+            keys, ids = table.held.keys[slots].tolist(), table.extent_ids[slots]
         with self.space.catalog_write(what) as txn:  # never refused for want of space: the reserve
             delete_blocks(self.catalog, txn, entry.uid, keys, ids)
         lay, hed, pag = np.tile(np.arange(parts), n), np.zeros(n * parts, np.int64), np.repeat(slots, parts)

@@ -52,9 +52,10 @@ ABSENT = -1
 SLOT_BYTES = 8 + 4 + 8 + 4 + 8
 # What a sequence costs before it stores a block (its entry, names, dict slots).
 ENTRY_BYTES = 1024
-# What a block namespace's key table (blocks.py) costs per page of its window, beside its
-# slots: a key of up to 48 bytes, its place in the LRU order, its parts' extent ids, a
-# generation (about 200 to 250 bytes measured; a window holds up to twice its blocks).
+# What a block namespace's key table (block_keys.py, blocks.py) costs per page of its
+# window, beside its slots: a key (a bytes object), its hash, its place in the LRU order,
+# a bucket of the key map, its parts' extent ids, a generation (about 100 to 130 bytes
+# measured with 16-byte keys, more with longer ones; a window holds up to twice its blocks).
 BLOCK_TABLE_BYTES = 256
 PAGE_SPAN_FACTOR = 2
 PAGE_SPAN_SLACK = 1024

@@ -55,7 +55,7 @@ def test_the_get_starts_from_the_checks_lookup(rig, monkeypatch):
     r = store.blocks.get(request(dst_id), session, picked)
     assert r == {"found": [True] * N, "damaged": []}
     assert (dst.array == src.array).all()
-    assert list(store.blocks.tables[(session.uid, "eng")].slots)[-N:] == [key(i) for i in range(N)]
+    assert [k for k, _ in store.blocks.tables[(session.uid, "eng")].held.items()][-N:] == [key(i) for i in range(N)]
     assert store.counters["block_gets"] == 1 and store.counters["blocks_dram"] == N
 
 
@@ -109,15 +109,16 @@ def test_a_table_kept_in_arrays_grows_reloads_and_reuses_freed_slots_lowest_firs
     assert not store.commit_puts([store.blocks.prepare_put(BlockPut("eng", bb, keys, buf, 0), session)])
     store.blocks.delete(BlockDelete("eng", (key(3), key(70), key(4)), False), session.uid)
     before = store.blocks.tables[(session.uid, "eng")]
-    kept = {k: (s, before.extent_ids[s].tolist()) for k, s in before.slots.items()}
+    kept = {k: (s, before.extent_ids[s].tolist()) for k, s in before.held.items()}
     store.close()
 
     store, session, buf = opened()
     table = store.blocks.tables[(session.uid, "eng")]
-    assert {k: (s, table.extent_ids[s].tolist()) for k, s in table.slots.items()} == kept
+    assert {k: (s, table.extent_ids[s].tolist()) for k, s in table.held.items()} == kept
     # Least recently used first, as written (the keys' own order differs: little-endian numbers).
-    assert list(table.slots) == [k for k in keys if k in kept] != sorted(kept)
-    assert all(table.keys[s] == k for k, s in table.slots.items()) and len(kept) == n - 3
+    assert [k for k, _ in table.held.items()] == [k for k in keys if k in kept] != sorted(kept)
+    assert all(table.held.keys[s] == k for k, s in table.held.items()) and len(kept) == n - 3
+    assert (table.held.find(list(kept)) == [s for s, _ in kept.values()]).all()
     offs = table.entry.ssd_off[0, 0, table.entry.columns(np.array(sorted(s for s, _ in kept.values())))]
     assert sorted(o for o, _ in table.entry.extents) == sorted(offs.tolist()) and len(table.entry.extents) == n - 3
     assert table.take(4).tolist() == [3, 4, 70, n]

@@ -1,0 +1,204 @@
+"""A block namespace's engine keys: key -> slot, and the slots least recently used first.
+
+A store of 64 KiB engine blocks holds tens of millions of keys. An ``OrderedDict`` of key ->
+slot cost 91 bytes an entry and an int object for each slot 32 more, beside the key
+itself: two thirds of the daemon's memory per block. Here the map is an open-addressing
+table of slots, probed by each key's hash (kept per slot), and the recency order a list
+linked through two arrays by slot, both in compiled loops: about 28 bytes a block. The
+keys themselves stay Python ``bytes`` in an array by slot, so that a probe that meets an
+equal hash is confirmed against the key (two keys of one 64-bit hash are told apart by a
+slower probe of every slot of that hash).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_EMPTY, _GONE = -1, -2  # a bucket never used; one whose slot was removed (probes go on past it)
+MIN_BUCKETS = 64
+
+
+@numba.njit(nogil=True, cache=True)
+def _find(buckets, hashes, query, out):  # pragma: no cover - compiled
+    """The first slot, along each query hash's probe, holding that hash; -1 where none does."""
+    mask = len(buckets) - 1
+    for i in range(len(query)):
+        h = query[i]
+        b = h & mask
+        out[i] = -1
+        while buckets[b] != _EMPTY:
+            s = buckets[b]
+            if s >= 0 and hashes[s] == h:
+                out[i] = s
+                break
+            b = (b + 1) & mask
+
+
+@numba.njit(nogil=True, cache=True)
+def _insert(buckets, hashes, slots):  # pragma: no cover - compiled
+    """Put each slot (its hash already in ``hashes``) in the first free bucket of its probe;
+    how many of those were removed ones."""
+    mask = len(buckets) - 1
+    reused = 0
+    for s in slots:
+        b = hashes[s] & mask
+        while buckets[b] >= 0:
+            b = (b + 1) & mask
+        reused += buckets[b] == _GONE
+        buckets[b] = s
+    return reused
+
+
+@numba.njit(nogil=True, cache=True)
+def _remove(buckets, hashes, slots):  # pragma: no cover - compiled
+    mask = len(buckets) - 1
+    for s in slots:
+        b = hashes[s] & mask
+        while buckets[b] != s and buckets[b] != _EMPTY:
+            b = (b + 1) & mask
+        if buckets[b] == s:
+            buckets[b] = _GONE
+
+
+@numba.njit(nogil=True, cache=True)
+def _link(prev, nxt, ends, slots):  # pragma: no cover - compiled
+    """Append ``slots`` to the order, in turn (``ends``: first and last slot, -1 when empty)."""
+    for s in slots:
+        last = ends[1]
+        prev[s] = last
+        nxt[s] = -1
+        if last >= 0:
+            nxt[last] = s
+        else:
+            ends[0] = s
+        ends[1] = s
+
+
+@numba.njit(nogil=True, cache=True)
+def _unlink(prev, nxt, ends, slots):  # pragma: no cover - compiled
+    for s in slots:
+        p, n = prev[s], nxt[s]
+        if p >= 0:
+            nxt[p] = n
+        else:
+            ends[0] = n
+        if n >= 0:
+            prev[n] = p
+        else:
+            ends[1] = p
+        prev[s] = -1
+        nxt[s] = -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _touch(prev, nxt, ends, slots):  # pragma: no cover - compiled
+    """Move each of ``slots`` (linked ones), in turn, to the end: a slot named twice moves twice."""
+    one = np.empty(1, np.int64)
+    for s in slots:
+        one[0] = s
+        _unlink(prev, nxt, ends, one)
+        _link(prev, nxt, ends, one)
+
+
+@numba.njit(nogil=True, cache=True)
+def _oldest(nxt, ends, n, skip):  # pragma: no cover - compiled
+    """The first ``n`` slots of the order, but those ``skip`` marks (``n`` < 0: all of them)."""
+    out = np.empty(max(n, 0) if n >= 0 else len(nxt), np.int64)
+    k, s = 0, ends[0]
+    while s >= 0 and k < len(out):
+        if not skip[s]:
+            out[k] = s
+            k += 1
+        s = nxt[s]
+    return out[:k]
+
+
+class BlockKeys:
+    """Keys by slot, the slot of each key, and the slots in least recently used order.
+    Not thread-safe: the index lock guards it."""
+
+    def __init__(self) -> None:
+        self.keys = np.empty(0, object)
+        self._hashes = np.zeros(0, np.int64)
+        self._prev = np.zeros(0, np.int32)
+        self._next = np.zeros(0, np.int32)
+        self._ends = np.full(2, -1, np.int64)
+        self._buckets = np.full(MIN_BUCKETS, _EMPTY, np.int32)
+        self._count = self._gone = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def grow(self, capacity: int) -> None:
+        """Room for slots below ``capacity``."""
+        more = capacity - len(self.keys)
+        if more > 0:
+            self.keys = np.concatenate([self.keys, np.full(more, None, object)])
+            self._hashes = np.concatenate([self._hashes, np.zeros(more, np.int64)])
+            self._prev = np.concatenate([self._prev, np.full(more, -1, np.int32)])
+            self._next = np.concatenate([self._next, np.full(more, -1, np.int32)])
+
+    def find(self, keys: list[bytes]) -> np.ndarray:
+        """The slot of each key, -1 for those not held."""
+        query = np.fromiter(map(hash, keys), np.int64, len(keys))
+        out = np.empty(len(keys), np.int64)
+        _find(self._buckets, self._hashes, query, out)
+        hit = np.flatnonzero(out >= 0)
+        held = self.keys[out[hit]].tolist()
+        for j, i in enumerate(hit.tolist()):
+            if held[j] != keys[i]:  # another key of the same hash
+                out[i] = self._probe(keys[i], int(query[i]))
+        return out
+
+    def _probe(self, key: bytes, h: int) -> int:
+        mask, b = len(self._buckets) - 1, h & (len(self._buckets) - 1)
+        while (s := int(self._buckets[b])) != _EMPTY:
+            if s >= 0 and self._hashes[s] == h and self.keys[s] == key:
+                return s
+            b = (b + 1) & mask
+        return -1
+
+    def add(self, keys: list[bytes], slots: np.ndarray) -> None:
+        """Hold new ``keys`` (none held already) in ``slots`` (free ones), most recently used last."""
+        slots = np.asarray(slots, np.int64)
+        if self._count + self._gone + len(slots) > len(self._buckets) // 2:
+            self._rehash(self._count + len(slots))
+        self.keys[slots] = keys
+        self._hashes[slots] = np.fromiter(map(hash, keys), np.int64, len(keys))
+        self._gone -= _insert(self._buckets, self._hashes, slots)
+        self._count += len(slots)
+        _link(self._prev, self._next, self._ends, slots)
+
+    def remove(self, slots: np.ndarray) -> None:
+        """Forget the keys in ``slots``."""
+        slots = np.unique(np.asarray(slots, np.int64))
+        _remove(self._buckets, self._hashes, slots)
+        _unlink(self._prev, self._next, self._ends, slots)
+        self.keys[slots] = None
+        self._count -= len(slots)
+        self._gone += len(slots)
+
+    def touch(self, slots: np.ndarray) -> None:
+        """``slots``, in turn, become the most recently used."""
+        _touch(self._prev, self._next, self._ends, np.asarray(slots, np.int64))
+
+    def oldest(self, n: int = -1, skip: np.ndarray | None = None) -> np.ndarray:
+        """The ``n`` least recently used slots (every slot, oldest first, for ``n`` < 0), but ``skip``'s."""
+        mask = np.zeros(len(self.keys), np.bool_)
+        if skip is not None and len(skip):
+            mask[np.asarray(skip, np.int64)] = True
+        return _oldest(self._next, self._ends, n, mask)
+
+    def items(self) -> list[tuple[bytes, int]]:
+        """Every (key, slot), least recently used first."""
+        slots = self.oldest()
+        return list(zip(self.keys[slots].tolist(), slots.tolist()))
+
+    def _rehash(self, count: int) -> None:
+        size = MIN_BUCKETS
+        while size < 4 * count:
+            size *= 2
+        self._buckets = np.full(size, _EMPTY, np.int32)
+        self._gone = 0
+        _insert(self._buckets, self._hashes, self.oldest())

@@ -1,0 +1,78 @@
+"""A block namespace's key table (kvstored/block_keys.py) against an OrderedDict doing the same."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+from kvstored.block_keys import BlockKeys
+
+
+class OneHash(bytes):
+    """A key whose hash every other OneHash shares: probes must tell them apart by the key."""
+
+    def __hash__(self) -> int:
+        return -7
+
+
+def check(table: BlockKeys, model: OrderedDict, absent: list) -> None:
+    assert len(table) == len(model)
+    assert table.items() == list(model.items())
+    keys = list(model) + absent
+    assert table.find(keys).tolist() == [model.get(k, -1) for k in keys]
+
+
+@pytest.mark.parametrize("collide", [False, True])
+def test_random_adds_removes_and_uses_keep_the_map_and_the_order_of_an_ordered_dict(collide):
+    rng = np.random.default_rng(int(collide))
+    make = OneHash if collide else bytes
+    table, model, free, top = BlockKeys(), OrderedDict(), [], 0
+    names = iter(range(10**9))
+    for step in range(300 if collide else 3000):
+        op = rng.integers(0, 4)
+        if op == 0 or not model:  # a put of new keys into free slots, lowest first
+            n = int(rng.integers(1, 8))
+            slots = sorted(free)[:n]
+            free = [s for s in free if s not in slots]
+            slots += list(range(top, top + n - len(slots)))
+            top = max(top, max(slots) + 1)
+            keys = [make(b"key%d" % next(names)) for _ in slots]
+            table.grow(top)
+            table.add(keys, np.array(slots))
+            model.update(zip(keys, slots))
+        elif op == 1:  # a delete
+            held = list(model)
+            gone = [held[i] for i in rng.choice(len(held), size=min(len(held), int(rng.integers(1, 5))), replace=False)]
+            slots = [model.pop(k) for k in gone]
+            table.remove(np.array(slots))
+            free += slots
+        elif op == 2:  # a get, a key more than once too
+            held = list(model)
+            used = [held[i] for i in rng.choice(len(held), size=int(rng.integers(1, 6)))]
+            table.touch(np.array([model[k] for k in used]))
+            for k in used:
+                model.move_to_end(k)
+        else:  # a quota's victims, never the blocks a put just wrote
+            keep = set(rng.choice(list(model.values()), size=min(3, len(model)), replace=False).tolist())
+            n = int(rng.integers(0, 6))
+            want = [s for s in model.values() if s not in keep][:n]
+            assert table.oldest(n, np.array(sorted(keep))).tolist() == want
+        if step % 10 == 0:
+            check(table, model, [make(b"never%d" % step)])
+    check(table, model, [make(b"absent")])
+
+
+def test_many_keys_grow_the_table_and_removed_buckets_are_reused():
+    table = BlockKeys()
+    keys = [b"k%07d" % i for i in range(20000)]
+    table.grow(len(keys))
+    for round_ in range(3):
+        table.add(keys, np.arange(len(keys)))
+        assert (table.find(keys) == np.arange(len(keys))).all()
+        table.remove(np.arange(0, len(keys), 2))
+        assert (table.find(keys[::2]) == -1).all() and (table.find(keys[1::2]) == np.arange(1, len(keys), 2)).all()
+        table.remove(np.arange(1, len(keys), 2))
+        assert len(table) == 0 and table.items() == []
+    assert len(table._buckets) <= 4 * 2 * len(keys)  # rehashed, not grown for every round's removed keys
