@@ -144,11 +144,12 @@ class BlockKeys:
         query = np.fromiter(map(hash, keys), np.int64, len(keys))
         out = np.empty(len(keys), np.int64)
         _find(self._buckets, self._hashes, query, out)
-        hit = np.flatnonzero(out >= 0)
-        held = self.keys[out[hit]].tolist()
-        for j, i in enumerate(hit.tolist()):
-            if held[j] != keys[i]:  # another key of the same hash
-                out[i] = self._probe(keys[i], int(query[i]))
+        hit = np.flatnonzero(out >= 0).tolist()
+        held, asked = self.keys[out[hit]].tolist(), [keys[i] for i in hit]
+        if held != asked:  # a key of the same hash as another (the lists compare in C)
+            for i, a, b in zip(hit, held, asked):
+                if a != b:
+                    out[i] = self._probe(b, int(query[i]))
         return out
 
     def _probe(self, key: bytes, h: int) -> int:
