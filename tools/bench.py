@@ -72,6 +72,11 @@ BENCHMARKS: dict[str, Benchmark] = {
         "kvstored under a long run of engine traffic (stores evicting past a quota, loads beside them): latency, "
         "hit rate, wrong bytes and the daemon's memory, mappings, descriptors and files, interval by interval",
     ),
+    "scale": Benchmark(
+        "bench_scale",
+        "kvstored's memory per stored block (its own, and the catalog pages it maps) as a store of small engine "
+        "blocks grows, its start-up time per block after a SIGKILL, and kvstore-inspect's time and memory on it",
+    ),
     "flood": Benchmark(
         "bench_flood",
         "a well-behaved client's put-ack latency (p50, p99) at rest and while another floods kvstored with "

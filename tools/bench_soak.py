@@ -234,7 +234,10 @@ class Daemon:
         self.root, self.address = root, f"ipc://{root / 'kvstored.sock'}"
         self.cmd = [sys.executable, "-m", "kvstored", "--ssd", str(root / "ssd"), "--dram", args.dram,
                     "--ssd-max", args.ssd_max, "--listen", self.address, "--parent-pid", str(os.getpid()),
-                    "--quota", f"soak/*={args.quota}", "--sync", args.sync, "--log-level", "WARNING"]
+                    "--sync", args.sync, "--log-level", "WARNING"]
+        if getattr(args, "quota", None) is not None:
+            self.cmd += ["--quota", f"soak/*={args.quota}"]
+        self.cmd += getattr(args, "daemon_args", [])
         self._log = open(root / "kvstored.log", "ab")  # noqa: SIM115 - kept for the daemon's whole life
         self.proc: subprocess.Popen | None = None
 
