@@ -172,7 +172,6 @@ class BlockLoad:
         return out
 
 
-
 class _Rows:
     """Catalog rows joined in one buffer, key then value, row after row."""
 

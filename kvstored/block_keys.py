@@ -191,6 +191,16 @@ class BlockKeys:
             mask[np.asarray(skip, np.int64)] = True
         return _oldest(self._next, self._ends, n, mask)
 
+    @classmethod
+    def warm(cls) -> None:
+        """Load the compiled loops now, at start (the first call of each in a process reads
+        it from numba's cache, or compiles it), not in the first block request."""
+        table = cls()
+        table.grow(2)
+        table.add([b"a", b"b"], np.arange(2))
+        table.touch(table.find([b"a"]))
+        table.remove(table.oldest(1, np.zeros(0, np.int64)))
+
     def items(self) -> list[tuple[bytes, int]]:
         """Every (key, slot), least recently used first."""
         slots = self.oldest()

@@ -193,6 +193,7 @@ class Blocks:
         self.puts, self.gets, self.residency, self.space, self.gate = puts, gets, residency, space, gate
         self.counters = counters
         self.tables: dict[tuple[int, str], BlockTable] = {}
+        BlockKeys.warm()
 
     def load(self, contents: Contents) -> None:
         """The tables of the block namespaces the catalog holds, as records or as columns."""
