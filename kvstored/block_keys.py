@@ -103,11 +103,12 @@ def _touch(prev, nxt, ends, slots):  # pragma: no cover - compiled
 
 @numba.njit(nogil=True, cache=True)
 def _oldest(nxt, ends, n, skip):  # pragma: no cover - compiled
-    """The first ``n`` slots of the order, but those ``skip`` marks (``n`` < 0: all of them)."""
-    out = np.empty(max(n, 0) if n >= 0 else len(nxt), np.int64)
+    """The first ``n`` slots of the order, but those in ``skip`` (sorted); all of them for ``n`` < 0."""
+    out = np.empty(n if n >= 0 else len(nxt), np.int64)
     k, s = 0, ends[0]
     while s >= 0 and k < len(out):
-        if not skip[s]:
+        at = np.searchsorted(skip, s)
+        if at == len(skip) or skip[at] != s:
             out[k] = s
             k += 1
         s = nxt[s]
@@ -186,10 +187,8 @@ class BlockKeys:
 
     def oldest(self, n: int = -1, skip: np.ndarray | None = None) -> np.ndarray:
         """The ``n`` least recently used slots (every slot, oldest first, for ``n`` < 0), but ``skip``'s."""
-        mask = np.zeros(len(self.keys), np.bool_)
-        if skip is not None and len(skip):
-            mask[np.asarray(skip, np.int64)] = True
-        return _oldest(self._next, self._ends, n, mask)
+        skip = np.zeros(0, np.int64) if skip is None else np.sort(np.asarray(skip, np.int64))
+        return _oldest(self._next, self._ends, n, skip)
 
     @classmethod
     def warm(cls) -> None:
