@@ -28,11 +28,11 @@ from operator import itemgetter
 import numba
 import numpy as np
 
+from kvstored import catalog
 from kvstored.catalog import BLOCKS_NAME, CRC, EXTENT_KEY, UID_KEY, ExtentRecord, SeqRecord
 from kvstored.checksum import block_crcs
 
 _NONE = np.int64(-1)
-CHUNK_ROWS = 1 << 16  # catalog rows read at a time: what is kept of them is columns
 
 
 def _bytes(s: bytes) -> np.ndarray:
@@ -220,15 +220,16 @@ class _Namespaces:
 
 
 def _chunks(cursor):
-    it = iter(cursor)
-    while chunk := list(itertools.islice(it, CHUNK_ROWS)):
+    """The cursor's rows, :data:`~kvstored.catalog.PROGRESS_ROWS` at a time (a look at the progress each)."""
+    it, rows = iter(cursor), catalog.PROGRESS_ROWS
+    while chunk := list(itertools.islice(it, rows)):
         yield chunk
 
 
 def read(cat, txn, by_uid: dict[int, SeqRecord], data_bytes: int | None, progress=None) -> BlockLoad | None:
     """The block namespaces' rows as columns, if every one is sound; None if any is not,
     or if there are no block namespaces (the record check then reads every row). Rows are
-    read :data:`CHUNK_ROWS` at a time: what is kept of them is columns and engine keys."""
+    read a few thousand at a time: what is kept of them is columns and engine keys."""
     ns = {uid: s for uid, s in by_uid.items() if s.name == BLOCKS_NAME}
     if not ns or cat.blocks is None:
         return None

@@ -16,7 +16,7 @@ def open_tier(path, capacity: int, num_used: int) -> SsdTier:
     """A tier whose data file holds ``num_used`` extents, all in use."""
     t = SsdTier(path, capacity, direct=False)
     os.truncate(t.fd, num_used * EXT)
-    t.load([(0, num_used * EXT)])
+    t.load(np.zeros(1, np.int64), np.array([num_used * EXT]))
     return t
 
 
