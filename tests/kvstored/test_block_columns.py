@@ -7,7 +7,6 @@ import os
 import shutil
 import struct
 
-import lmdb
 import msgpack
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from kvdrive.layout.format import DATA_FILE, META_DIR
 from kvdrive.layout.geometry import Geometry
 from kvstored.catalog import BLOCKS_NAME, Catalog, seal, unseal
+from test_catalog_damage import rewrite
 
 BB = 64 << 10
 NAMESPACES = {"one": 1, "two": 2, "many": 16}  # regions, and so parts, of each namespace's blocks
@@ -149,20 +149,11 @@ DAMAGE = {
 
 
 def damaged(sound, tmp_path, db: str, pick, change):
+    """A copy of the sound store with one record of ``db`` changed (see :func:`rewrite`)."""
     ssd = tmp_path / "ssd"
     shutil.copytree(sound, ssd)
     uids = _uids(ssd)
-    env = lmdb.open(str(ssd / META_DIR), max_dbs=4)
-    try:
-        with env.begin(write=True) as txn:
-            handle = env.open_db(db.encode(), txn=txn, create=False)
-            k, v = next((k, v) for k, v in txn.cursor(db=handle) if pick(k, uids))
-            txn.delete(k, db=handle)
-            new = change(k, v)
-            if new is not None:
-                txn.put(*new, db=handle)
-    finally:
-        env.close()
+    rewrite(ssd, db.encode(), lambda k: pick(k, uids), change)
     return ssd
 
 
