@@ -45,8 +45,8 @@ import numpy as np
 
 from kvdrive.layout.geometry import Geometry
 from kvdrive.protocol.blocks import block_geometry
-from kvstored.block_keys import BlockKeys
 from kvstored.block_catalog import BlockRecord, add_blocks, block_rows, delete_blocks, part_rows
+from kvstored.block_keys import BlockKeys
 from kvstored.buffers import MappedBuffer
 from kvstored.catalog import BLOCKS_NAME, Catalog, Contents
 from kvstored.config import DaemonConfig, format_size
