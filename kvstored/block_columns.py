@@ -137,6 +137,13 @@ def _parse_blocks(buf, starts, ends, parts, head, ext, slot_out, ext_out):  # pr
     return ok
 
 
+def part_record(uid: int, layer: int, ext_id: int, offset: int, slot: int, crc: int) -> ExtentRecord:
+    """Part ``layer`` of a block as the extent record the catalog holds for it: one page
+    (its slot), no cluster, no importance (for messages, and for tools that show records)."""
+    return ExtentRecord(uid, layer, 0, int(ext_id), int(offset), np.array([slot], "<i4"), np.array([crc], "<u4"),
+                        np.zeros(1, "<i4"), np.zeros(1, "<f4"))
+
+
 @dataclass
 class BlockColumns:
     """One block namespace's catalog, checked: block ``keys[i]`` is in slot ``slots[i]``,
@@ -163,13 +170,9 @@ class BlockLoad:
 
     def records(self) -> list[ExtentRecord]:
         """The block parts as extent records (for a damaged catalog's messages only)."""
-        out = []
-        for uid, c in self.columns.items():
-            for i, p in itertools.product(range(len(c.slots)), range(c.ext_ids.shape[1])):
-                out.append(ExtentRecord(uid, p, 0, int(c.ext_ids[i, p]), int(c.offsets[i, p]),
-                                        np.array([c.slots[i]], "<i4"), np.array([c.crcs[i, p]], "<u4"),
-                                        np.zeros(1, "<i4"), np.zeros(1, "<f4")))
-        return out
+        return [part_record(uid, p, c.ext_ids[i, p], c.offsets[i, p], c.slots[i], c.crcs[i, p])
+                for uid, c in self.columns.items()
+                for i, p in itertools.product(range(len(c.slots)), range(c.ext_ids.shape[1]))]
 
 
 class _Rows:

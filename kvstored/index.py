@@ -312,18 +312,18 @@ class BlockIndex:
         entry.num_pages += len(columns) - int(np.count_nonzero(entry.has_page[columns]))
         entry.has_page[columns] = True
 
-    def load_extents(self, entry: SeqEntry, exts: list) -> list[tuple[int, int]]:
+    def load_extents(self, entry: SeqEntry, exts: list) -> tuple[np.ndarray, np.ndarray]:
         """Fill ``entry``'s arrays from its catalog extents (:class:`~kvstored.catalog.ExtentRecord`);
-        the (offset, bytes) they use."""
+        the offsets and bytes they use."""
         counts = np.fromiter((len(e.pages) for e in exts), np.int64, len(exts))
         offsets = np.fromiter((e.offset for e in exts), np.int64, len(exts))
         self._load(entry, np.concatenate([e.pages for e in exts]).astype(np.int64), counts, offsets,
                    np.repeat(np.fromiter((e.layer for e in exts), np.int64, len(exts)), counts),
                    np.repeat(np.fromiter((e.head for e in exts), np.int64, len(exts)), counts),
                    np.concatenate([e.crc for e in exts]), np.concatenate([e.importance for e in exts]))
-        used = list(zip(offsets.tolist(), (counts * entry.geometry.block_bytes).tolist()))
-        entry.extents.extend(used)
-        return used
+        nbytes = counts * entry.geometry.block_bytes
+        entry.extents.extend(zip(offsets.tolist(), nbytes.tolist()))
+        return offsets, nbytes
 
     def load_parts(self, entry: SeqEntry, cols) -> None:
         """Fill a block namespace's arrays from its blocks' columns

@@ -129,12 +129,13 @@ class Store:
         for ext in contents.extents:
             assert self.index.get(ext.uid) is not None, "Catalog.load checks that every extent's sequence exists"
             by_uid.setdefault(ext.uid, []).append(ext)
-        used = []
+        starts, lengths = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
         for uid, exts in by_uid.items():
             entry = self.index.get(uid)
-            used.extend(self.index.load_extents(entry, exts))
+            offsets, nbytes = self.index.load_extents(entry, exts)
+            starts.append(offsets)
+            lengths.append(nbytes)
             self.sequences.ns_bytes[(entry.owner, entry.ns)] += entry.bytes
-        starts, lengths = [np.array([u[0] for u in used], np.int64)], [np.array([u[1] for u in used], np.int64)]
         for uid, cols in contents.block_columns.items():
             entry = self.index.get(uid)
             self.index.load_parts(entry, cols)

@@ -45,7 +45,7 @@ class ExtentAllocator:
         alloc = cls(capacity, align)
         order = np.lexsort((lengths, starts))
         start = np.asarray(starts, np.int64)[order]
-        end = start + (np.asarray(lengths, np.int64)[order] + align - 1) // align * align
+        end = start + align_up(np.asarray(lengths, np.int64)[order], align)
         pos = np.concatenate([np.zeros(1, np.int64), end[:-1]])  # where the range before ends
         overlap = np.flatnonzero(start < pos)
         if len(overlap):

@@ -1,4 +1,5 @@
-"""``kvdrive-bench scale``: what kvstored keeps per stored block, and how fast it starts, as a store of small engine blocks grows.
+"""``kvdrive-bench scale``: what kvstored keeps per stored block, and how fast it starts,
+as a store of small engine blocks grows.
 
 A store of 64 KiB engine blocks on a few TB of SSD holds tens of millions of them, so the
 daemon's memory per block and its start-up time per block decide whether it fits the

@@ -71,10 +71,9 @@ class BlockPart:
     ext_ids: np.ndarray
 
     def record(self, uid: int, layer: int, i: int) -> ExtentRecord:
-        from kvstored.catalog import ExtentRecord  # noqa: PLC0415
+        from kvstored.block_columns import part_record  # noqa: PLC0415
 
-        return ExtentRecord(uid, layer, 0, int(self.ext_ids[i]), int(self.offsets[i]), self.slots[i:i + 1].astype("<i4"),
-                            self.crcs[i:i + 1].astype("<u4"), np.zeros(1, "<i4"), np.zeros(1, "<f4"))
+        return part_record(uid, layer, self.ext_ids[i], self.offsets[i], self.slots[i], self.crcs[i])
 
 
 @dataclass
