@@ -29,6 +29,7 @@ import numba
 import numpy as np
 
 from kvstored import catalog
+from kvstored.block_catalog import BLOCK_KEY
 from kvstored.catalog import BLOCKS_NAME, CRC, EXTENT_KEY, UID_KEY, ExtentRecord, SeqRecord
 from kvstored.checksum import block_crcs
 
@@ -44,9 +45,10 @@ _PART_HEAD = _bytes(b"\x85\xa3off")
 _PART_PAGES = _bytes(b"\xa5pages\xc4\x04")
 _PART_CRC = _bytes(b"\xa3crc\xc4\x04")
 _PART_TAIL = _bytes(b"\xa7cluster\xc4\x04\0\0\0\0\xa3imp\xc4\x04\0\0\0\0")
-# And of a block record's value (msgpack of slot, ext).
-_BLOCK_HEAD = _bytes(b"\x82\xa4slot")
+# And of a block record's value (msgpack of slot, ext, key: the engine key as bin 8).
+_BLOCK_HEAD = _bytes(b"\x83\xa4slot")
 _BLOCK_EXT = _bytes(b"\xa3ext")
+_BLOCK_KEY = _bytes(b"\xa3key\xc4")
 
 
 @numba.njit(nogil=True, cache=True)
@@ -108,8 +110,9 @@ def _parse_parts(buf, starts, ends, head, pages, crc, tail, off_out, page_out, c
 
 
 @numba.njit(nogil=True, cache=True)
-def _parse_blocks(buf, starts, ends, parts, head, ext, slot_out, ext_out):  # pragma: no cover - compiled
-    """Each value read as a block record of ``parts[r]`` extent ids; whether it is exactly that form."""
+def _parse_blocks(buf, starts, ends, parts, head, ext, key, slot_out, ext_out, key_out):  # pragma: no cover
+    """Each value read as a block record of ``parts[r]`` extent ids (the engine key: from
+    ``key_out[r]`` to the value's end); whether it is exactly that form."""
     ok = np.zeros(len(starts), np.bool_)
     for r in range(len(starts)):
         end = ends[r]
@@ -131,9 +134,12 @@ def _parse_blocks(buf, starts, ends, parts, head, ext, slot_out, ext_out):  # pr
         for p in range(n):
             v, i = _uint(buf, i, end)
             ext_out[r, p] = v
-        if i != end or slot >= 1 << 31 or (n and ext_out[r, :n].min() <= 0):
+        i = _expect(buf, i, end, key)
+        if i < 0 or i >= end or buf[i] == 0 or i + 1 + buf[i] != end:
             continue
-        slot_out[r], ok[r] = slot, True
+        if slot >= 1 << 31 or (n and ext_out[r, :n].min() <= 0):
+            continue
+        slot_out[r], key_out[r], ok[r] = slot, i + 1, True
     return ok
 
 
@@ -180,7 +186,8 @@ class _Rows:
 
     def __init__(self, rows: list[tuple[bytes, bytes]]) -> None:
         n = len(rows)
-        self.buf = np.frombuffer(b"".join(itertools.chain.from_iterable(rows)), np.uint8)
+        self.raw = b"".join(itertools.chain.from_iterable(rows))
+        self.buf = np.frombuffer(self.raw, np.uint8)
         self.klen = np.fromiter(map(len, map(itemgetter(0), rows)), np.int64, n)
         vlen = np.fromiter(map(len, map(itemgetter(1), rows)), np.int64, n)
         self.start = np.zeros(n, np.int64)
@@ -290,16 +297,19 @@ def _read_block_rows(chunk: list[tuple[bytes, bytes]], spaces: _Namespaces) -> d
     """Block records as columns (namespace, slot, extent ids, key), if each is sound."""
     rows = _Rows(chunk)
     n = len(chunk)
-    if (rows.klen <= UID_KEY.size).any() or not rows.sealed(np.arange(n)):
+    if (rows.klen != BLOCK_KEY.size).any() or not rows.sealed(np.arange(n)):
         return None
     u = spaces.find(rows.be(rows.start, UID_KEY.size))
     if (u < 0).any():
         return None
-    slot, ids = np.zeros(n, np.int64), np.zeros((n, int(spaces.parts.max())), np.int64)
+    slot, ids, key_at = np.zeros(n, np.int64), np.zeros((n, int(spaces.parts.max())), np.int64), np.zeros(n, np.int64)
     if not _parse_blocks(rows.buf, rows.start + rows.klen, rows.vend, spaces.parts[u], _BLOCK_HEAD, _BLOCK_EXT,
-                         slot, ids).all():
+                         _BLOCK_KEY, slot, ids, key_at).all():
         return None
-    return {"u": u, "slot": slot, "ids": ids, "keys": [k[UID_KEY.size:] for k, _ in chunk]}
+    if (ids[:, 0] != rows.be(rows.start + UID_KEY.size, 8).astype(np.int64)).any():
+        return None  # keyed by another extent than its first part's
+    raw = rows.raw
+    return {"u": u, "slot": slot, "ids": ids, "keys": [raw[a:b] for a, b in zip(key_at.tolist(), rows.vend.tolist())]}
 
 
 def _join(blocks: list[dict], e: dict, spaces: _Namespaces) -> dict[int, BlockColumns] | None:

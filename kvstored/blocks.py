@@ -148,9 +148,10 @@ class BlockTable:
         """Fill from the catalog at start-up (block ``keys[i]`` in slot ``slots[i]``, its
         parts in extents ``ids[i]``), the oldest written first. Reads are not durable, so
         the LRU order starts as the order blocks were written in (extent ids grow with every
-        put), not the catalog's key order: engine keys are hashes, and that order would have
-        the quota evict recent blocks as soon as old ones, and free space all over the data
-        file, so that new puts are written in small pieces."""
+        put; the catalog's key order, sorted here all the same so that nothing rests on how
+        the catalog was read). Any other order would have the quota evict recent blocks as
+        soon as old ones, and free space all over the data file, so that new puts are
+        written in small pieces."""
         order = np.argsort(ids[:, 0], kind="stable")
         slots = slots[order]
         self.fill([keys[i] for i in order.tolist()], slots, ids[order])
@@ -471,9 +472,9 @@ class Blocks:
             return
         entry, parts, n = table.entry, table.parts, len(slots)
         with self.index.lock:
-            keys, ids = table.held.keys[slots].tolist(), table.extent_ids[slots]
+            ids = table.extent_ids[slots]
         with self.space.catalog_write(what) as txn:  # never refused for want of space: the reserve
-            delete_blocks(self.catalog, txn, entry.uid, keys, ids)
+            delete_blocks(self.catalog, txn, entry.uid, ids)
         lay, hed, pag = np.tile(np.arange(parts), n), np.zeros(n * parts, np.int64), np.repeat(slots, parts)
         cols = entry.columns(pag)
         with self.index.lock:

@@ -5,7 +5,7 @@ single writer thread owns every write transaction. Free space is not stored: it
 is the complement of the extents, derived at open, so it can never disagree with
 the extent map after a crash.
 
-Records (format 3). Every value but ``format`` ends in a CRC-32C (4 bytes,
+Records (format 4). Every value but ``format`` ends in a CRC-32C (4 bytes,
 little-endian) of the record's key and the rest of its value:
 - ``meta``: ``format`` -> FORMAT_VERSION in ASCII (left bare so that any kvstored can
   read it and refuse a store it does not know); ``counts`` -> {seqs, extents,
@@ -18,15 +18,16 @@ little-endian) of the record's key and the rest of its value:
 - ``extents``: ``>QIIQ (uid, layer, head, extent_id)`` -> {off, pages, crc, cluster, importance}
   where ``pages`` lists the extent's pages in slot order (int32 bytes) and ``crc``
   each slot's checksum (uint32 bytes, address-tagged).
-- ``blocks`` (engine blocks, block_catalog.py): ``<namespace uid u64 BE><key>`` ->
-  {slot, ext}; the namespace is a sequence record of the reserved name
+- ``blocks`` (engine blocks, block_catalog.py): ``>QQ (namespace uid, first extent id)``
+  -> {slot, ext, key}; the namespace is a sequence record of the reserved name
   :data:`BLOCKS_NAME`, whose pages are the slots. ``counts`` holds ``blocks`` too (a
   counts record without it, from a kvstored before engine blocks, is not checked there).
 
 :meth:`Catalog.read` checks every record, the counts and the cross references in one
 read transaction; :meth:`Catalog.load` raises :class:`CatalogDamagedError` on any
-problem. A format-2 catalog (no record checksums, no owners) is migrated in place at
-the first writable open, in one write transaction.
+problem. A format-2 catalog (no record checksums, no owners) or format-3 one (block
+records keyed by engine key) is migrated in place at the first writable open, in one
+write transaction.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ CRC = struct.Struct("<I")
 # Sequence uids are drawn below this: the protocol's uid fields take values up to 2**62.
 UID_LIMIT = 1 << 62
 PROGRESS_ROWS = 4096  # records a catalog check reads between two looks at its progress
-MIGRATES_FROM = 2  # the format this kvstored rewrites in place; older ones are refused
+MIGRATES = (2, 3)  # the formats this kvstored rewrites in place; older ones are refused
 MAX_SHOWN = 5  # problems named in a CatalogDamagedError's message
 # The sequence name of a block namespace: a space, which no client's sequence name holds.
 BLOCKS_NAME = " blocks"
@@ -303,7 +304,7 @@ class Catalog:
                 self._lock_fd = os.open(data_mdb, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
                 lock_exclusive(self._lock_fd, data_mdb, path.parent)
             self.env = lmdb.open(
-                str(path), map_size=map_size, max_dbs=4, subdir=True,
+                str(path), map_size=map_size, max_dbs=5, subdir=True,
                 # Readers take a slot in the lock file too: a reader without one is invisible to a
                 # live writer, which may then recycle the pages under its snapshot.
                 sync=durable, metasync=durable, readonly=readonly, lock=True,
@@ -360,9 +361,10 @@ class Catalog:
                     raise CatalogDamagedError(self.path, ["the seqs or extents database is missing"]) from None
                 # Made at the first writable open of a store from before engine blocks.
                 self.blocks = self.env.open_db(b"blocks", txn=txn)
-            if version == MIGRATES_FROM and not readonly:
-                _migrate(self, txn, os.geteuid() if migrate_owner is None else migrate_owner)
-            elif version == MIGRATES_FROM:
+            if version in MIGRATES and not readonly:
+                from kvstored.migrate import migrate  # noqa: PLC0415 - it builds on this module
+                migrate(self, txn, version, os.geteuid() if migrate_owner is None else migrate_owner)
+            elif version in MIGRATES:
                 raise FormatError(
                     f"store format {version} at {self.path}: start kvstored (format {FORMAT_VERSION}) on it once "
                     "to migrate it in place"
@@ -370,7 +372,7 @@ class Catalog:
             elif version != FORMAT_VERSION:
                 raise FormatError(
                     f"store format {version} at {self.path}; this kvstored reads format {FORMAT_VERSION} "
-                    f"(and migrates format {MIGRATES_FROM})"
+                    f"(and migrates formats {' and '.join(map(str, MIGRATES))})"
                 )
             self._read_counts(txn)
 
@@ -558,43 +560,3 @@ class Catalog:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
-
-
-def _migrate(cat: Catalog, txn: lmdb.Transaction, owner: int) -> None:
-    """Rewrite a format-2 catalog as format 3 inside ``txn``: checksums on every record,
-    owners in the name keys, one counts record."""
-    seq_rows = list(txn.cursor(db=cat.seqs))
-    ext_rows = list(txn.cursor(db=cat.extents))
-    problems = []
-    names = {k for k, _ in seq_rows if k.startswith(b"n:")}
-    records = []
-    for key, value in seq_rows:
-        if key.startswith(b"u:"):
-            if value not in names:
-                problems.append(f"format-{MIGRATES_FROM} uid record {key[2:].hex()} names {value!r}, which does not exist")
-            continue
-        try:
-            ns, name = key[2:].decode().split("\0", 1)
-            v = _unpack_map(value, ("uid", "geometry", "created"))
-            records.append(SeqRecord(v["uid"], ns, name, Geometry.from_dict(v["geometry"]), float(v["created"]), owner))
-        except (ValueError, TypeError, UnicodeDecodeError) as exc:
-            problems.append(f"format-{MIGRATES_FROM} record {key!r}: {exc}")
-    for key, value in ext_rows:
-        try:
-            ExtentRecord.decode(key, value)
-        except (ValueError, TypeError) as exc:
-            problems.append(f"format-{MIGRATES_FROM} {show_key(key)}: {exc}")
-    if problems:
-        raise CatalogDamagedError(cat.path, [f"cannot migrate it to format {FORMAT_VERSION}: {p}" for p in problems])
-    txn.drop(cat.seqs, delete=False)
-    cat.num_seqs = cat.num_extents = 0
-    for rec in records:
-        cat.add_sequence(txn, rec)
-    crcs = crc_of([k + v for k, v in ext_rows])
-    for (key, value), crc in zip(ext_rows, crcs):
-        txn.put(key, value + CRC.pack(crc), db=cat.extents)
-    cat.num_extents = len(ext_rows)
-    cat.next_uid = int(txn.pop(b"next_uid", db=cat.meta) or b"1")
-    cat.next_extent = int(txn.pop(b"next_extent", db=cat.meta) or b"1")
-    txn.put(b"format", str(FORMAT_VERSION).encode(), db=cat.meta)
-    cat._put_counts(txn)

@@ -5,7 +5,9 @@
 # 2: block checksums are CRC-32C (1 used zlib's CRC-32).
 # 3: every catalog record carries a CRC-32C, a counts record, sequences keyed by owner
 #    (kvstored migrates a format-2 catalog in place).
-FORMAT_VERSION = 3
+# 4: engine block records keyed by namespace and first extent id, the engine key in the
+#    value (kvstored migrates a format-2 or format-3 catalog in place).
+FORMAT_VERSION = 4
 
 # Every extent starts and ends on this boundary so it can be read with O_DIRECT.
 ALIGN = 4096

@@ -15,7 +15,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvdrive.layout.format import DATA_FILE, META_DIR
+from kvdrive.layout.format import DATA_FILE, FORMAT_VERSION, META_DIR
 from kvdrive_client import Geometry
 
 GEOM = Geometry(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", page_size=16)
@@ -291,7 +291,7 @@ def test_a_format2_catalog_is_migrated_in_place_at_open(daemon_factory):
 
     d.start()
     c = d.client()
-    assert c.hello()["format"] == 3
+    assert c.hello()["format"] == FORMAT_VERSION
     seq = c.open("t", "old")
     assert seq.num_blocks == GEOM.num_layers * GEOM.num_kv_heads * PAGES
     np.testing.assert_array_equal(c.get(seq, blocks()), data.reshape(-1, BB))
@@ -301,7 +301,7 @@ def test_a_format2_catalog_is_migrated_in_place_at_open(daemon_factory):
     env = lmdb.open(str(d.ssd / META_DIR), max_dbs=4, readonly=True)
     meta = env.open_db(b"meta", create=False)
     with env.begin() as txn:
-        assert txn.get(b"format", db=meta) == b"3"
+        assert txn.get(b"format", db=meta) == str(FORMAT_VERSION).encode()
     assert env.info()["last_txnid"] == before + 2  # the migration, then the put: one transaction each
     env.close()
     doc = json.loads(inspect(d.ssd, "--json", "--verify").stdout)
