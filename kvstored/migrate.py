@@ -25,6 +25,7 @@ from kvstored.catalog import (
     CRC, PROGRESS_ROWS, Catalog, CatalogDamagedError, ExtentRecord, SeqRecord, _unpack_map, crc_of, intact_records,
     show_key,
 )
+from kvstored.notify import Progress
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,12 @@ def _block_records(cat: Catalog, txn: lmdb.Transaction, problems: list[str]) -> 
     records go to a database of their own first (a format-3 key, a uid and an engine key
     of 8 bytes, can equal a new one), then replace the old in key order: a few thousand
     rows are held in memory at a time, however many blocks the store holds."""
+    total = txn.stat(cat.blocks)["entries"]
+    if not total:
+        return 0
+    log.info("catalog %s: rewriting %d block records in format %d, in one transaction", cat.path, total,
+             FORMAT_VERSION)
+    progress = Progress(f"catalog {cat.path}: migrating block records", "rewrote", 2 * total, log, unit=" rows")
     temp = cat.env.open_db(MIGRATION_DB, txn=txn)
     cursor, count = iter(txn.cursor(db=cat.blocks)), 0
     while chunk := list(itertools.islice(cursor, PROGRESS_ROWS)):
@@ -98,9 +105,12 @@ def _block_records(cat: Catalog, txn: lmdb.Transaction, problems: list[str]) -> 
             if not txn.put(key, value, db=temp, overwrite=False):
                 problems.append(f"two format-3 block records name extent {BLOCK_KEY.unpack(key)[1]} first")
         count += len(chunk)
+        progress.add(len(chunk))
     if not problems:
         txn.drop(cat.blocks, delete=False)
-        for key, value in txn.cursor(db=temp):
+        for i, (key, value) in enumerate(txn.cursor(db=temp)):
             txn.put(key, value, db=cat.blocks, append=True)
+            if i % PROGRESS_ROWS == PROGRESS_ROWS - 1:
+                progress.add(PROGRESS_ROWS)
     txn.drop(temp, delete=True)
     return count

@@ -97,6 +97,7 @@ def test_a_format3_store_is_migrated_at_the_first_start(format3_store):
     assert told.returncode == 2 and "store format 3" in told.stderr and "once" in told.stderr, told
 
     d.start()
+    assert f"rewriting 34 block records in format {FORMAT_VERSION}, in one transaction" in d.log()
     assert f"format 3 migrated to {FORMAT_VERSION} (34 block records rewritten)" in d.log()
     c = d.client()
     assert c.hello()["format"] == FORMAT_VERSION
