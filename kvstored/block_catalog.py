@@ -105,7 +105,7 @@ def block_rows(uid: int, keys: list[bytes], slots: np.ndarray, extent_ids: np.nd
     """The catalog rows (key, stored value) of blocks ``keys`` of namespace ``uid``: block
     ``keys[i]`` in slot ``slots[i]``, its parts in extents ``extent_ids[i]``."""
     return sealed_rows([BlockRecord(uid, key, slot, tuple(ids)).encode()
-                    for key, slot, ids in zip(keys, slots.tolist(), extent_ids.tolist())])
+                        for key, slot, ids in zip(keys, slots.tolist(), extent_ids.tolist())])
 
 
 def add_blocks(cat: Catalog, txn: lmdb.Transaction, parts: list[tuple[bytes, bytes]],
