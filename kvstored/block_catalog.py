@@ -132,14 +132,14 @@ def delete_blocks(cat: Catalog, txn: lmdb.Transaction, uid: int, extent_ids: np.
 
 
 def check_blocks(rows: list[tuple[bytes, bytes]], by_uid: dict[int, SeqRecord], extents: list[ExtentRecord],
-                 problems: list[str], progress=None) -> list[BlockRecord]:
-    """The block records among ``rows`` that decode and agree with their namespace and
-    extents; every extent of a namespace must belong to exactly one block."""
+                 problems: list[str], progress=None, decode=BlockRecord.decode) -> list[BlockRecord]:
+    """The block records among ``rows`` that ``decode`` reads and that agree with their
+    namespace and extents; every extent of a namespace must belong to exactly one block."""
     ext_of = {(e.uid, e.layer, e.extent_id): e for e in extents if by_uid[e.uid].name == BLOCKS_NAME}
     claimed: set[tuple[int, int, int]] = set()
     slots: set[tuple[int, int]] = set()
     out = []
-    for rec in intact_records(rows, BlockRecord.decode, lambda key: f"block record {key[:40]!r}", problems, progress):
+    for rec in intact_records(rows, decode, lambda key: f"block record {key[:40]!r}", problems, progress):
         ns = by_uid.get(rec.uid)
         if ns is None or ns.name != BLOCKS_NAME:
             problems.append(f"{rec.describe()} belongs to no known block namespace")

@@ -62,6 +62,7 @@ CRC = struct.Struct("<I")
 UID_LIMIT = 1 << 62
 PROGRESS_ROWS = 4096  # records a catalog check reads between two looks at its progress
 MIGRATES = (2, 3)  # the formats this kvstored rewrites in place; older ones are refused
+READS_AS_IS = (3,)  # older formats a read-only open (kvstore-inspect) reads without migrating them
 MAX_SHOWN = 5  # problems named in a CatalogDamagedError's message
 # The sequence name of a block namespace: a space, which no client's sequence name holds.
 BLOCKS_NAME = " blocks"
@@ -285,6 +286,7 @@ class Catalog:
         self.blocks = None  # the engine blocks' database; None in a read-only catalog written before them
         self._reserved = 0
         self.next_uid = self.next_extent = 1
+        self.format = FORMAT_VERSION  # the store's: an older one only where opened read-only (READS_AS_IS)
         self._handed_out: set[int] = set()  # uids given to sequences not yet added
         # Held through every write transaction and reserve change: the writer thread and the
         # commit thread (kvstored/commits.py) both write, one at a time.
@@ -364,16 +366,18 @@ class Catalog:
             if version in MIGRATES and not readonly:
                 from kvstored.migrate import migrate  # noqa: PLC0415 - it builds on this module
                 migrate(self, txn, version, os.geteuid() if migrate_owner is None else migrate_owner)
-            elif version in MIGRATES:
+            elif version in MIGRATES and version not in READS_AS_IS:
                 raise FormatError(
                     f"store format {version} at {self.path}: start kvstored (format {FORMAT_VERSION}) on it once "
                     "to migrate it in place"
                 )
-            elif version != FORMAT_VERSION:
+            elif version != FORMAT_VERSION and version not in READS_AS_IS:
                 raise FormatError(
                     f"store format {version} at {self.path}; this kvstored reads format {FORMAT_VERSION} "
                     f"(and migrates formats {' and '.join(map(str, MIGRATES))})"
                 )
+            else:
+                self.format = version
             self._read_counts(txn)
 
     def _create(self, txn: lmdb.Transaction) -> None:

@@ -12,8 +12,9 @@ from operator import itemgetter
 import lmdb
 import numpy as np
 
+from kvdrive.layout.format import FORMAT_VERSION
 from kvstored import block_columns
-from kvstored.block_catalog import check_blocks
+from kvstored.block_catalog import BlockRecord, check_blocks
 from kvstored.block_columns import BlockLoad
 from kvstored.catalog import UID_KEY, Catalog, Contents, ExtentRecord, SeqRecord, decode_seq, intact_records, show_key, unseal_many
 from kvstored.notify import Progress
@@ -31,7 +32,8 @@ def check(cat: Catalog, txn: lmdb.Transaction, data_bytes: int | None, columns: 
     num_block_records = txn.stat(cat.blocks)["entries"] if cat.blocks is not None else 0
     progress = Progress("catalog", "checked", num_ext_records + num_block_records, unit=" records")
     by_key, by_uid = _check_sequences(cat, txn, problems)
-    fast = block_columns.read(cat, txn, by_uid, data_bytes, progress) if columns else None
+    current = cat.format == FORMAT_VERSION  # else an older one, read as it is (Catalog's READS_AS_IS)
+    fast = block_columns.read(cat, txn, by_uid, data_bytes, progress) if columns and current else None
     if fast is None:
         progress.done = 0  # the rows read again, one by one
         ext_rows = list(txn.cursor(db=cat.extents))
@@ -40,7 +42,8 @@ def check(cat: Catalog, txn: lmdb.Transaction, data_bytes: int | None, columns: 
         ext_rows, blk_rows = fast.other_rows, []
     extents = _check_extents(ext_rows, by_uid, data_bytes, problems, progress)
     problems.extend(_overlaps(extents, by_uid, fast))
-    blocks = check_blocks(blk_rows, by_uid, extents, problems, progress) if cat.blocks is not None else []
+    decode = BlockRecord.decode if current else BlockRecord.decode_format3
+    blocks = check_blocks(blk_rows, by_uid, extents, problems, progress, decode) if cat.blocks is not None else []
     top = max([e.extent_id for e in extents] + [fast.max_extent_id if fast else 0])
     _check_counts(cat, txn, len(by_key), num_ext_records, by_uid, top, problems)
     counts = cat.counts(txn)

@@ -599,6 +599,9 @@ def print_text(report: dict, show_partitions: bool) -> None:
     if st["address"]:
         where.append(f"live: kvstored pid {st['pid']} at {st['address']}")
     print(f"store  {'; '.join(where)} (format {st['format']})")
+    if st["format"] != FORMAT_VERSION:
+        print(f"       format {st['format']}: a kvstored of format {FORMAT_VERSION} migrates its catalog in place at its "
+              "first start (docs/durability.md)")
     fs = _format_size
     cap = f"cap {fs(ssd['cap_bytes'])}, {fs(ssd['free_bytes'])} free" if ssd["cap_bytes"] else "cap unknown (give --ssd-max)"
     if "file_bytes" in ssd:
@@ -741,7 +744,8 @@ def _report(args: argparse.Namespace, layout: Layout | None, live: Live | None, 
         sequences = live_sequence_reports(live, args.sequence)  # type: ignore[arg-type]
     report: dict = {
         "store": {"dir": str(layout.ssd_dir) if layout else None, "address": live.address if live else None,
-                  "pid": live.stats.get("pid") if live else None, "format": FORMAT_VERSION},
+                  "pid": live.stats.get("pid") if live else None,
+                  "format": layout.catalog.format if layout else live.stats.get("format", FORMAT_VERSION)},
         "ssd": ssd_report(layout, live, cap),
         "dram": {"cap_bytes": live.stats["dram_bytes"], "used_bytes": live.stats["dram_used_bytes"],
                  "blocks": live.stats["dram_blocks"]} if live else None,
