@@ -131,6 +131,10 @@ def delete_blocks(cat: Catalog, txn: lmdb.Transaction, uid: int, extent_ids: np.
                 cat.num_extents -= 1
 
 
+def show_block_key(key: bytes) -> str:
+    return f"block record {key[:40]!r}"
+
+
 def check_blocks(rows: list[tuple[bytes, bytes]], by_uid: dict[int, SeqRecord], extents: list[ExtentRecord],
                  problems: list[str], progress=None, decode=BlockRecord.decode) -> list[BlockRecord]:
     """The block records among ``rows`` that ``decode`` reads and that agree with their
@@ -139,7 +143,7 @@ def check_blocks(rows: list[tuple[bytes, bytes]], by_uid: dict[int, SeqRecord], 
     claimed: set[tuple[int, int, int]] = set()
     slots: set[tuple[int, int]] = set()
     out = []
-    for rec in intact_records(rows, decode, lambda key: f"block record {key[:40]!r}", problems, progress):
+    for rec in intact_records(rows, decode, show_block_key, problems, progress):
         ns = by_uid.get(rec.uid)
         if ns is None or ns.name != BLOCKS_NAME:
             problems.append(f"{rec.describe()} belongs to no known block namespace")

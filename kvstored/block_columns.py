@@ -15,7 +15,9 @@ at every start. Here the rows of every block namespace are checked in bulk:
 Anything else (a row of another form, a checksum that fails, any disagreement) and the
 columns are dropped: the record-by-record check (:mod:`kvstored.catalog_check`) runs as
 before and names each problem in words. So this changes how long a sound catalog takes
-to open, never what a damaged one is told. Overlaps are left to that module, over the
+to open, never what kvstore-inspect tells of a damaged one. A start, which refuses any
+damage, names the first damaged row alone where the record check names it by itself,
+in the same words, rather than read every record of millions (:class:`Unsound`). Overlaps are left to that module, over the
 spans given here.
 """
 
@@ -236,10 +238,21 @@ def _chunks(cursor):
         yield chunk
 
 
-def read(cat, txn, by_uid: dict[int, SeqRecord], data_bytes: int | None, progress=None) -> BlockLoad | None:
-    """The block namespaces' rows as columns, if every one is sound; None if any is not,
-    or if there are no block namespaces (the record check then reads every row). Rows are
-    read a few thousand at a time: what is kept of them is columns and engine keys."""
+@dataclass
+class Unsound:
+    """The rows of the first chunk the columns could not take (``db``: ``extents`` or
+    ``blocks``; for extents, only the block namespaces' rows), or none where the rows were
+    each sound but disagree (``db`` ``join``): what :func:`read` met instead of columns."""
+
+    db: str
+    rows: list[tuple[bytes, bytes]]
+
+
+def read(cat, txn, by_uid: dict[int, SeqRecord], data_bytes: int | None, progress=None) -> BlockLoad | Unsound | None:
+    """The block namespaces' rows as columns, if every one is sound; :class:`Unsound` if
+    any is not; None if there are no block namespaces. Either way but the first, the record
+    check reads every row. Rows are read a few thousand at a time: what is kept of them is
+    columns and engine keys."""
     ns = {uid: s for uid, s in by_uid.items() if s.name == BLOCKS_NAME}
     if not ns or cat.blocks is None:
         return None
@@ -255,7 +268,7 @@ def read(cat, txn, by_uid: dict[int, SeqRecord], data_bytes: int | None, progres
         other.extend(itertools.compress(chunk, (~mine).tolist()))
         got = _read_parts(rows, np.flatnonzero(mine), spaces, data_bytes)
         if got is None:
-            return None
+            return Unsound("extents", list(itertools.compress(chunk, mine.tolist())))
         parts.append(got)
         if progress is not None:
             progress.add(int(np.count_nonzero(mine)))
@@ -264,13 +277,13 @@ def read(cat, txn, by_uid: dict[int, SeqRecord], data_bytes: int | None, progres
     for chunk in _chunks(txn.cursor(db=cat.blocks)):
         got = _read_block_rows(chunk, spaces)
         if got is None:
-            return None
+            return Unsound("blocks", chunk)
         blocks.append(got)
         if progress is not None:
             progress.add(len(chunk))
     columns = _join(blocks, e, spaces)
     if columns is None:
-        return None
+        return Unsound("join", [])
     return BlockLoad(columns, other, e["off"], e["off"] + spaces.bb[e["u"]], int(e["id"].max()) if len(e["id"]) else 0)
 
 

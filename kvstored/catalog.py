@@ -419,18 +419,21 @@ class Catalog:
 
     # ------------------------------------------------------------ reading
 
-    def read(self, data_bytes: int | None = None, columns: bool = False) -> Contents:
+    def read(self, data_bytes: int | None = None, columns: bool = False, first_damage: bool = False) -> Contents:
         """Every intact record, checked, in one read transaction; ``problems`` names the rest.
         ``data_bytes`` (the data file's size), when known, bounds every extent. With
-        ``columns``, a sound catalog's block namespaces come as columns, not records."""
+        ``columns``, a sound catalog's block namespaces come as columns, not records (and
+        with ``first_damage``, a damaged one's first damaged row may be named alone: see
+        :func:`~kvstored.catalog_check.check`)."""
         with self.env.begin() as txn:
             from kvstored.catalog_check import check  # it reads this module's records
 
-            return check(self, txn, data_bytes, columns)
+            return check(self, txn, data_bytes, columns, first_damage)
 
     def load(self, data_bytes: int | None = None) -> Contents:
-        """:meth:`read` with columns, refusing a catalog with any problem."""
-        contents = self.read(data_bytes, columns=True)
+        """:meth:`read` with columns, refusing a catalog with any problem (naming the first
+        damaged row alone where it can: the start is refused either way)."""
+        contents = self.read(data_bytes, columns=True, first_damage=True)
         if contents.problems:
             raise CatalogDamagedError(self.path, contents.problems)
         return contents

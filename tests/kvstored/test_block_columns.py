@@ -13,7 +13,8 @@ import pytest
 
 from kvdrive.layout.format import DATA_FILE, META_DIR
 from kvdrive.layout.geometry import Geometry
-from kvstored.catalog import BLOCKS_NAME, Catalog, seal, unseal
+from kvstored import catalog_check
+from kvstored.catalog import BLOCKS_NAME, Catalog, CatalogDamagedError, seal, unseal
 from test_catalog_damage import rewrite
 
 BB = 64 << 10
@@ -169,6 +170,34 @@ def test_a_damaged_block_namespace_is_told_in_the_record_checks_words(sound, tmp
     fast, slow = read(ssd, True), read(ssd, False)
     assert any(why in p for p in slow.problems), slow.problems
     assert fast.problems == slow.problems
+
+
+# Damage a start names from the damaged row alone, without the record check of every row.
+NAMED_ALONE = {"a block record's byte", "a block keyed by another extent", "a block of an empty key", "a part's byte",
+               "a part past the data file", "a part of a layer past the block's", "a part with a negative page"}
+
+
+@pytest.mark.damages_store
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_start_names_damage_in_the_record_checks_words_reading_no_more_than_it_must(sound, tmp_path, damage,
+                                                                                        monkeypatch):
+    db, pick, change, why = DAMAGE[damage]
+    ssd = damaged(sound, tmp_path, db, pick, change)
+    slow = read(ssd, False)
+    if damage in NAMED_ALONE:  # the record check of every block must not run
+        def every_record(*args, **kwargs):
+            raise AssertionError("the record check read every block")
+        monkeypatch.setattr(catalog_check, "check_blocks", every_record)
+    cat = Catalog(ssd / META_DIR, 1 << 30, durable=True, readonly=True)
+    try:
+        with pytest.raises(CatalogDamagedError) as told:
+            cat.load(os.path.getsize(ssd / DATA_FILE))
+    finally:
+        cat.close()
+    named = told.value.problems
+    assert named and set(named) <= set(slow.problems) and any(why in p for p in named), (named, slow.problems)
+    if damage in NAMED_ALONE:
+        assert len(named) == 1
 
 
 @pytest.mark.damages_store
