@@ -17,8 +17,8 @@ columns are dropped: the record-by-record check (:mod:`kvstored.catalog_check`) 
 before and names each problem in words. So this changes how long a sound catalog takes
 to open, never what kvstore-inspect tells of a damaged one. A start, which refuses any
 damage, names the first damaged row alone where the record check names it by itself,
-in the same words, rather than read every record of millions (:class:`Unsound`). Overlaps are left to that module, over the
-spans given here.
+in the same words, rather than read every record of millions (:class:`Unsound`).
+Overlaps are left to that module, over the spans given here.
 """
 
 from __future__ import annotations

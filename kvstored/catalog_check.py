@@ -41,8 +41,8 @@ def check(cat: Catalog, txn: lmdb.Transaction, data_bytes: int | None, columns: 
     fast = block_columns.read(cat, txn, by_uid, data_bytes, progress) if columns and current else None
     if isinstance(fast, Unsound):
         named = _named(fast, by_uid, data_bytes) if first_damage else []
-        if named:
-            return Contents([], [], named, [], {})
+        if named:  # with what the sequences' check found before
+            return Contents([], [], problems + named, [], {})
         fast = None
     if fast is None:
         progress.done = 0  # the rows read again, one by one
