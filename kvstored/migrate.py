@@ -35,12 +35,12 @@ MIGRATION_DB = b"blocks-format4"  # where block records are rewritten before the
 def migrate(cat: Catalog, txn: lmdb.Transaction, version: int, owner: int) -> None:
     """Rewrite catalog ``cat`` of format ``version`` (2 or 3) in this format inside ``txn``;
     a format-2 catalog's sequences become ``owner`` 's."""
+    problems: list[str] = []
     if version == 2:
-        _format2(cat, txn, owner)
+        _format2(cat, txn, owner, problems)
     else:
         cat._read_counts(txn)  # rewritten as they are read: the migration changes no count
-    problems: list[str] = []
-    rewritten = _block_records(cat, txn, problems)
+    rewritten = 0 if problems else _block_records(cat, txn, problems)
     if problems:
         raise CatalogDamagedError(cat.path, [f"cannot migrate it to format {FORMAT_VERSION}: {p}" for p in problems])
     txn.put(b"format", str(FORMAT_VERSION).encode(), db=cat.meta)
@@ -49,11 +49,11 @@ def migrate(cat: Catalog, txn: lmdb.Transaction, version: int, owner: int) -> No
              rewritten)
 
 
-def _format2(cat: Catalog, txn: lmdb.Transaction, owner: int) -> None:
-    """Checksums on every record, owners in the name keys, one counts record."""
+def _format2(cat: Catalog, txn: lmdb.Transaction, owner: int, problems: list[str]) -> None:
+    """Checksums on every record, owners in the name keys, one counts record; nothing
+    rewritten where a record cannot be read (``problems`` names it)."""
     seq_rows = list(txn.cursor(db=cat.seqs))
     ext_rows = list(txn.cursor(db=cat.extents))
-    problems = []
     names = {k for k, _ in seq_rows if k.startswith(b"n:")}
     records = []
     for key, value in seq_rows:
@@ -73,7 +73,7 @@ def _format2(cat: Catalog, txn: lmdb.Transaction, owner: int) -> None:
         except (ValueError, TypeError) as exc:
             problems.append(f"format-2 {show_key(key)}: {exc}")
     if problems:
-        raise CatalogDamagedError(cat.path, [f"cannot migrate it to format {FORMAT_VERSION}: {p}" for p in problems])
+        return
     txn.drop(cat.seqs, delete=False)
     cat.num_seqs = cat.num_extents = 0
     for rec in records:

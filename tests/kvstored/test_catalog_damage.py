@@ -310,6 +310,20 @@ def test_a_format2_catalog_is_migrated_in_place_at_open(daemon_factory):
     assert doc["verify"]["bad"] == [] and doc["verify"]["catalog_problems"] == []
 
 
+@pytest.mark.damages_store
+def test_a_format2_record_it_cannot_read_refuses_the_start_and_changes_nothing(daemon_factory):
+    d = daemon_factory()
+    write_format2_store(d.ssd, page_data(7))
+    env = lmdb.open(str(d.ssd / META_DIR), max_dbs=4)
+    with env.begin(write=True) as txn:
+        txn.put(b"n:t\0old", b"\xc1", db=env.open_db(b"seqs", txn=txn, create=False))  # 0xc1: never msgpack
+    env.close()
+    before = (d.ssd / META_DIR / "data.mdb").read_bytes()
+    line = refused(d)
+    assert f"cannot migrate it to format {FORMAT_VERSION}: format-2 record b'n:t\\x00old'" in line, line
+    assert (d.ssd / META_DIR / "data.mdb").read_bytes() == before
+
+
 def test_new_sequences_belong_to_their_creator(daemon_factory):
     import pwd
 
