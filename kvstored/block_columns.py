@@ -198,7 +198,10 @@ class _Rows:
 
     def be(self, at: np.ndarray, width: int) -> np.ndarray:
         """The big-endian unsigned int of ``width`` bytes at each of ``at``."""
-        b = self.buf[at[:, None] + np.arange(width)].astype(np.uint64)
+        b = self.buf[at[:, None] + np.arange(width)]
+        if width in (1, 2, 4, 8):  # the bytes of each, gathered in a row, read as one number: no shifts
+            return b.view(f">u{width}").reshape(-1).astype(np.uint64)
+        b = b.astype(np.uint64)
         return (b << (8 * np.arange(width - 1, -1, -1, dtype=np.uint64))).sum(axis=1, dtype=np.uint64)
 
     def sealed(self, at: np.ndarray) -> bool:
@@ -208,6 +211,10 @@ class _Rows:
             return False
         stored = self.buf[vend[:, None] + np.arange(CRC.size)].copy().view("<u4").ravel()
         body = vend - start
+        if not len(body):
+            return True
+        if body.min() == body.max():  # rows of one length (every row of a block namespace's chunk, as a rule)
+            return bool((block_crcs(self.buf, start, int(body[0])) == stored).all())
         for n in np.unique(body).tolist():
             which = np.flatnonzero(body == n)
             if (block_crcs(self.buf, start[which], n) != stored[which]).any():
@@ -336,21 +343,33 @@ def _join(blocks: list[dict], e: dict, spaces: _Namespaces) -> dict[int, BlockCo
     sorted_ids = e["id"][order]
     if (sorted_ids[1:] == sorted_ids[:-1]).any():
         return None  # ids repeat across namespaces: the record check tells them apart
-    columns, claimed = {}, []
-    for x in np.unique(u).tolist():
+    columns, claimed = {}, np.zeros(len(sorted_ids), bool)
+    found = 0
+    for x in np.flatnonzero(np.bincount(u)).tolist():
         r = np.flatnonzero(u == x)
         want = ids[r, :spaces.parts[x]]
-        if not len(sorted_ids) or len(np.unique(slot[r])) != len(r):
+        if not len(sorted_ids) or _repeats(slot[r]):
             return None
         pos = np.minimum(np.searchsorted(sorted_ids, want), len(sorted_ids) - 1)
         j = order[pos]
         if ((sorted_ids[pos] != want) | (e["u"][j] != x) | (e["layer"][j] != np.arange(spaces.parts[x]))
                 | (e["page"][j] != slot[r, None])).any():
             return None
-        claimed.append(want.ravel())
-        columns[int(spaces.uids[x])] = BlockColumns([keys[i] for i in r.tolist()], slot[r], want, e["off"][j],
-                                                    e["crc"][j])
-    every = np.concatenate(claimed) if claimed else np.zeros(0, np.int64)
-    if len(every) != len(e["id"]) or len(np.unique(every)) != len(every):
+        claimed[pos] = True  # each part found is one extent (the ids are unique): its place marked
+        found += want.size
+        mine = keys if len(r) == len(keys) else [keys[i] for i in r.tolist()]
+        columns[int(spaces.uids[x])] = BlockColumns(mine, slot[r], want, e["off"][j], e["crc"][j])
+    if found != len(sorted_ids) or not claimed.all():
         return None  # an extent of no block, or of two
     return columns
+
+
+def _repeats(v: np.ndarray) -> bool:
+    """Whether a value of ``v`` (not negative) is there twice: counted where the values are
+    dense (a namespace's slots, as a rule), else by a sort."""
+    if len(v) < 2:
+        return False
+    if int(v.max()) < 2 * len(v) + 4096:
+        return bool(np.bincount(v).max() > 1)
+    s = np.sort(v)
+    return bool((s[1:] == s[:-1]).any())

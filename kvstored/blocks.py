@@ -152,11 +152,15 @@ class BlockTable:
         the catalog was read). Any other order would have the quota evict recent blocks as
         soon as old ones, and free space all over the data file, so that new puts are
         written in small pieces."""
-        order = np.argsort(ids[:, 0], kind="stable")
-        slots = slots[order]
-        self.fill([keys[i] for i in order.tolist()], slots, ids[order])
+        first = ids[:, 0]
+        if (first[1:] < first[:-1]).any():  # not as the catalog holds them
+            order = np.argsort(first, kind="stable")
+            keys, slots, ids = [keys[i] for i in order.tolist()], slots[order], ids[order]
+        self.fill(keys, slots, ids)
         self._next = int(slots.max()) + 1 if len(slots) else 0
-        self._free = np.setdiff1d(np.arange(self._next), slots).tolist()  # sorted: a heap
+        free = np.ones(self._next, bool)
+        free[slots] = False
+        self._free = np.flatnonzero(free).tolist()  # sorted: a heap
 
 
 @dataclass(frozen=True)
