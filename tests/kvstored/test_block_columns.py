@@ -218,3 +218,30 @@ def test_the_daemon_refuses_a_damaged_block_namespace_in_words(sound, tmp_path, 
     with pytest.raises(RuntimeError, match="exited with 1"):
         d.start()
     assert "is damaged:" in d.log() and "slot" in d.log() and "Traceback" not in d.log()
+
+
+@pytest.mark.parametrize("values, repeats", [
+    ([], False), ([5], False), ([3, 0, 2, 1], False), ([3, 0, 2, 3], True),  # dense: counted
+    ([1 << 30, 7, 1 << 29], False), ([1 << 30, 7, 1 << 30], True),  # sparse: sorted
+])
+def test_a_slot_held_twice_is_found_dense_or_sparse(values, repeats):
+    from kvstored.block_columns import _repeats
+
+    assert _repeats(np.array(values, np.int64)) is repeats
+
+
+@pytest.mark.damages_store
+def test_two_blocks_in_one_slot_with_parts_that_agree_are_refused(sound, tmp_path):
+    """A block record moved into another block's slot, its part moved with it: every row is
+    sound and the rows agree but for the slot held twice, which the columns must find too."""
+    ssd = tmp_path / "ssd"
+    shutil.copytree(sound, ssd)
+    uid = _uids(ssd)["one"]
+    recs = {r.key: r for r in read(ssd, False).blocks if r.uid == uid}
+    moved, kept = recs[key(0)], recs[key(1)]
+    rewrite(ssd, b"blocks", lambda k: k == struct.pack(">QQ", uid, moved.extent_ids[0]), _field("slot", kept.slot))
+    rewrite(ssd, b"extents", lambda k: k == struct.pack(">QIIQ", uid, 0, 0, moved.extent_ids[0]),
+            _field("pages", struct.pack("<i", kept.slot)))
+    fast, slow = read(ssd, True), read(ssd, False)
+    assert any("its slot is another block's too" in p for p in slow.problems), slow.problems
+    assert fast.problems == slow.problems and not fast.block_columns
