@@ -148,7 +148,7 @@ class BlockTable:
         """Fill from the catalog at start-up (block ``keys[i]`` in slot ``slots[i]``, its
         parts in extents ``ids[i]``), the oldest written first. Reads are not durable, so
         the LRU order starts as the order blocks were written in (extent ids grow with every
-        put; the catalog's key order, sorted here all the same so that nothing rests on how
+        put; the catalog's key order, sorted here where it is not, so that nothing rests on how
         the catalog was read). Any other order would have the quota evict recent blocks as
         soon as old ones, and free space all over the data file, so that new puts are
         written in small pieces."""
