@@ -5,9 +5,11 @@ slot cost 91 bytes an entry and an int object for each slot 32 more, beside the 
 itself: two thirds of the daemon's memory per block. Here the map is an open-addressing
 table of slots, probed by each key's hash (kept per slot), and the recency order a list
 linked through two arrays by slot, both in compiled loops: about 28 bytes a block. The
-keys themselves stay Python ``bytes`` in an array by slot, so that a probe that meets an
-equal hash is confirmed against the key (two keys of one 64-bit hash are told apart by a
-slower probe of every slot of that hash).
+keys themselves are kept by slot (:class:`_Keys`), so that a probe that meets an equal hash
+is confirmed against the key (two keys of one 64-bit hash are told apart by a slower probe
+of every slot of that hash): while every key has one length, as an engine's hash keys do,
+as rows of one byte array (32 bytes a block for 32-byte keys, where a ``bytes`` object and
+its pointer took 88), else as Python ``bytes``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 
 _EMPTY, _GONE = -1, -2  # a bucket never used; one whose slot was removed (probes go on past it)
 MIN_BUCKETS = 64
+FEW_KEYS = 16  # up to this many keys are compared one by one, not as rows (fewer numpy calls)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -115,12 +118,71 @@ def _oldest(nxt, ends, n, skip):  # pragma: no cover - compiled
     return out[:k]
 
 
+class _Keys:
+    """Keys by slot: the rows of one byte array while every key stored has had one length,
+    Python ``bytes`` objects (None in an empty slot) from the first key of another length on."""
+
+    def __init__(self) -> None:
+        self.rows: np.ndarray | None = None  # [capacity, width] uint8, once a key sets the width
+        self.objects: np.ndarray | None = None
+        self.capacity = 0
+
+    def grow(self, capacity: int) -> None:
+        more = capacity - self.capacity
+        if more <= 0:
+            return
+        if self.objects is not None:
+            self.objects = np.concatenate([self.objects, np.full(more, None, object)])
+        elif self.rows is not None:
+            self.rows = np.concatenate([self.rows, np.zeros((more, self.rows.shape[1]), np.uint8)])
+        self.capacity = capacity
+
+    def set(self, slots: np.ndarray, keys: list[bytes], held) -> None:
+        """Keys ``keys`` in ``slots``; ``held()``: the slots holding a key now (kept, as objects,
+        where ``keys`` are the first of another length)."""
+        if self.objects is None and len(keys):
+            width = len(keys[0]) if self.rows is None else self.rows.shape[1]
+            if (np.fromiter(map(len, keys), np.int64, len(keys)) == width).all():
+                if self.rows is None:
+                    self.rows = np.zeros((self.capacity, width), np.uint8)
+                self.rows[slots] = np.frombuffer(b"".join(keys), np.uint8).reshape(len(keys), width)
+                return
+            kept = held() if self.rows is not None else np.zeros(0, np.int64)
+            objects = np.full(self.capacity, None, object)
+            objects[kept] = self.get(kept)
+            self.objects, self.rows = objects, None
+        if self.objects is not None:
+            self.objects[slots] = keys
+
+    def clear(self, slots: np.ndarray) -> None:
+        if self.objects is not None:
+            self.objects[slots] = None
+
+    def get(self, slots: np.ndarray) -> list[bytes]:
+        """The keys in ``slots`` (held ones)."""
+        if self.objects is not None:
+            return self.objects[slots].tolist()
+        if self.rows is None:
+            return [b""] * len(slots)  # no key has been stored: no slot is held
+        w = self.rows.shape[1]
+        raw = self.rows[slots].tobytes()
+        return [raw[i:i + w] for i in range(0, len(raw), w)] if w else [b""] * len(slots)
+
+    def same(self, slots: np.ndarray, keys: list[bytes]) -> np.ndarray:
+        """Whether the key in each of ``slots`` is the key of ``keys`` in its place."""
+        w = 0 if self.rows is None else self.rows.shape[1]
+        if len(keys) <= FEW_KEYS or not (np.fromiter(map(len, keys), np.int64, len(keys)) == w).all():
+            return np.array([a == b for a, b in zip(self.get(slots), keys)], bool)
+        asked = np.frombuffer(b"".join(keys), np.uint8).reshape(len(keys), w)
+        return (self.rows[slots] == asked).all(axis=1)
+
+
 class BlockKeys:
     """Keys by slot, the slot of each key, and the slots in least recently used order.
     Not thread-safe: the index lock guards it."""
 
     def __init__(self) -> None:
-        self.keys = np.empty(0, object)
+        self._keys = _Keys()
         self._hashes = np.zeros(0, np.int64)
         self._prev = np.zeros(0, np.int32)
         self._next = np.zeros(0, np.int32)
@@ -133,9 +195,9 @@ class BlockKeys:
 
     def grow(self, capacity: int) -> None:
         """Room for slots below ``capacity``."""
-        more = capacity - len(self.keys)
+        more = capacity - len(self._hashes)
         if more > 0:
-            self.keys = np.concatenate([self.keys, np.full(more, None, object)])
+            self._keys.grow(capacity)
             self._hashes = np.concatenate([self._hashes, np.zeros(more, np.int64)])
             self._prev = np.concatenate([self._prev, np.full(more, -1, np.int32)])
             self._next = np.concatenate([self._next, np.full(more, -1, np.int32)])
@@ -145,18 +207,22 @@ class BlockKeys:
         query = np.fromiter(map(hash, keys), np.int64, len(keys))
         out = np.empty(len(keys), np.int64)
         _find(self._buckets, self._hashes, query, out)
-        hit = np.flatnonzero(out >= 0).tolist()
-        held, asked = self.keys[out[hit]].tolist(), [keys[i] for i in hit]
-        if held != asked:  # a key of the same hash as another (the lists compare in C)
-            for i, a, b in zip(hit, held, asked):
-                if a != b:
-                    out[i] = self._probe(b, int(query[i]))
+        hit = np.flatnonzero(out >= 0)
+        asked = [keys[i] for i in hit.tolist()]
+        same = self._keys.same(out[hit], asked)
+        if not same.all():  # a key of the same hash as another
+            for j in np.flatnonzero(~same).tolist():
+                out[hit[j]] = self._probe(asked[j], int(query[hit[j]]))
         return out
+
+    def key(self, slot: int) -> bytes:
+        """The key held in ``slot``."""
+        return self._keys.get(np.array([slot], np.int64))[0]
 
     def _probe(self, key: bytes, h: int) -> int:
         mask, b = len(self._buckets) - 1, h & (len(self._buckets) - 1)
         while (s := int(self._buckets[b])) != _EMPTY:
-            if s >= 0 and self._hashes[s] == h and self.keys[s] == key:
+            if s >= 0 and self._hashes[s] == h and self.key(s) == key:
                 return s
             b = (b + 1) & mask
         return -1
@@ -166,7 +232,7 @@ class BlockKeys:
         slots = np.asarray(slots, np.int64)
         if self._count + self._gone + len(slots) > len(self._buckets) // 2:
             self._rehash(self._count + len(slots))
-        self.keys[slots] = keys
+        self._keys.set(slots, keys, self.oldest)
         self._hashes[slots] = np.fromiter(map(hash, keys), np.int64, len(keys))
         self._gone -= _insert(self._buckets, self._hashes, slots)
         self._count += len(slots)
@@ -177,7 +243,7 @@ class BlockKeys:
         slots = np.unique(np.asarray(slots, np.int64))
         _remove(self._buckets, self._hashes, slots)
         _unlink(self._prev, self._next, self._ends, slots)
-        self.keys[slots] = None
+        self._keys.clear(slots)
         self._count -= len(slots)
         self._gone += len(slots)
 
@@ -203,7 +269,7 @@ class BlockKeys:
     def items(self) -> list[tuple[bytes, int]]:
         """Every (key, slot), least recently used first."""
         slots = self.oldest()
-        return list(zip(self.keys[slots].tolist(), slots.tolist()))
+        return list(zip(self._keys.get(slots), slots.tolist()))
 
     def _rehash(self, count: int) -> None:
         size = MIN_BUCKETS

@@ -117,7 +117,7 @@ def test_a_table_kept_in_arrays_grows_reloads_and_reuses_freed_slots_lowest_firs
     assert {k: (s, table.extent_ids[s].tolist()) for k, s in table.held.items()} == kept
     # Least recently used first, as written (the keys' own order differs: little-endian numbers).
     assert [k for k, _ in table.held.items()] == [k for k in keys if k in kept] != sorted(kept)
-    assert all(table.held.keys[s] == k for k, s in table.held.items()) and len(kept) == n - 3
+    assert all(table.held.key(s) == k for k, s in table.held.items()) and len(kept) == n - 3
     assert (table.held.find(list(kept)) == [s for s, _ in kept.values()]).all()
     offs = table.entry.ssd_off[0, 0, table.entry.columns(np.array(sorted(s for s, _ in kept.values())))]
     assert sorted(o for o, _ in table.entry.extents) == sorted(offs.tolist()) and len(table.entry.extents) == n - 3

@@ -24,10 +24,16 @@ def check(table: BlockKeys, model: OrderedDict, absent: list) -> None:
     assert table.find(keys).tolist() == [model.get(k, -1) for k in keys]
 
 
+# Keys of one length are kept as rows of a byte array, keys of several as bytes objects;
+# "fixed" keys end in zero bytes, which a row must keep.
+NAMES = {"varied": lambda i: b"key%d" % i, "fixed": lambda i: b"%09d\0\0" % i}
+
+
 @pytest.mark.parametrize("collide", [False, True])
-def test_random_adds_removes_and_uses_keep_the_map_and_the_order_of_an_ordered_dict(collide):
+@pytest.mark.parametrize("kind", ["varied", "fixed"])
+def test_random_adds_removes_and_uses_keep_the_map_and_the_order_of_an_ordered_dict(collide, kind):
     rng = np.random.default_rng(int(collide))
-    make = OneHash if collide else bytes
+    make = (lambda k: OneHash(NAMES[kind](k))) if collide else NAMES[kind]
     table, model, free, top = BlockKeys(), OrderedDict(), [], 0
     names = iter(range(10**9))
     for step in range(300 if collide else 3000):
@@ -38,7 +44,7 @@ def test_random_adds_removes_and_uses_keep_the_map_and_the_order_of_an_ordered_d
             free = [s for s in free if s not in slots]
             slots += list(range(top, top + n - len(slots)))
             top = max(top, max(slots) + 1)
-            keys = [make(b"key%d" % next(names)) for _ in slots]
+            keys = [make(next(names)) for _ in slots]
             table.grow(top)
             table.add(keys, np.array(slots))
             model.update(zip(keys, slots))
@@ -60,8 +66,9 @@ def test_random_adds_removes_and_uses_keep_the_map_and_the_order_of_an_ordered_d
             want = [s for s in model.values() if s not in keep][:n]
             assert table.oldest(n, np.array(sorted(keep))).tolist() == want
         if step % 10 == 0:
-            check(table, model, [make(b"never%d" % step)])
-    check(table, model, [make(b"absent")])
+            check(table, model, [make(10**8 + step), b"never"])
+    check(table, model, [make(10**8 - 1), b"absent"])
+    assert (table._keys.rows is not None) == (kind == "fixed")  # kept as a byte array while of one length
 
 
 def test_many_keys_grow_the_table_and_removed_buckets_are_reused():
@@ -76,3 +83,17 @@ def test_many_keys_grow_the_table_and_removed_buckets_are_reused():
         table.remove(np.arange(1, len(keys), 2))
         assert len(table) == 0 and table.items() == []
     assert len(table._buckets) <= 4 * 2 * len(keys)  # rehashed, not grown for every round's removed keys
+
+
+def test_keys_of_one_length_then_another_keep_every_key_held_and_forget_the_removed():
+    table = BlockKeys()
+    table.grow(8)
+    table.add([b"a" * 32, b"b" * 32, b"c" * 32], np.arange(3))
+    table.remove(np.array([1]))
+    assert table.find([b"b" * 32, b"b" * 31, b"a" * 32]).tolist() == [-1, -1, 0]
+    table.add([b"short", b"x" * 32], np.array([1, 3]))  # the first key of another length
+    assert table.items() == [(b"a" * 32, 0), (b"c" * 32, 2), (b"short", 1), (b"x" * 32, 3)]
+    assert table.find([b"short", b"b" * 32, b"c" * 32]).tolist() == [1, -1, 2]
+    table.grow(64)
+    table.add([b"z" * 7], np.array([40]))
+    assert table.key(40) == b"z" * 7 and table.find([b"z" * 7]).tolist() == [40]
