@@ -19,7 +19,6 @@ import numpy as np
 
 _EMPTY, _GONE = -1, -2  # a bucket never used; one whose slot was removed (probes go on past it)
 MIN_BUCKETS = 64
-FEW_KEYS = 16  # up to this many keys are compared one by one, not as rows (fewer numpy calls)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -169,12 +168,15 @@ class _Keys:
         return [raw[i:i + w] for i in range(0, len(raw), w)] if w else [b""] * len(slots)
 
     def same(self, slots: np.ndarray, keys: list[bytes]) -> np.ndarray:
-        """Whether the key in each of ``slots`` is the key of ``keys`` in its place."""
-        w = 0 if self.rows is None else self.rows.shape[1]
-        if len(keys) <= FEW_KEYS or not (np.fromiter(map(len, keys), np.int64, len(keys)) == w).all():
-            return np.array([a == b for a, b in zip(self.get(slots), keys)], bool)
-        asked = np.frombuffer(b"".join(keys), np.uint8).reshape(len(keys), w)
-        return (self.rows[slots] == asked).all(axis=1)
+        """Whether the key in each of ``slots`` is the key of ``keys`` in its place: as a rule
+        all of them (a probe found each by its hash), which one comparison of the rows' bytes
+        tells; key by key where not."""
+        if self.rows is not None:
+            w, joined = self.rows.shape[1], b"".join(keys)
+            if len(joined) == w * len(keys) and self.rows[slots].tobytes() == joined and \
+                    all(len(k) == w for k in keys):
+                return np.ones(len(keys), bool)
+        return np.array([a == b for a, b in zip(self.get(slots), keys)], bool)
 
 
 class BlockKeys:
