@@ -11,7 +11,7 @@ the empty daemon's, its own (anonymous: the index, the key table) and the catalo
 it maps (file-backed: the page cache's, which the kernel can take back). Then it kills the
 daemon as a crash would (SIGKILL), starts it again over the same store and times the
 start until it answers (the catalog read and checked, the index and key tables rebuilt),
-with the memory after; checks that a sample of the blocks comes back byte for byte; and
+with the memory after and the start's peak; checks that a sample of the blocks comes back byte for byte; and
 runs ``kvstore-inspect`` over the stopped store (its time and peak memory). The summary
 gives the restarted daemon's memory against the running one's, side by side.
 """
@@ -59,6 +59,12 @@ def _memory(pid: int) -> tuple[int, int]:
     return int(status["RssAnon"].split()[0]) << 10, int(status["RssFile"].split()[0]) << 10
 
 
+def _peak(pid: int) -> int:
+    """The process's peak resident bytes so far (VmHWM)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) << 10
+
+
 def _keys(first: int, n: int, key_bytes: int) -> list[bytes]:
     return [i.to_bytes(8, "little").rjust(key_bytes, b"k") for i in range(first, first + n)]
 
@@ -104,6 +110,7 @@ def scale(args: argparse.Namespace) -> tuple[list[dict], dict]:
         daemon.kill()
         took = daemon.start()
         rows.append(_row("restarted after SIGKILL", done, took, _memory(daemon.proc.pid), base))
+        rows[-1]["peak_mib"] = _peak(daemon.proc.pid) >> 20  # the start's peak: nothing else ran in it yet
         info["sample_wrong"] = _check_sample(daemon, args, done)
         daemon.stop()
         rows.append(_inspect(root, done))
@@ -155,7 +162,7 @@ def render(rows: list[dict], args: argparse.Namespace, info: dict) -> str:
     running, restarted = rows[-3], rows[-2]
     if running["anon_b_per_block"]:
         lines.append(f"own memory after the restart / running: {restarted['anon_b_per_block'] / running['anon_b_per_block']:.2f}x;"
-                     f" start-up {restarted['us_per_block']:.1f} us a block; blocks of a {SAMPLE}-block sample that came "
+                     f" start-up {restarted['us_per_block']:.1f} us a block, its peak memory {restarted['peak_mib']} MiB; blocks of a {SAMPLE}-block sample that came "
                      f"back wrong or missing: {info['sample_wrong']}; kvstore-inspect's peak memory "
                      f"{rows[-1]['peak_mib']} MiB")
     return "\n".join(lines)

@@ -17,6 +17,7 @@ def test_a_small_run_prints_every_row_and_finds_every_sampled_block(tmp_path, ca
     assert [r["blocks"] for r in doc["rows"]] == [1500, 3000, 3000, 3000] and doc["info"]["sample_wrong"] == 0
     # A few thousand blocks are within the daemon's own noise: the figures are there, not their size.
     assert all(isinstance(r["anon_b_per_block"], int) for r in doc["rows"][:3]) and doc["rows"][3]["peak_mib"] > 0
+    assert doc["rows"][2]["peak_mib"] > 0  # the restarted daemon's peak
     assert "came back wrong or missing: 0" in text and "restarted after SIGKILL" in text
     assert not list(tmp_path.glob("kvdrive-scale-*"))  # the daemon's directory is gone
 
