@@ -156,9 +156,10 @@ def part_record(uid: int, layer: int, ext_id: int, offset: int, slot: int, crc: 
 class BlockColumns:
     """One block namespace's catalog, checked: block ``keys[i]`` is in slot ``slots[i]``,
     its part ``p`` in extent ``ext_ids[i, p]``, at ``offsets[i, p]`` in the data file, with
-    checksum ``crcs[i, p]``."""
+    checksum ``crcs[i, p]``. ``keys``: rows of one byte array where the keys are all of one
+    length (as an engine's hashes are), else ``bytes`` objects."""
 
-    keys: list[bytes]
+    keys: list[bytes] | np.ndarray
     slots: np.ndarray
     ext_ids: np.ndarray
     offsets: np.ndarray
@@ -321,8 +322,11 @@ def _read_block_rows(chunk: list[tuple[bytes, bytes]], spaces: _Namespaces) -> d
         return None
     if (ids[:, 0] != rows.be(rows.start + UID_KEY.size, 8).astype(np.int64)).any():
         return None  # keyed by another extent than its first part's
-    raw = rows.raw
-    return {"u": u, "slot": slot, "ids": ids, "keys": [raw[a:b] for a, b in zip(key_at.tolist(), rows.vend.tolist())]}
+    klen = rows.vend - key_at
+    before = np.zeros(n, np.int64)  # key bytes of the rows before each
+    np.cumsum(klen[:-1], out=before[1:])
+    flat = rows.buf[np.arange(int(klen.sum())) + np.repeat(key_at - before, klen)]
+    return {"u": u, "slot": slot, "ids": ids, "kflat": flat, "klen": klen}
 
 
 def _join(blocks: list[dict], e: dict, spaces: _Namespaces) -> dict[int, BlockColumns] | None:
@@ -331,7 +335,10 @@ def _join(blocks: list[dict], e: dict, spaces: _Namespaces) -> dict[int, BlockCo
     u = np.concatenate([b["u"] for b in blocks]) if blocks else np.zeros(0, np.int64)
     slot = np.concatenate([b["slot"] for b in blocks]) if blocks else np.zeros(0, np.int64)
     ids = np.concatenate([b["ids"] for b in blocks]) if blocks else np.zeros((0, 1), np.int64)
-    keys = list(itertools.chain.from_iterable(b["keys"] for b in blocks))
+    flat = np.concatenate([b["kflat"] for b in blocks]) if blocks else np.zeros(0, np.uint8)
+    klen = np.concatenate([b["klen"] for b in blocks]) if blocks else np.zeros(0, np.int64)
+    koff = np.zeros(len(klen) + 1, np.int64)
+    np.cumsum(klen, out=koff[1:])
     order = np.argsort(e["id"], kind="stable")
     sorted_ids = e["id"][order]
     if (sorted_ids[1:] == sorted_ids[:-1]).any():
@@ -350,11 +357,22 @@ def _join(blocks: list[dict], e: dict, spaces: _Namespaces) -> dict[int, BlockCo
             return None
         claimed[pos] = True  # each part found is one extent (the ids are unique): its place marked
         found += want.size
-        mine = keys if len(r) == len(keys) else [keys[i] for i in r.tolist()]
-        columns[int(spaces.uids[x])] = BlockColumns(mine, slot[r], want, e["off"][j], e["crc"][j])
+        columns[int(spaces.uids[x])] = BlockColumns(_keys_of(flat, koff, r), slot[r], want, e["off"][j], e["crc"][j])
     if found != len(sorted_ids) or not claimed.all():
         return None  # an extent of no block, or of two
     return columns
+
+
+def _keys_of(flat: np.ndarray, off: np.ndarray, r: np.ndarray) -> list[bytes] | np.ndarray:
+    """The engine keys of rows ``r`` (row ``i``'s: ``flat[off[i]:off[i + 1]]``): rows of a
+    byte array, a view of ``flat``, where they are of one length and lie together (a
+    namespace's blocks, as the catalog holds them), else ``bytes`` objects."""
+    lo, hi = int(off[r[0]]), int(off[r[-1] + 1])
+    lens = off[r + 1] - off[r]
+    if r[-1] - r[0] == len(r) - 1 and lens[0] > 0 and (lens == lens[0]).all():
+        return flat[lo:hi].reshape(len(r), int(lens[0]))
+    raw = flat[lo:hi].tobytes()
+    return [raw[a - lo:b - lo] for a, b in zip(off[r].tolist(), off[r + 1].tolist())]
 
 
 def _repeats(v: np.ndarray) -> bool:

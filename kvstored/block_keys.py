@@ -19,6 +19,7 @@ import numpy as np
 
 _EMPTY, _GONE = -1, -2  # a bucket never used; one whose slot was removed (probes go on past it)
 MIN_BUCKETS = 64
+HASH_CHUNK = 65536  # rows of keys made bytes objects at once to be hashed
 
 
 @numba.njit(nogil=True, cache=True)
@@ -117,6 +118,26 @@ def _oldest(nxt, ends, n, skip):  # pragma: no cover - compiled
     return out[:k]
 
 
+def as_bytes(keys: list[bytes] | np.ndarray) -> list[bytes]:
+    """Keys as ``bytes`` objects: rows of a byte array each made one; a list as it is."""
+    if not isinstance(keys, np.ndarray):
+        return keys
+    w, raw = keys.shape[1], keys.tobytes()
+    return [raw[i:i + w] for i in range(0, len(raw), w)] if w else [b""] * len(keys)
+
+
+def _hashes(keys: list[bytes] | np.ndarray) -> np.ndarray:
+    """Each key's hash (Python's, as :meth:`BlockKeys.find` takes them); rows of a byte array
+    are made ``bytes`` a chunk at a time, so that no more than a chunk of them exists at once."""
+    if not isinstance(keys, np.ndarray):
+        return np.fromiter(map(hash, keys), np.int64, len(keys))
+    out = np.empty(len(keys), np.int64)
+    for i in range(0, len(keys), HASH_CHUNK):
+        chunk = as_bytes(keys[i:i + HASH_CHUNK])
+        out[i:i + len(chunk)] = np.fromiter(map(hash, chunk), np.int64, len(chunk))
+    return out
+
+
 class _Keys:
     """Keys by slot: the rows of one byte array while every key stored has had one length,
     Python ``bytes`` objects (None in an empty slot) from the first key of another length on."""
@@ -136,9 +157,17 @@ class _Keys:
             self.rows = np.concatenate([self.rows, np.zeros((more, self.rows.shape[1]), np.uint8)])
         self.capacity = capacity
 
-    def set(self, slots: np.ndarray, keys: list[bytes], held) -> None:
-        """Keys ``keys`` in ``slots``; ``held()``: the slots holding a key now (kept, as objects,
-        where ``keys`` are the first of another length)."""
+    def set(self, slots: np.ndarray, keys: list[bytes] | np.ndarray, held) -> None:
+        """Keys ``keys`` (or rows of their bytes) in ``slots``; ``held()``: the slots holding
+        a key now (kept, as objects, where ``keys`` are the first of another length)."""
+        if isinstance(keys, np.ndarray):
+            width = keys.shape[1]
+            if self.objects is None and (self.rows is None or self.rows.shape[1] == width):
+                if self.rows is None:
+                    self.rows = np.zeros((self.capacity, width), np.uint8)
+                self.rows[slots] = keys
+                return
+            keys = as_bytes(keys)
         if self.objects is None and len(keys):
             width = len(keys[0]) if self.rows is None else self.rows.shape[1]
             if (np.fromiter(map(len, keys), np.int64, len(keys)) == width).all():
@@ -163,9 +192,7 @@ class _Keys:
             return self.objects[slots].tolist()
         if self.rows is None:
             return [b""] * len(slots)  # no key has been stored: no slot is held
-        w = self.rows.shape[1]
-        raw = self.rows[slots].tobytes()
-        return [raw[i:i + w] for i in range(0, len(raw), w)] if w else [b""] * len(slots)
+        return as_bytes(self.rows[slots])
 
     def same(self, slots: np.ndarray, keys: list[bytes]) -> np.ndarray:
         """Whether the key in each of ``slots`` is the key of ``keys`` in its place: as a rule
@@ -229,13 +256,14 @@ class BlockKeys:
             b = (b + 1) & mask
         return -1
 
-    def add(self, keys: list[bytes], slots: np.ndarray) -> None:
-        """Hold new ``keys`` (none held already) in ``slots`` (free ones), most recently used last."""
+    def add(self, keys: list[bytes] | np.ndarray, slots: np.ndarray) -> None:
+        """Hold new ``keys`` (none held already; or rows of their bytes, as start-up reads
+        them) in ``slots`` (free ones), most recently used last."""
         slots = np.asarray(slots, np.int64)
         if self._count + self._gone + len(slots) > len(self._buckets) // 2:
             self._rehash(self._count + len(slots))
         self._keys.set(slots, keys, self.oldest)
-        self._hashes[slots] = np.fromiter(map(hash, keys), np.int64, len(keys))
+        self._hashes[slots] = _hashes(keys)
         self._gone -= _insert(self._buckets, self._hashes, slots)
         self._count += len(slots)
         _link(self._prev, self._next, self._ends, slots)

@@ -126,7 +126,7 @@ class BlockTable:
         for s in slots:
             heapq.heappush(self._free, int(s))
 
-    def fill(self, keys: list[bytes], slots: np.ndarray, extent_ids: np.ndarray) -> None:
+    def fill(self, keys: list[bytes] | np.ndarray, slots: np.ndarray, extent_ids: np.ndarray) -> None:
         """Block ``keys[i]`` is in slot ``slots[i]``, its parts in extents ``extent_ids[i]``."""
         if len(slots) and int(slots.max()) >= len(self.gen):
             cap = max(int(slots.max()) + 1, 2 * len(self.gen), 64)
@@ -144,7 +144,7 @@ class BlockTable:
         self.extent_ids[slots] = 0
         self.gen[slots] += 1
 
-    def loaded(self, keys: list[bytes], slots: np.ndarray, ids: np.ndarray) -> None:
+    def loaded(self, keys: list[bytes] | np.ndarray, slots: np.ndarray, ids: np.ndarray) -> None:
         """Fill from the catalog at start-up (block ``keys[i]`` in slot ``slots[i]``, its
         parts in extents ``ids[i]``), the oldest written first. Reads are not durable, so
         the LRU order starts as the order blocks were written in (extent ids grow with every
@@ -155,7 +155,8 @@ class BlockTable:
         first = ids[:, 0]
         if (first[1:] < first[:-1]).any():  # not as the catalog holds them
             order = np.argsort(first, kind="stable")
-            keys, slots, ids = [keys[i] for i in order.tolist()], slots[order], ids[order]
+            keys = keys[order] if isinstance(keys, np.ndarray) else [keys[i] for i in order.tolist()]
+            slots, ids = slots[order], ids[order]
         self.fill(keys, slots, ids)
         self._next = int(slots.max()) + 1 if len(slots) else 0
         free = np.ones(self._next, bool)
