@@ -145,6 +145,16 @@ def _parse_blocks(buf, starts, ends, parts, head, ext, key, slot_out, ext_out, k
     return ok
 
 
+@numba.njit(nogil=True, cache=True)
+def _gather(buf, starts, lens, out):  # pragma: no cover - compiled
+    """``buf[starts[i]:starts[i] + lens[i]]``, one after another, into ``out``."""
+    k = 0
+    for i in range(len(starts)):
+        for j in range(lens[i]):
+            out[k + j] = buf[starts[i] + j]
+        k += lens[i]
+
+
 def part_record(uid: int, layer: int, ext_id: int, offset: int, slot: int, crc: int) -> ExtentRecord:
     """Part ``layer`` of a block as the extent record the catalog holds for it: one page
     (its slot), no cluster, no importance (for messages, and for tools that show records)."""
@@ -323,9 +333,8 @@ def _read_block_rows(chunk: list[tuple[bytes, bytes]], spaces: _Namespaces) -> d
     if (ids[:, 0] != rows.be(rows.start + UID_KEY.size, 8).astype(np.int64)).any():
         return None  # keyed by another extent than its first part's
     klen = rows.vend - key_at
-    before = np.zeros(n, np.int64)  # key bytes of the rows before each
-    np.cumsum(klen[:-1], out=before[1:])
-    flat = rows.buf[np.arange(int(klen.sum())) + np.repeat(key_at - before, klen)]
+    flat = np.empty(int(klen.sum()), np.uint8)
+    _gather(rows.buf, key_at, klen, flat)
     return {"u": u, "slot": slot, "ids": ids, "kflat": flat, "klen": klen}
 
 
