@@ -162,8 +162,9 @@ def render(rows: list[dict], args: argparse.Namespace, info: dict) -> str:
     running, restarted = rows[-3], rows[-2]
     if running["anon_b_per_block"]:
         lines.append(f"own memory after the restart / running: {restarted['anon_b_per_block'] / running['anon_b_per_block']:.2f}x;"
-                     f" start-up {restarted['us_per_block']:.1f} us a block, its peak memory {restarted['peak_mib']} MiB; blocks of a {SAMPLE}-block sample that came "
-                     f"back wrong or missing: {info['sample_wrong']}; kvstore-inspect's peak memory "
+                     f" start-up {restarted['us_per_block']:.1f} us a block, its peak memory {restarted['peak_mib']} MiB;"
+                     f" blocks of a {SAMPLE}-block sample that came back wrong or missing: {info['sample_wrong']};"
+                     f" kvstore-inspect's peak memory "
                      f"{rows[-1]['peak_mib']} MiB")
     return "\n".join(lines)
 
