@@ -122,8 +122,18 @@ def as_bytes(keys: list[bytes] | np.ndarray) -> list[bytes]:
     """Keys as ``bytes`` objects: rows of a byte array each made one; a list as it is."""
     if not isinstance(keys, np.ndarray):
         return keys
-    w, raw = keys.shape[1], keys.tobytes()
-    return [raw[i:i + w] for i in range(0, len(raw), w)] if w else [b""] * len(keys)
+    w, raw = keys.shape[1], keys.tobytes()  # keys are never empty: w > 0
+    return [raw[i:i + w] for i in range(0, len(raw), w)]
+
+
+def _rows_of(keys: list[bytes] | np.ndarray) -> np.ndarray | None:
+    """Keys (not none) as rows of one byte array; None where they are of several lengths."""
+    if isinstance(keys, np.ndarray):
+        return keys
+    width = len(keys[0])
+    if not (np.fromiter(map(len, keys), np.int64, len(keys)) == width).all():
+        return None
+    return np.frombuffer(b"".join(keys), np.uint8).reshape(len(keys), width)
 
 
 def _hashes(keys: list[bytes] | np.ndarray) -> np.ndarray:
@@ -160,27 +170,20 @@ class _Keys:
     def set(self, slots: np.ndarray, keys: list[bytes] | np.ndarray, held) -> None:
         """Keys ``keys`` (or rows of their bytes) in ``slots``; ``held()``: the slots holding
         a key now (kept, as objects, where ``keys`` are the first of another length)."""
-        if isinstance(keys, np.ndarray):
-            width = keys.shape[1]
-            if self.objects is None and (self.rows is None or self.rows.shape[1] == width):
-                if self.rows is None:
-                    self.rows = np.zeros((self.capacity, width), np.uint8)
-                self.rows[slots] = keys
-                return
-            keys = as_bytes(keys)
-        if self.objects is None and len(keys):
-            width = len(keys[0]) if self.rows is None else self.rows.shape[1]
-            if (np.fromiter(map(len, keys), np.int64, len(keys)) == width).all():
-                if self.rows is None:
-                    self.rows = np.zeros((self.capacity, width), np.uint8)
-                self.rows[slots] = np.frombuffer(b"".join(keys), np.uint8).reshape(len(keys), width)
-                return
+        if not len(keys):
+            return
+        rows = _rows_of(keys)
+        if rows is not None and self.objects is None and (self.rows is None or self.rows.shape[1] == rows.shape[1]):
+            if self.rows is None:
+                self.rows = np.zeros((self.capacity, rows.shape[1]), np.uint8)
+            self.rows[slots] = rows
+            return
+        if self.objects is None:  # the first key of another length: every key an object from now on
             kept = held() if self.rows is not None else np.zeros(0, np.int64)
             objects = np.full(self.capacity, None, object)
             objects[kept] = self.get(kept)
             self.objects, self.rows = objects, None
-        if self.objects is not None:
-            self.objects[slots] = keys
+        self.objects[slots] = as_bytes(keys)
 
     def clear(self, slots: np.ndarray) -> None:
         if self.objects is not None:

@@ -53,16 +53,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the rows as JSON")
 
 
+def _status(pid: int, field: str) -> int:
+    """A size in the process's /proc status (``RssAnon``, ``VmHWM``, ...), in bytes."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return int(next(line for line in lines if line.startswith(field + ":")).split()[1]) << 10
+
+
 def _memory(pid: int) -> tuple[int, int]:
     """The process's resident anonymous and file-backed bytes."""
-    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return int(status["RssAnon"].split()[0]) << 10, int(status["RssFile"].split()[0]) << 10
-
-
-def _peak(pid: int) -> int:
-    """The process's peak resident bytes so far (VmHWM)."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) << 10
+    return _status(pid, "RssAnon"), _status(pid, "RssFile")
 
 
 def _keys(first: int, n: int, key_bytes: int) -> list[bytes]:
@@ -110,7 +109,7 @@ def scale(args: argparse.Namespace) -> tuple[list[dict], dict]:
         daemon.kill()
         took = daemon.start()
         rows.append(_row("restarted after SIGKILL", done, took, _memory(daemon.proc.pid), base))
-        rows[-1]["peak_mib"] = _peak(daemon.proc.pid) >> 20  # the start's peak: nothing else ran in it yet
+        rows[-1]["peak_mib"] = _status(daemon.proc.pid, "VmHWM") >> 20  # the start's peak: nothing else ran in it yet
         info["sample_wrong"] = _check_sample(daemon, args, done)
         daemon.stop()
         rows.append(_inspect(root, done))
