@@ -92,6 +92,8 @@ INDEX_SHARE_PER_UID = 7 / 8
 
 # SSD read engines (kvstored.io_engine): auto picks one and logs why.
 ENGINES = ("auto", "aio", "posix", "kvikio")
+# The longest path a Unix socket binds to (sockaddr_un's 108 bytes, less the terminating NUL).
+UNIX_PATH_MAX = 107
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,21 @@ class DaemonConfig:
             raise ValueError(
                 f"--listen {self.address!r}: use ipc://PATH or tcp://127.0.0.1:PORT (the daemon serves this host only)"
             )
+        self._check_socket_paths()
+
+    def _check_socket_paths(self) -> None:
+        """Both Unix sockets' paths fit sockaddr_un: said before the store opens, in words, rather
+        than as the socket's own error once it has."""
+        paths = [("--session-socket" if self.session_socket else "the session socket", self.session_socket_path)]
+        if self.bind_address.startswith("ipc://"):
+            paths.insert(0, ("--listen", Path(self.bind_address[len("ipc://"):])))
+        for what, path in paths:
+            size = len(os.fsencode(path))
+            if size > UNIX_PATH_MAX:
+                hint = "" if self.session_socket or what == "--listen" else \
+                    " (kept beside --listen's, with '.session' added: choose a shorter --listen, or --session-socket)"
+                raise ValueError(f"{what} {path} is {size} bytes long, and a Unix socket's path may be at most "
+                                 f"{UNIX_PATH_MAX}{hint}")
 
     @property
     def metrics_endpoint(self) -> tuple[str, int] | None:

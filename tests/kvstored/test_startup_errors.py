@@ -86,6 +86,19 @@ def test_a_malformed_metrics_address_is_a_usage_error(tmp_path):
     assert rc == 2 and out.strip() == "kvstored: --metrics '9464' is not HOST:PORT with a port in 1..65535 (e.g. 127.0.0.1:9464)"
 
 
+@pytest.mark.parametrize("listen_bytes", [108, 108 - len(".session")], ids=["listen", "session socket"])
+def test_a_socket_path_too_long_for_a_unix_socket_is_a_usage_error(tmp_path, listen_bytes):
+    # One byte over sockaddr_un's limit: --listen's path, then the session socket kept beside it.
+    sock = tmp_path / ("d" * (listen_bytes - len(str(tmp_path)) - len("/") - len("/k.sock"))) / "k.sock"
+    assert len(str(sock)) == listen_bytes
+    rc, out, _ = kvstored("--ssd", str(tmp_path / "ssd"), "--dram", "1M", "--listen", f"ipc://{sock}")
+    what, path = ("--listen", sock) if listen_bytes == 108 else ("the session socket", f"{sock}.session")
+    assert rc == 2, out
+    assert out.strip().startswith(f"kvstored: {what} {path} is 108 bytes long, and a Unix socket's path may be "
+                                  "at most 107"), out
+    assert not (tmp_path / "ssd").exists()
+
+
 def test_help_states_each_default_once_and_is_quick():
     rc, out, took = kvstored("--help")
     assert rc == 0
