@@ -40,8 +40,10 @@ demo: $(STAMP)
 	@echo "    a minute or two on 2 cores; a machine's first run also converts the model and compiles the kernels)"
 	$(VENV)/bin/python -m kvdrive.tools.demo
 
+# Two workers (pytest-xdist): about a third of the suite's time is one worker waiting on a daemon
+# or a subprocess, so on CI's 2 cores two of them take ~1,020 s where one took ~1,400.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 tests
 
 # The tests test-latest runs: the import guard, the layout, the daemon's round trip, a real model.
 LATEST_TESTS := tests/tools/test_checkout.py tests/layout tests/kvstored/test_roundtrip.py \

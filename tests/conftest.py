@@ -5,9 +5,11 @@ from __future__ import annotations
 import ctypes.util
 import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -150,6 +152,28 @@ class DaemonProcess:
         if DaemonProcess.after_exit is not None and not self.checked:
             self.checked = True
             DaemonProcess.after_exit(self)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs two workers), a temp root of this run's own,
+    shorter than pytest's: a Unix socket's path may be at most 107 bytes, the daemons of the
+    tests put theirs a few directories into ``tmp_path``, and each worker adds one
+    (``popen-gwN``) below pytest's ``/tmp/pytest-of-USER/pytest-N``. Removed after a run
+    that passed, kept (and named) after one that did not."""
+    if getattr(config.option, "numprocesses", None) and config.option.basetemp is None \
+            and not hasattr(config, "workerinput"):
+        config.option.basetemp = config._kvdrive_basetemp = tempfile.mkdtemp(prefix="kvt-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    root = getattr(session.config, "_kvdrive_basetemp", None)
+    if root is None:
+        return
+    if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        shutil.rmtree(root, ignore_errors=True)
+    else:
+        print(f"\nthe tests' temp directories are kept in {root}", file=sys.stderr)
 
 
 def pytest_collection_modifyitems(config, items):
