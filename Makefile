@@ -43,7 +43,7 @@ demo: $(STAMP)
 # Two workers (pytest-xdist): about a third of the suite's time is one worker waiting on a daemon
 # or a subprocess, so on CI's 2 cores two of them take ~1,020 s where one took ~1,400.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 tests
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests
 
 # The tests test-latest runs: the import guard, the layout, the daemon's round trip, a real model.
 LATEST_TESTS := tests/tools/test_checkout.py tests/layout tests/kvstored/test_roundtrip.py \

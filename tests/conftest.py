@@ -164,6 +164,12 @@ def pytest_configure(config):
     if getattr(config.option, "numprocesses", None) and config.option.basetemp is None \
             and not hasattr(config, "workerinput"):
         config.option.basetemp = config._kvdrive_basetemp = tempfile.mkdtemp(prefix="kvt-")
+    if hasattr(config, "workerinput"):
+        # A worker's torch ops on one thread: two workers each on the host's every core only
+        # took turns, their OpenMP threads spinning while the other's ran.
+        import torch  # noqa: PLC0415
+
+        torch.set_num_threads(1)
 
 
 def pytest_sessionfinish(session, exitstatus):
