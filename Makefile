@@ -40,8 +40,9 @@ demo: $(STAMP)
 	@echo "    a minute or two on 2 cores; a machine's first run also converts the model and compiles the kernels)"
 	$(VENV)/bin/python -m kvdrive.tools.demo
 
-# Two workers (pytest-xdist): about a third of the suite's time is one worker waiting on a daemon
-# or a subprocess, so on CI's 2 cores two of them take ~1,020 s where one took ~1,400.
+# Two workers (pytest-xdist), each running torch on one thread (tests/conftest.py), stealing each
+# other's tests: one worker waits on a daemon or a subprocess for about a third of the suite, so on
+# a 2-core host two took 862 s where one took 1,401 (fresh clones, one after the other).
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests
 
