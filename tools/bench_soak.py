@@ -368,12 +368,12 @@ def _ms(x: float | None) -> str:
 def _cells(r: Interval) -> tuple[str, ...]:
     return (f"{r.seconds:.0f}", format_size(r.stored_bytes), f"{r.store_gbps:.2f}", _ms(r.store_p50_ms),
             _ms(r.store_p99_ms), str(r.loads), _ms(r.load_p50_ms), _ms(r.load_p99_ms),
-            "-" if r.hit_rate is None else f"{r.hit_rate:.2f}", str(r.wrong_blocks + r.failed_stores),
+            "-" if r.hit_rate is None else f"{r.hit_rate:.2f}", str(r.wrong_blocks), str(r.failed_stores),
             f"{r.rss_mib:.0f}", str(r.maps), str(r.fds), str(r.threads), f"{r.catalog_mib:.1f}", f"{r.data_mib:.0f}",
             str(r.evicted), str(r.kills))
 
 
-HEAD = ("s", "stored", "store GB/s", "store p50", "p99 ms", "loads", "load p50", "p99 ms", "hits", "wrong+failed",
+HEAD = ("s", "stored", "store GB/s", "store p50", "p99 ms", "loads", "load p50", "p99 ms", "hits", "wrong", "not stored",
         "RSS MiB", "maps", "fds", "threads", "catalog MiB", "data MiB", "evicted", "kills")
 
 
