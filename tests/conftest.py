@@ -156,7 +156,7 @@ class DaemonProcess:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
-    """Under pytest-xdist (``make test`` runs two workers), a temp root of this run's own,
+    """Under pytest-xdist (``pytest -n 2``), a temp root of this run's own,
     shorter than pytest's: a Unix socket's path may be at most 107 bytes, the daemons of the
     tests put theirs a few directories into ``tmp_path``, and each worker adds one
     (``popen-gwN``) below pytest's ``/tmp/pytest-of-USER/pytest-N``. Removed after a run
