@@ -172,8 +172,8 @@ class _Keys:
         a key now (kept, as objects, where ``keys`` are the first of another length)."""
         if not len(keys):
             return
-        rows = _rows_of(keys)
-        if rows is not None and self.objects is None and (self.rows is None or self.rows.shape[1] == rows.shape[1]):
+        rows = _rows_of(keys) if self.objects is None else None  # a table of objects stays one: no join
+        if rows is not None and (self.rows is None or self.rows.shape[1] == rows.shape[1]):
             if self.rows is None:
                 self.rows = np.zeros((self.capacity, rows.shape[1]), np.uint8)
             self.rows[slots] = rows
