@@ -165,11 +165,11 @@ def pytest_configure(config):
             and not hasattr(config, "workerinput"):
         config.option.basetemp = config._kvdrive_basetemp = tempfile.mkdtemp(prefix="kvt-")
     if hasattr(config, "workerinput"):
-        # A worker's torch ops on one thread: two workers each on the host's every core only
-        # took turns, their OpenMP threads spinning while the other's ran.
+        # A worker's torch ops on its share of the cores: two workers each on the host's every
+        # core only took turns, their OpenMP threads spinning while the other's ran.
         import torch  # noqa: PLC0415
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(config.workerinput["workercount"])))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -42,6 +42,7 @@ def test_the_daemon_binds_where_clients_look_first(runtime_dir, tmp_path):
     assert defaults.default_addresses()[1] == f"ipc://{defaults.SYSTEM_SOCKET}"
 
 
+@pytest.mark.alone
 def test_no_daemon_at_the_default_address_fails_at_once_and_says_how_to_start_one(runtime_dir):
     message, took = refused()
     assert took < FAST_S
@@ -50,6 +51,7 @@ def test_no_daemon_at_the_default_address_fails_at_once_and_says_how_to_start_on
     assert "$KVDRIVE_ADDRESS (unset)" in message and str(defaults.SYSTEM_SOCKET) in message
 
 
+@pytest.mark.alone
 def test_an_explicit_path_with_no_socket_fails_at_once(tmp_path):
     address = f"ipc://{tmp_path / 'none.sock'}"
     message, took = refused(address, timeout=60)
@@ -58,6 +60,7 @@ def test_an_explicit_path_with_no_socket_fails_at_once(tmp_path):
     assert f"--listen {address}" in message
 
 
+@pytest.mark.alone
 def test_a_stale_socket_fails_at_once(tmp_path):
     path = tmp_path / "stale.sock"
     with socket.socket(socket.AF_UNIX) as s:
@@ -67,6 +70,7 @@ def test_a_stale_socket_fails_at_once(tmp_path):
     assert f"nobody listens on the socket {path}" in message
 
 
+@pytest.mark.alone
 def test_a_file_that_is_not_a_socket_is_named(tmp_path):
     path = tmp_path / "plain.sock"
     path.write_text("")

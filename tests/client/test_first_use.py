@@ -115,6 +115,7 @@ def test_a_load_waiting_for_another_process_conversion_says_so(tmp_path):
     assert told == ["waiting"] and not waiter.is_alive()
 
 
+@pytest.mark.alone
 def test_the_demo_help_returns_at_once():
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "kvdrive.tools.demo", "--help"], capture_output=True, text=True,

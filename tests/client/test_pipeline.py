@@ -94,6 +94,7 @@ def _slowed(fn, seconds=0.01):
     return slow
 
 
+@pytest.mark.alone
 def test_the_timeline_shows_stages_of_every_micro_batch_overlapping(daemon, tmp_path, monkeypatch):
     # Tiny tensors make every stage take microseconds, and on a busy 2-core host the
     # front thread may then finish all its work before the main thread computes once.

@@ -274,6 +274,7 @@ def test_pages_survive_a_daemon_restart(sgl, daemon):
     b.close()
 
 
+@pytest.mark.alone
 def test_a_daemon_that_is_down_is_misses_within_a_second(sgl, daemon):
     pool = host_pool(sgl, seed=3)
     b = backend(sgl, daemon, pool, extra={"retry_s": 0.3})
@@ -397,6 +398,7 @@ def test_storage_metrics_are_per_call_pages_and_bandwidth(sgl, daemon, monkeypat
     b.close()
 
 
+@pytest.mark.alone
 def test_a_prefetch_completes_while_a_large_backup_is_in_flight(sgl, daemon, monkeypatch):
     """The controller's backup thread holds a store (its connection and staging region)
     until released; a prefetch on another thread loads meanwhile."""

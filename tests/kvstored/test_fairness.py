@@ -60,6 +60,7 @@ def _stopped(daemon):
         os.kill(daemon.proc.pid, signal.SIGCONT)
 
 
+@pytest.mark.alone
 def test_a_small_put_waits_behind_a_few_mib_of_another_sessions_puts(daemon_factory):
     """One session keeps 48 puts of 4 MiB queued; another session's small put, sent once the
     first of them is acknowledged, is acknowledged after a group of a few MiB, not after the

@@ -288,6 +288,7 @@ def stall(path: str) -> socket.socket:
     return s
 
 
+@pytest.mark.alone
 def test_a_client_that_never_reads_does_not_stall_the_others(daemon):
     stalled = [stall(session_path(daemon)) for _ in range(3)]
     try:

@@ -151,6 +151,7 @@ def test_the_index_budget_refuses_with_full_and_frees_on_delete(daemon_factory):
     np.testing.assert_array_equal(c.get(a, every_block(THIN, [0], range(100))), data[0].reshape(-1, THIN.block_bytes))
 
 
+@pytest.mark.alone
 def test_a_get_naming_too_many_sequences_is_refused_at_once(daemon_factory):
     d = started(daemon_factory)
     c, other = d.client(), d.client()

@@ -310,6 +310,7 @@ def test_a_dead_daemon_is_learned_of_in_seconds_and_close_does_not_wait(daemon):
     assert time.monotonic() - t1 < 2
 
 
+@pytest.mark.alone
 def test_a_flood_of_lists_does_not_hold_up_another_clients_put(daemon_factory):
     # Write-behind: a durable put's reply waits for its fsync, and kvstored serves the flood
     # meanwhile, as it should; a slow fsync of a shared disk (once, 60 ms: 164 lists) would

@@ -99,6 +99,7 @@ def test_a_socket_path_too_long_for_a_unix_socket_is_a_usage_error(tmp_path, lis
     assert not (tmp_path / "ssd").exists()
 
 
+@pytest.mark.alone
 def test_help_states_each_default_once_and_is_quick():
     rc, out, took = kvstored("--help")
     assert rc == 0

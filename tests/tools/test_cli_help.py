@@ -36,6 +36,7 @@ def defaults_told_twice(text: str) -> list[str]:
     return [o.split()[0] for o in options if len(re.findall(r"\(default", o)) > 1 or o.count("(default:") > 1]
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_console_script_help_is_fast(script):
     text, took = run_help(script)
@@ -43,6 +44,7 @@ def test_console_script_help_is_fast(script):
     assert "usage:" in text and not defaults_told_twice(text), defaults_told_twice(text)
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("bench", sorted(BENCHMARKS))
 def test_bench_subcommand_help(bench):
     text, took = run_help("kvdrive-bench", bench)
