@@ -5,7 +5,9 @@
 path that does not exist yet), so that the daemon may remove it; it holds the store,
 both sockets and the owner file, and goes when the daemon does, whichever way its
 client ends. The daemon's log is an unnamed temporary file in the temp root (nothing
-of it outlives its holders); :meth:`EmbeddedDaemon.log_tail` reads it.
+of it outlives its holders); :meth:`EmbeddedDaemon.log_tail` reads it. A Unix socket's
+path may be at most 107 bytes: where ``$TMPDIR`` is too long for the daemon's sockets,
+the temp root is ``/tmp`` (logged); a ``root`` given that is too long is a ValueError.
 
 - the client closes (or is collected, or exits): it stops the daemon, which removes
   the directory;
@@ -33,12 +35,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvdrive.protocol.address import SESSION_SUFFIX, SOCKET_NAME, UNIX_PATH_MAX
+
 log = logging.getLogger(__name__)
 
 PREFIX = "kvdrive-"
 OWNER_FILE = "owner.json"
 # How long the daemon may take to create its directory (Python's start and kvstored's checks).
 CREATE_DEADLINE_S = 60.0
+# The temp root when $TMPDIR is too long for the daemon's sockets.
+SHORT_ROOT = Path("/tmp")
 
 
 class EmbeddedDaemon:
@@ -46,7 +52,7 @@ class EmbeddedDaemon:
 
     def __init__(self, dram: str = "256M", ssd_max: str = "8G", extra_args: list[str] | None = None,
                  root: str | os.PathLike | None = None) -> None:
-        temp_root = Path(root if root is not None else tempfile.gettempdir())
+        temp_root = _temp_root(root)
         sweep_stale(temp_root)
         # A fresh name the daemon creates (it refuses one that appeared meanwhile and is not empty).
         self.root = _fresh_name(temp_root)
@@ -140,6 +146,33 @@ def sweep_stale(temp_root: Path) -> list[Path]:
             removed.append(path)
             log.info("removed %s, left by an embedded kvstored whose client and daemon are both gone", path)
     return removed
+
+
+def _socket_bytes(temp_root: Path) -> int:
+    """The length of the longest socket path a daemon in ``temp_root`` binds: its session socket."""
+    return len(os.fsencode(temp_root / f"{PREFIX}{'0' * 8}" / f"{SOCKET_NAME}{SESSION_SUFFIX}"))
+
+
+def _temp_root(root: str | os.PathLike | None) -> Path:
+    """Where the daemon's directory goes: ``root``, else the temp dir, else (the temp dir being
+    too long for a socket's path) :data:`SHORT_ROOT`, logged."""
+    if root is not None:
+        path = Path(root)
+        if _socket_bytes(path) > UNIX_PATH_MAX:
+            raise ValueError(f"the embedded kvstored's directory in {path} would hold a socket path of "
+                             f"{_socket_bytes(path)} bytes; a Unix socket's path may be at most {UNIX_PATH_MAX}: "
+                             f"choose a shorter root")
+        return path
+    path = Path(tempfile.gettempdir())
+    if _socket_bytes(path) <= UNIX_PATH_MAX:
+        return path
+    if not (SHORT_ROOT.is_dir() and os.access(SHORT_ROOT, os.W_OK | os.X_OK)):
+        raise ValueError(f"the temp dir {path} is too long for the embedded kvstored's sockets "
+                         f"({_socket_bytes(path)} bytes, at most {UNIX_PATH_MAX}), and {SHORT_ROOT} is not writable: "
+                         f"set TMPDIR to a shorter directory")
+    log.warning("the embedded kvstored goes in %s: the temp dir %s is too long for its sockets (%d bytes, at most %d)",
+                SHORT_ROOT, path, _socket_bytes(path), UNIX_PATH_MAX)
+    return SHORT_ROOT
 
 
 def _fresh_name(temp_root: Path) -> Path:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # Shared with the clients: connect() with no address finds a daemon started without --listen.
-from kvdrive.protocol.address import default_runtime_dir
+from kvdrive.protocol.address import SESSION_SUFFIX, UNIX_PATH_MAX, default_runtime_dir
 from kvstored.limits import SessionLimits
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -92,8 +92,6 @@ INDEX_SHARE_PER_UID = 7 / 8
 
 # SSD read engines (kvstored.io_engine): auto picks one and logs why.
 ENGINES = ("auto", "aio", "posix", "kvikio")
-# The longest path a Unix socket binds to (sockaddr_un's 108 bytes, less the terminating NUL).
-UNIX_PATH_MAX = 107
 
 
 @dataclass(frozen=True)
@@ -189,8 +187,9 @@ class DaemonConfig:
         for what, path in paths:
             size = len(os.fsencode(path))
             if size > UNIX_PATH_MAX:
-                hint = "" if self.session_socket or what == "--listen" else \
-                    " (kept beside --listen's, with '.session' added: choose a shorter --listen, or --session-socket)"
+                hint = "" if self.session_socket or what == "--listen" else (
+                    f" (kept beside --listen's, with {SESSION_SUFFIX!r} added: choose a shorter --listen, "
+                    "or --session-socket)")
                 raise ValueError(f"{what} {path} is {size} bytes long, and a Unix socket's path may be at most "
                                  f"{UNIX_PATH_MAX}{hint}")
 
@@ -204,7 +203,7 @@ class DaemonConfig:
             return Path(self.session_socket)
         address = self.bind_address
         if address.startswith("ipc://"):
-            return Path(address[len("ipc://"):] + ".session")
+            return Path(address[len("ipc://"):] + SESSION_SUFFIX)
         return default_runtime_dir() / "kvstored.session"
 
     @property

@@ -26,6 +26,10 @@ from pathlib import Path
 
 ADDRESS_ENV = "KVDRIVE_ADDRESS"
 SOCKET_NAME = "kvstored.sock"
+# Beside the --listen socket (its path with this added), unless --session-socket says where.
+SESSION_SUFFIX = ".session"
+# The longest path a Unix socket binds to (sockaddr_un's 108 bytes, less the terminating NUL).
+UNIX_PATH_MAX = 107
 # systemd/kvstored.service: RuntimeDirectory=kvdrive, --listen ipc:///run/kvdrive/kvstored.sock
 SYSTEM_SOCKET = Path("/run/kvdrive") / SOCKET_NAME
 
