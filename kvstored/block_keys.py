@@ -204,7 +204,7 @@ class _Keys:
         if self.rows is not None:
             w, joined = self.rows.shape[1], b"".join(keys)
             if len(joined) == w * len(keys) and self.rows[slots].tobytes() == joined and \
-                    all(len(k) == w for k in keys):
+                    set(map(len, keys)) == {w}:
                 return np.ones(len(keys), bool)
         return np.array([a == b for a, b in zip(self.get(slots), keys)], bool)
 

@@ -62,7 +62,7 @@ from kvdrive.protocol.blocks import MAX_BLOCK_BYTES, MAX_PART_BYTES, block_geome
 from kvdrive_client.errors import ChecksumError, KVDriveError, NotFoundError, StoreUnavailableError
 from kvdrive_client.integrations.lanes import Channel, Lane
 from kvdrive_client.integrations.pool import InPlace, SharedFile
-from kvdrive_client.integrations.rows import Rows, Spans, _copy_out, _movers, _parts, key_bytes  # noqa: F401 (re-exported)
+from kvdrive_client.integrations.rows import Rows, Spans, _copy_out, _movers, _parts, key_bytes, keys_bytes  # noqa: F401 (re-exported)
 from kvdrive_client.locate import DEFAULT, Default
 from kvdrive_client.store import PendingGet, PendingPut, StoreClient, connect
 
@@ -240,7 +240,7 @@ class BlockStore(InPlace):
 
     def lookup(self, keys: Iterable) -> list[bool]:
         """Whether each key's block is stored; misses where kvstored cannot say."""
-        ks = [key_bytes(k) for k in keys]
+        ks = keys_bytes(keys)
         if not self._guard("lookup", len(ks)):
             return [False] * len(ks)
         try:
@@ -265,7 +265,7 @@ class BlockStore(InPlace):
         _check_spans(sources, self.block_bytes)
         if (offs := self._in_place(sources)) is not None:
             return self._pooled("store", keys, offs, sources)
-        ks = [key_bytes(k) for k in keys]
+        ks = keys_bytes(keys)
         done = [False] * len(ks)
         if not self._guard("store", len(ks)):
             return done
@@ -350,7 +350,7 @@ class BlockStore(InPlace):
         _check_spans(targets, self.block_bytes)
         if (offs := self._in_place(targets)) is not None:
             return self._pooled("load", keys, offs, targets)
-        ks = [key_bytes(k) for k in keys]
+        ks = keys_bytes(keys)
         got = [False] * len(ks)
         if not self._guard("load", len(ks)):
             return got

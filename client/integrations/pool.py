@@ -38,7 +38,7 @@ import zmq
 from kvdrive.protocol import MAX_BLOCK_KEYS, ErrorCode
 from kvdrive.protocol.files import TMPFS_MAGIC, fs_type
 from kvdrive_client.errors import BufferError_, ChecksumError, KVDriveError, NotFoundError
-from kvdrive_client.integrations.rows import Rows, Spans, key_bytes
+from kvdrive_client.integrations.rows import Rows, Spans, keys_bytes
 from kvdrive_client.shm import PoolBuffer
 
 if TYPE_CHECKING:
@@ -229,7 +229,7 @@ class InPlace:
         flight, each waited for to its end, whatever fails meanwhile (see :mod:`.pool`).
         ``blocks``: the same blocks as :meth:`load` / :meth:`store` take them, for a fallback
         to staging."""
-        ks = [key_bytes(k) for k in keys]
+        ks = keys_bytes(keys)
         if len(offs) != len(ks):
             raise ValueError(f"{len(ks)} keys for {len(offs)} blocks")
         shared, done = self._shared, [False] * len(ks)
@@ -264,8 +264,9 @@ class InPlace:
                 if code is ErrorCode.UNSUPPORTED or shared.whole():
                     return (self.load if op == "load" else self.store)(keys, blocks)
             self._failed(op, exc, len(order) - sum(done[i] for i in order))
-        for i, k in enumerate(ks):
-            done[i] = done[first.get(k, i)]
+        if first:  # a store: a key given twice is done where its first place was
+            for i, k in enumerate(ks):
+                done[i] = done[first.get(k, i)]
         self._tally(**{f"{op}_s_us": int((time.perf_counter() - t0) * 1e6)})
         return done
 

@@ -29,6 +29,24 @@ def key_bytes(key: bytes | str | int) -> bytes:
     return raw if 0 < len(raw) <= MAX_BLOCK_KEY_BYTES else b"h" + hashlib.sha256(raw).digest()
 
 
+def keys_bytes(keys: Iterable) -> list[bytes]:
+    """:func:`key_bytes` of each key, strings and bytes in one loop here (a call each cost
+    about 1.2 us of a key, 0.4 in the loop: 100 us of an SGLang call of 128 page hashes)."""
+    out: list[bytes] = []
+    append, sha256, most = out.append, hashlib.sha256, MAX_BLOCK_KEY_BYTES
+    for key in keys:
+        kind = type(key)
+        if kind is str:
+            raw = key.encode("utf-8", "surrogatepass")
+        elif kind is bytes:
+            raw = key
+        else:
+            append(key_bytes(key))
+            continue
+        append(raw if 0 < len(raw) <= most else b"h" + sha256(raw).digest())
+    return out
+
+
 _movers_module: list = []  # kvdrive.protocol.copy once imported, or None where it cannot be
 
 

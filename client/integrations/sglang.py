@@ -201,7 +201,6 @@ def _regions(pool: Any, page_bytes: int, n: int, host_indices: Any) -> Spans | l
         return None
     ptrs, sizes = pool.get_page_buffer_meta(host_indices)
     per = len(ptrs) // n
-    pages = [range(i * per, (i + 1) * per) for i in range(n)]
     if not per or per * n != len(ptrs) or len(sizes) != len(ptrs) or \
             (np.asarray(sizes, np.int64).reshape(n, per).sum(1) != page_bytes).any():
         log.error("KVDrive storage: the host pool's %d regions are not %d pages of %d bytes", len(ptrs), n,
@@ -210,7 +209,8 @@ def _regions(pool: Any, page_bytes: int, n: int, host_indices: Any) -> Spans | l
     spans = _spans(pool, ptrs, sizes, n, per)
     if spans is not None:
         return spans
-    return [[(ctypes.c_uint8 * sizes[j]).from_address(ptrs[j]) for j in p] for p in pages]
+    return [[(ctypes.c_uint8 * sizes[j]).from_address(ptrs[j]) for j in range(i * per, (i + 1) * per)]
+            for i in range(n)]
 
 
 def _spans(pool: Any, ptrs: list, sizes: list, n: int, per: int) -> Spans | None:

@@ -27,3 +27,17 @@ def test_a_larger_block_is_split_into_equal_parts_of_at_most_64_mib(block_bytes)
 def test_a_size_that_cannot_be_stored_is_refused_in_words(block_bytes, words):
     with pytest.raises(ValueError, match=words):
         block_geometry(block_bytes)
+
+
+def test_keys_are_converted_alike_one_at_a_time_and_in_a_list():
+    """The list form is the one the engines' calls take; it must name the very blocks the one-key form does."""
+    from kvdrive_client.integrations.rows import key_bytes, keys_bytes
+
+    class Text(str):
+        pass
+
+    keys = ["a", "x" * 48, "x" * 49, "é" * 24, "é" * 25, "\udc80", "", b"", b"k", b"y" * 48, b"y" * 49,
+            bytearray(b"ba"), memoryview(b"mv"), 7, -1, Text("sub"), 64 * "f", (1, 2)]
+    assert keys_bytes(keys) == [key_bytes(k) for k in keys]
+    assert keys_bytes(iter(keys)) == keys_bytes(keys)
+    assert len({*keys_bytes(keys)}) == len(keys) - 1  # only "" and b"" share a block key: each one's SHA-256
