@@ -30,8 +30,8 @@ def key_bytes(key: bytes | str | int) -> bytes:
 
 
 def keys_bytes(keys: Iterable) -> list[bytes]:
-    """:func:`key_bytes` of each key, strings and bytes in one loop here (a call each cost
-    about 1.2 us of a key, 0.4 in the loop: 100 us of an SGLang call of 128 page hashes)."""
+    """:func:`key_bytes` of each key, strings and bytes in one loop here: an SGLang call's 128
+    page hashes (64 hex characters each, so hashed) in 64 us against 87 us a call each."""
     out: list[bytes] = []
     append, sha256, most = out.append, hashlib.sha256, MAX_BLOCK_KEY_BYTES
     for key in keys:
