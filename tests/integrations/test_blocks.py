@@ -29,15 +29,25 @@ def test_a_size_that_cannot_be_stored_is_refused_in_words(block_bytes, words):
         block_geometry(block_bytes)
 
 
-def test_keys_are_converted_alike_one_at_a_time_and_in_a_list():
-    """The list form is the one the engines' calls take; it must name the very blocks the one-key form does."""
+def test_an_engine_key_becomes_a_block_key_by_one_rule_one_at_a_time_or_in_a_list():
+    """Bytes as they are and strings as UTF-8 up to 48 bytes; longer ones, empty ones and keys
+    of any other type by a SHA-256 (ints and the like apart from every bytes and string key)."""
+    import hashlib
+
     from kvdrive_client.integrations.rows import key_bytes, keys_bytes
 
     class Text(str):
         pass
 
-    keys = ["a", "x" * 48, "x" * 49, "é" * 24, "é" * 25, "\udc80", "", b"", b"k", b"y" * 48, b"y" * 49,
-            bytearray(b"ba"), memoryview(b"mv"), 7, -1, Text("sub"), 64 * "f", (1, 2)]
-    assert keys_bytes(keys) == [key_bytes(k) for k in keys]
-    assert keys_bytes(iter(keys)) == keys_bytes(keys)
-    assert len({*keys_bytes(keys)}) == len(keys) - 1  # only "" and b"" share a block key: each one's SHA-256
+    def hashed(raw):
+        return b"h" + hashlib.sha256(raw).digest()
+
+    want = {"a": b"a", "x" * 48: b"x" * 48, "x" * 49: hashed(b"x" * 49), "é" * 24: "é".encode() * 24,
+            "é" * 25: hashed("é".encode() * 25), "\udc80": b"\xed\xb2\x80", "": hashed(b""), b"": hashed(b""),
+            b"k": b"k", b"y" * 48: b"y" * 48, b"y" * 49: hashed(b"y" * 49), 7: b"\x007", -1: b"\x00-1",
+            (1, 2): b"\x00(1, 2)", 64 * "f": hashed(64 * b"f")}
+    keys = [*want, bytearray(b"ba"), memoryview(b"mv"), Text("sub"), bytearray(49)]
+    expect = [*want.values(), b"ba", b"mv", b"sub", hashed(bytes(49))]
+    assert keys_bytes(keys) == expect
+    assert keys_bytes(iter(keys)) == expect
+    assert [key_bytes(k) for k in keys] == expect
