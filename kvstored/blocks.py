@@ -27,7 +27,7 @@ Life cycle, on the writer thread but for lookups and gets:
   then the get path's DRAM hits and checked SSD reads; a block deleted (or its slot
   given to another key) meanwhile is reported missing, never as other bytes, and a
   damaged one is named in ``damaged``. A small get all in DRAM is served on the main
-  thread, and the check that says so (:meth:`Blocks.in_dram`) hands its lookup to the get.
+  thread (:meth:`Blocks.get_in_dram`): one lookup under the index lock, then the copy.
 - ``block_delete``: given keys (their records and extents in one transaction, their
   bytes and DRAM copies freed once no get reads them), or the whole namespace.
 - ``--quota``: a namespace past its quota loses its least recently used blocks, never
@@ -109,9 +109,6 @@ class BlockTable:
         self.extent_ids = np.zeros((0, self.parts), np.int64)
         self.gen = np.zeros(0, np.uint32)
         self.pending: dict[bytes, int] = {}  # keys of prepared puts not yet committed
-        # Bumped, under the index lock, whenever a key is stored or deleted: picks made under
-        # an earlier hold of the lock are still true while it has not moved.
-        self.changes = 0
         self._free: list[int] = []
         self._next = 0
 
@@ -180,18 +177,6 @@ class Picks:
         return Picks(self.pos[j:j + 1], self.slots[j:j + 1], self.gens[j:j + 1])
 
 
-@dataclass(frozen=True)
-class Picked:
-    """A block get's :class:`Picks` made when ``table.changes`` was ``changes``, the get
-    path's request for them, and where each part of each block goes (:func:`part_spans`)."""
-
-    table: BlockTable
-    changes: int
-    picks: Picks
-    get: Get
-    at: np.ndarray
-
-
 class Blocks:
     def __init__(self, cfg: DaemonConfig, index: BlockIndex, catalog: Catalog, sequences: Sequences, puts: PutPath,
                  gets: GetPath, residency: Residency, space: Space, gate: ReclaimGate, counters: Counter) -> None:
@@ -236,60 +221,69 @@ class Blocks:
         self.counters["block_lookups"] += 1
         return {"found": found}
 
-    def get(self, req: BlockGet, session: Session, picked: Picked | None = None) -> dict:
+    def get(self, req: BlockGet, session: Session) -> dict:
         """Copy the blocks found to ``offset + i * block_bytes`` (or to their ``offsets``, one per
         key or per region of each); ``found`` per key, ``damaged``
-        the positions whose SSD copy failed its checksum (their bytes are not to be used).
-        ``picked``, from :meth:`in_dram`, is used where no key was stored or deleted since."""
+        the positions whose SSD copy failed its checksum (their bytes are not to be used)."""
         table = self.tables.get((session.uid, req.ns))
         if table is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no block namespace {req.ns}")
-        if picked is not None and picked.table is table:
-            at = picked.at  # checked against the buffer on this thread, just before
-        else:
-            at = part_spans(session.buffers.lookup(req.buf), req, table.block_bytes, table.parts, "destination")
+        at = part_spans(session.buffers.lookup(req.buf), req, table.block_bytes, table.parts, "destination")
         for _ in range(GET_TRIES):
             if self.tables.get((session.uid, req.ns)) is not table:
                 raise ProtocolError(ErrorCode.NOT_FOUND, f"no block namespace {req.ns} (deleted during this get)")
             with self.index.lock:
-                if picked is not None and picked.table is table and picked.changes == table.changes:
-                    picks, whole = picked.picks, picked.get
-                else:
-                    picks, whole = self._pick(table, req), None
+                picks = self._pick(table, req)
                 table.held.touch(picks.slots)
-            picked = None  # a second try looks the keys up again
             try:
-                damaged = self._read(table, req, session, picks, at, whole)
+                damaged = self._read(table, req, session, picks, at)
             except ProtocolError as exc:
                 if exc.code != ErrorCode.NOT_FOUND:
                     raise
                 continue  # a block was deleted between the two lookups: look them up again
-            with self.index.lock:  # deleted, or its slot given to another key, during the copy: a miss
-                found = [False] * len(req.keys)
-                for i, same in zip(picks.pos.tolist(), (table.gen[picks.slots] == picks.gens).tolist()):
-                    found[i] = same and i not in damaged
-            self.counters["block_gets"] += 1
-            return {"found": found, "damaged": sorted(damaged)}
+            return self._found(table, req, picks, damaged)
         raise ProtocolError(ErrorCode.BUSY, f"the blocks of {req.ns} were deleted under {GET_TRIES} tries of this get")
 
-    def in_dram(self, req: BlockGet, session: Session, max_bytes: int) -> Picked | None:
-        """Where ``req`` names at most ``max_bytes`` of blocks and every one of them found sits
-        in DRAM now, its lookup, for :meth:`get`; None where none is found, or :meth:`get`
-        would refuse it. An eviction after this answer only sends the get to the SSD for
-        those blocks; a key stored or deleted after it makes :meth:`get` look them up again."""
+    def get_in_dram(self, req: BlockGet, session: Session, max_bytes: int) -> dict | None:
+        """:meth:`get` of ``req`` where it names at most ``max_bytes`` of blocks and every one
+        found sits in DRAM: one lookup under the index lock, then the copy, on this thread (a
+        small get on the main thread: its lookup and bookkeeping cost about as much as the
+        copy of a few blocks). None, having copied and recorded nothing, where it does not,
+        or where :meth:`get` would refuse it."""
         table = self.tables.get((session.uid, req.ns))
         if table is None or len(req.keys) * table.block_bytes > max_bytes:
             return None
-        try:
-            at = part_spans(session.buffers.lookup(req.buf), req, table.block_bytes, table.parts, "destination")
-        except ProtocolError:
-            return None  # get() refuses it
+        entry, parts = table.entry, table.parts
+        with self.gate.reading():
+            try:  # within the gate: a buffer unregistered before it is gone, after it waits for this copy
+                mb = session.buffers.lookup(req.buf)
+                at = part_spans(mb, req, table.block_bytes, parts, "destination")
+            except ProtocolError:
+                return None
+            with self.index.lock:
+                picks = self._pick(table, req)
+                lay, pag = np.tile(np.arange(parts), len(picks)), np.repeat(picks.slots, parts)
+                col = entry.columns(pag)
+                src = entry.dram_off[lay, 0, col]
+                if not (src >= 0).all():
+                    return None
+                self.gets.used([(entry, lay, np.zeros(len(lay), np.int64), pag, col)])
+                table.held.touch(picks.slots)
+            mb.write_blocks(self.residency.dram.arena, src, at[picks.pos].reshape(-1) + req.offset,
+                            entry.geometry.block_bytes)
+        self.counters.update(gets=1, blocks_dram=len(src))
+        return self._found(table, req, picks, set())
+
+    def _found(self, table: BlockTable, req: BlockGet, picks: Picks, damaged: set[int]) -> dict:
+        """A get's reply once its copies are done: a block deleted, or its slot given to
+        another key, during the copy is a miss, as is a damaged one."""
         with self.index.lock:
-            picks, changes = self._pick(table, req), table.changes
-        if not picks:
-            return None
-        whole = self._get_of(table, req, picks, at)
-        return Picked(table, changes, picks, whole, at) if self.gets.in_dram(whole, session, max_bytes) else None
+            same = (table.gen[picks.slots] == picks.gens).tolist()
+        found = [False] * len(req.keys)
+        for i, ok in zip(picks.pos.tolist(), same):
+            found[i] = ok and i not in damaged
+        self.counters["block_gets"] += 1
+        return {"found": found, "damaged": sorted(damaged)}
 
     @staticmethod
     def _pick(table: BlockTable, req: BlockGet) -> Picks:
@@ -299,14 +293,13 @@ class Blocks:
         slots = every[pos]
         return Picks(pos, slots, table.gen[slots])
 
-    def _read(self, table: BlockTable, req: BlockGet, session: Session, picks: Picks, at: np.ndarray,
-              whole: Get | None) -> set[int]:
-        """Read ``picks`` (``whole``, where given, the get path's request for them all) into
-        the client's buffer, part p of key i at ``offset + at[i, p]``; the positions of those that are damaged."""
+    def _read(self, table: BlockTable, req: BlockGet, session: Session, picks: Picks, at: np.ndarray) -> set[int]:
+        """Read ``picks`` into the client's buffer, part p of key i at ``offset + at[i, p]``;
+        the positions of those that are damaged."""
         if not picks:
             return set()
         try:
-            self.gets.get(self._get_of(table, req, picks, at) if whole is None else whole, session, blocks=True)
+            self.gets.get(self._get_of(table, req, picks, at), session, blocks=True)
             return set()
         except DamagedBlockError:
             pass
@@ -446,7 +439,6 @@ class Blocks:
             for key in keys:
                 table.pending.pop(key, None)
             table.fill(keys, slots, ids)
-            table.changes += 1
         self.counters["blocks_stored"] += len(keys)
 
     def _aborted(self, table: BlockTable, keys: list[bytes], slots: np.ndarray) -> None:
@@ -487,7 +479,6 @@ class Blocks:
             dram_slots = self.residency.forget_blocks(entry, lay, hed, cols)
             self.index.clear_blocks(entry, lay, hed, cols)
             table.empty(slots)
-            table.changes += 1
         table.give(slots)
         extents = [entry.extents.pop(off) for off in offs]
         key = (entry.owner, entry.ns)

@@ -159,11 +159,16 @@ class GetPath:
                     )
                 found.append(_Looked(entry, lay, hed, pag, col, ssd_off, entry.crc[lay, hed, col],
                                      entry.dram_off[lay, hed, col], dst[at]))
-            tick = next(self.clock)
-            for f in found:
-                f.entry.last_use[f.lay, f.hed, f.col] = tick
-                self.residency.touched(f.entry, f.lay, f.hed, f.pag)
+            self.used([(f.entry, f.lay, f.hed, f.pag, f.col) for f in found])
         return found
+
+    def used(self, groups) -> None:
+        """Blocks just read, as (entry, layers, heads, pages, columns) groups: their last use
+        set to one new tick, and the DRAM residents' rank recorded (index lock held)."""
+        tick = next(self.clock)
+        for entry, lay, hed, pag, col in groups:
+            entry.last_use[lay, hed, col] = tick
+            self.residency.touched(entry, lay, hed, pag)
 
     def in_dram(self, req: Get, session: Session, max_bytes: int) -> bool:
         """Whether ``req`` asks for at most ``max_bytes`` and every block sits in DRAM now

@@ -38,6 +38,7 @@ import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -301,16 +302,18 @@ class Server:
             session = self.sessions.find(env.session, peer_uid(body))
             check_deadline(env)
             if isinstance(req, (Get, BlockGet)):
-                inline, serve = self._get_call(req, session)
-                if inline:
-                    # A DRAM-only get is a copy of a few MiB at most: served here, it saves
-                    # two thread hand-offs (to a worker, and its reply back), about half of
-                    # a small get's round trip on a busy host.
-                    reply = ok_reply(req_id, **serve())
+                # A DRAM-only get is a copy of a few MiB at most: served here, it saves
+                # two thread hand-offs (to a worker, and its reply back), about half of
+                # a small get's round trip on a busy host.
+                served = self._get_inline(req, session)
+                if served is not None:
+                    reply = ok_reply(req_id, **served)
                     self.store.counters["gets_inline"] += 1
                     self._observe_get(time.perf_counter() - t0)  # before the reply: a scrape after it sees this get
                     self.replies.send([ident, *reply])
                 else:
+                    serve = (partial(self.store.blocks.get, req, session) if isinstance(req, BlockGet)
+                             else partial(self.store.get, req, session))
                     self._in_flight[ident] += 1
                     self._pool.submit(self._run, ident, env, serve, self._observe_get, t0)
             elif isinstance(req, (Put, Create, Delete, BlockPut, BlockDelete)):
@@ -327,14 +330,11 @@ class Server:
             log.exception("internal error on request %s", req_id)
             self.replies.send([ident, *self._error(req_id, ErrorCode.INTERNAL, f"{exc.__class__.__name__}: {exc}")])
 
-    def _get_call(self, req: Get | BlockGet, session: Session) -> tuple[bool, Callable[[], dict]]:
-        """Whether ``req`` is a get small enough and all in DRAM, to be served on this thread,
-        and the call that serves it. A block get's check looks its keys up, and the call starts
-        from that lookup rather than making it again on this thread."""
+    def _get_inline(self, req: Get | BlockGet, session: Session) -> dict | None:
+        """The reply of ``req`` served on this thread, where it is small and all in DRAM; None otherwise."""
         if isinstance(req, BlockGet):
-            picked = self.store.blocks.in_dram(req, session, INLINE_GET_BYTES)
-            return picked is not None, lambda: self.store.blocks.get(req, session, picked)
-        return self.store.in_dram(req, session, INLINE_GET_BYTES), lambda: self.store.get(req, session)
+            return self.store.blocks.get_in_dram(req, session, INLINE_GET_BYTES)
+        return self.store.get(req, session) if self.store.in_dram(req, session, INLINE_GET_BYTES) else None
 
     def _error(self, req_id: int | None, code: ErrorCode, message: str) -> list:
         """An error reply's frames, counted by code (any thread)."""
