@@ -156,14 +156,18 @@ class DaemonProcess:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
-    """Under pytest-xdist (``pytest -n 2``), a temp root of this run's own,
-    shorter than pytest's: a Unix socket's path may be at most 107 bytes, the daemons of the
-    tests put theirs a few directories into ``tmp_path``, and each worker adds one
-    (``popen-gwN``) below pytest's ``/tmp/pytest-of-USER/pytest-N``. Removed after a run
-    that passed, kept (and named) after one that did not."""
-    if getattr(config.option, "numprocesses", None) and config.option.basetemp is None \
-            and not hasattr(config, "workerinput"):
-        config.option.basetemp = config._kvdrive_basetemp = tempfile.mkdtemp(prefix="kvt-")
+    """A temp root of this run's own, shorter than pytest's: a Unix socket's path may be at
+    most 107 bytes, the daemons of the tests put theirs a few directories into ``tmp_path``,
+    and pytest-xdist (``pytest -n 2``) adds a directory per worker (``popen-gwN``) below
+    pytest's ``$TMPDIR/pytest-of-USER/pytest-N``. The deepest socket a test makes is 104
+    bytes long below ``/tmp/kvt-XXXXXXXX/popen-gwN`` (a bench's own directory in
+    ``tmp_path``), so the root goes in ``/tmp`` even where ``$TMPDIR`` is set longer.
+    Removed after a run that passed, kept (and named) after one that did not."""
+    if config.option.basetemp is None and not hasattr(config, "workerinput"):
+        parent = tempfile.gettempdir()
+        if len(parent) > len("/tmp") and os.access("/tmp", os.W_OK | os.X_OK):
+            parent = "/tmp"
+        config.option.basetemp = config._kvdrive_basetemp = tempfile.mkdtemp(prefix="kvt-", dir=parent)
     if hasattr(config, "workerinput"):
         # A worker's torch ops on its share of the cores: two workers each on the host's every
         # core only took turns, their OpenMP threads spinning while the other's ran.
