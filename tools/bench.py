@@ -19,6 +19,7 @@ import argparse
 import importlib
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 from kvdrive.protocol.release import add_version_option
@@ -83,6 +84,19 @@ BENCHMARKS: dict[str, Benchmark] = {
         "connections, lists, 4 MiB puts and SSD-tier gets, and whether the daemon survives each flood",
     ),
 }
+
+
+def work_dir(text: str) -> Path:
+    """A benchmark's ``--dir``: made, with its parents, where it does not exist yet; a usage
+    error, in one line, where it is not a directory or cannot be made."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot make {text}: {exc.strerror or exc}") from None
+    return path
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvdrive.tools import profile
-from kvdrive.tools.bench import BENCHMARKS
+from kvdrive.tools.bench import BENCHMARKS, build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"])
@@ -80,3 +80,27 @@ def test_every_console_script_tells_its_version(script):
     out = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=120)
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert out.returncode == 0 and out.stdout.strip() == f"{script} {version}", out.stdout + out.stderr
+
+
+DIR_BENCHES = sorted(name for name in BENCHMARKS
+                     if "--dir" in build_parser(name)._subparsers._group_actions[0].choices[name]._option_string_actions)
+
+
+def test_the_benches_with_a_dir_are_the_ones_that_start_daemons():
+    assert DIR_BENCHES == ["flood", "scale", "soak", "store", "tier"]
+
+
+@pytest.mark.parametrize("bench", DIR_BENCHES)
+def test_a_bench_dir_is_made_where_missing_and_refused_in_one_line_where_it_cannot_be(bench, tmp_path, capsys):
+    missing = tmp_path / "a" / "b"
+    args = build_parser(bench).parse_args([bench, "--dir", str(missing)])
+    assert args.dir == missing and missing.is_dir()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for bad, why in ((blocker, "is not a directory"), (blocker / "sub", "cannot make")):
+        with pytest.raises(SystemExit) as exc:
+            build_parser(bench).parse_args([bench, "--dir", str(bad)])
+        err = capsys.readouterr().err
+        line = err.strip().splitlines()[-1]
+        assert exc.value.code == 2 and line.startswith(f"kvdrive-bench {bench}: error: argument --dir: ")
+        assert why in line and str(bad) in line and not (blocker / "sub").exists()
