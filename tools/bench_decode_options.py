@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvdrive.tools.bench import output_file
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a short run: (a) at 1K tokens, (b) 2 layers x 4K tokens, few steps")
@@ -24,5 +26,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None,
                    help="workloads b and c on this torch device, e.g. cuda (dense-in-HBM is then the dense row; "
                         "default cpu)")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write one row per workload x config x tier")
-    p.add_argument("--png", type=Path, default=None, metavar="FILE", help="also draw tokens/s per configuration (matplotlib)")
+    p.add_argument("--json", type=output_file, default=None, metavar="FILE", help="also write one row per workload x config x tier")
+    p.add_argument("--png", type=output_file, default=None, metavar="FILE",
+                   help="also draw tokens/s per configuration (matplotlib)")

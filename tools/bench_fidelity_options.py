@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvdrive.tools.bench import output_file
 from kvdrive.tools.copytext import KINDS as COPY_KINDS
 from kvdrive.tools.targets import DENSE_TARGETS, DenseTarget
 from kvdrive_client.index_kind import IndexKind
@@ -76,5 +77,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads; selection kernels take microseconds per layer and extra threads on "
                         "a shared machine mostly add noise to select_ms (0: torch's own default)")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE",
+    p.add_argument("--json", type=output_file, default=None, metavar="FILE",
                    help='also write {"fidelity": [rows], "cache": [rows]} as JSON')

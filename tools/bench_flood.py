@@ -37,7 +37,7 @@ from typing import Iterator
 
 import numpy as np
 
-from kvdrive.tools.bench import work_dir
+from kvdrive.tools.bench import output_file, work_dir
 from kvdrive.tools.bench_flood_load import (
     GEOMETRY as FLOOD_GEOMETRY, GET_BLOCKS, LIST_SEQUENCES, FloodKind, FloodSpec, flooding,
 )
@@ -377,7 +377,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="lower the daemon's descriptor limit to this (default: the one it inherits)")
     p.add_argument("--dir", type=work_dir, default=Path(tempfile.gettempdir()),
                    help="where the daemon's temporary directory goes; made if missing")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--json", type=output_file, default=None, metavar="FILE", help="also write the rows as JSON")
     p.add_argument("--seed", type=int, default=0, help="seed of the bytes put and the blocks got")
 
 

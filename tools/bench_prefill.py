@@ -18,8 +18,8 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
+from kvdrive.tools.bench import output_file
 from kvdrive.tools.text_table import text_table
 
 # The parts of a KVDrive prefill that are not the model's own work (session counters, ms).
@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=float, default=0.0625, help="decode budget of the attached handle")
     p.add_argument("--index", default="lowrank", help="index the handle builds at prefill")
     p.add_argument("--quick", action="store_true", help=f"{QUICK_CONTEXT} tokens, 2 rounds")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--json", type=output_file, default=None, metavar="FILE", help="also write the rows as JSON")
 
 
 def _prompt(tok, n: int):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvdrive.tools.bench import work_dir
+from kvdrive.tools.bench import output_file, work_dir
 from kvdrive.tools.bench_soak import Daemon
 from kvdrive.tools.text_table import text_table
 from kvdrive_client.integrations.blocks import BlockStore
@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dram", default="64M", help="the daemon's DRAM tier")
     p.add_argument("--dir", type=work_dir, default=Path(tempfile.gettempdir()),
                    help="where the daemon's temporary directory goes (its SSD tier; made if missing)")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--json", type=output_file, default=None, metavar="FILE", help="also write the rows as JSON")
 
 
 def _status(pid: int, field: str) -> int:

@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from kvdrive.layout.format import DATA_FILE
-from kvdrive.tools.bench import work_dir
+from kvdrive.tools.bench import output_file, work_dir
 from kvdrive.tools.bench_tier_stress import nearest_rank_ms
 from kvdrive.tools.text_table import text_table
 from kvdrive_client.integrations.blocks import BlockStore
@@ -467,7 +467,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync", choices=("durable", "write-behind"), default="durable", help="the daemon's --sync")
     p.add_argument("--dir", type=work_dir, default=Path(tempfile.gettempdir()),
                    help="where the daemon's temporary directory goes (its SSD tier: put it on the disk to soak; made if missing)")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--json", type=output_file, default=None, metavar="FILE", help="also write the rows as JSON")
     p.add_argument("--seed", type=int, default=0, help="seed of the blocks' bytes and the loads' picks")
 
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from kvdrive.layout.format import DATA_FILE
 from kvdrive.layout.geometry import Geometry
-from kvdrive.tools.bench import work_dir
+from kvdrive.tools.bench import output_file, work_dir
 from kvdrive.tools.targets import TARGET_DRAM_VS_MEMCPY, TARGET_PACKED_VS_SEQ, TARGET_PACKED_VS_TOKEN, verdict
 from kvdrive_client import StoreClient
 from kvdrive_client.embedded import EmbeddedDaemon
@@ -474,7 +474,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per case, median reported (default 5, 3 with --quick)")
     p.add_argument("--dir", type=work_dir, default=Path(tempfile.gettempdir()),
                    help="where the daemons' temporary store directories go (needs O_DIRECT; made if missing)")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the rows as a JSON list")
+    p.add_argument("--json", type=output_file, default=None, metavar="FILE", help="also write the rows as a JSON list")
     p.add_argument("--seed", type=int, default=0, help="seed of the data, clusters and selections")
 
 

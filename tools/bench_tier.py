@@ -70,7 +70,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from kvdrive.tools.bench import work_dir
+from kvdrive.tools.bench import output_file, work_dir
 from kvdrive.tools.text_table import text_table
 
 BLOCK_TOKENS, LAYERS, KV_HEADS, HEAD_DIM, ITEM = 16, 32, 8, 128, 2
@@ -617,7 +617,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", type=work_dir, default=None,
                    help="where the daemons' directories and the engines' own backends' files go (default: the temp "
                         "dir; it must take O_DIRECT; made if missing)")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--json", type=output_file, default=None, metavar="FILE", help="also write the rows as JSON")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -99,3 +99,23 @@ def test_a_bench_dir_is_made_where_missing_and_refused_in_one_line_where_it_cann
         line = err.strip().splitlines()[-1]
         assert exc.value.code == 2 and line.startswith(f"kvdrive-bench {bench}: error: argument --dir: ")
         assert why in line and str(bad) in line and not (blocker / "sub").exists()
+
+
+JSON_BENCHES = sorted(BENCHMARKS)  # every bench writes its rows with --json FILE
+
+
+@pytest.mark.parametrize("bench", JSON_BENCHES)
+def test_a_bench_checks_its_json_file_before_it_runs(bench, tmp_path, capsys):
+    """The rows are written after the run (minutes, for some): a path they cannot go to is
+    refused at once, in one line, and a missing directory is made."""
+    good = tmp_path / "out" / "rows.json"
+    assert build_parser(bench).parse_args([bench, "--json", str(good)]).json == good and good.parent.is_dir()
+    assert not good.exists()  # written by the run, not by the check
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for bad, why in ((tmp_path, "is a directory"), (blocker / "rows.json", "is not a directory")):
+        with pytest.raises(SystemExit) as exc:
+            build_parser(bench).parse_args([bench, "--json", str(bad)])
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exc.value.code == 2 and line.startswith(f"kvdrive-bench {bench}: error: argument --json: ")
+        assert why in line
