@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvdrive.tools.bench import output_file
+from kvdrive.tools.cli_paths import output_file
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

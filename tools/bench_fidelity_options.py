@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvdrive.tools.bench import output_file
+from kvdrive.tools.cli_paths import output_file
 from kvdrive.tools.copytext import KINDS as COPY_KINDS
 from kvdrive.tools.targets import DENSE_TARGETS, DenseTarget
 from kvdrive_client.index_kind import IndexKind

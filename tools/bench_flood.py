@@ -37,10 +37,10 @@ from typing import Iterator
 
 import numpy as np
 
-from kvdrive.tools.bench import output_file, work_dir
 from kvdrive.tools.bench_flood_load import (
     GEOMETRY as FLOOD_GEOMETRY, GET_BLOCKS, LIST_SEQUENCES, FloodKind, FloodSpec, flooding,
 )
+from kvdrive.tools.cli_paths import output_file, work_dir
 from kvdrive.tools.text_table import text_table
 from kvdrive_client import Geometry, StoreClient, StoreError, StoreUnavailableError
 from kvdrive_client.embedded import EmbeddedDaemon

@@ -19,7 +19,7 @@ import json
 import statistics
 import time
 
-from kvdrive.tools.bench import output_file
+from kvdrive.tools.cli_paths import output_file
 from kvdrive.tools.text_table import text_table
 
 # The parts of a KVDrive prefill that are not the model's own work (session counters, ms).

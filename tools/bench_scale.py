@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvdrive.tools.bench import output_file, work_dir
 from kvdrive.tools.bench_soak import Daemon
+from kvdrive.tools.cli_paths import output_file, work_dir
 from kvdrive.tools.text_table import text_table
 from kvdrive_client.integrations.blocks import BlockStore
 

@@ -48,8 +48,8 @@ from pathlib import Path
 import numpy as np
 
 from kvdrive.layout.format import DATA_FILE
-from kvdrive.tools.bench import output_file, work_dir
 from kvdrive.tools.bench_tier_stress import nearest_rank_ms
+from kvdrive.tools.cli_paths import output_file, work_dir
 from kvdrive.tools.text_table import text_table
 from kvdrive_client.integrations.blocks import BlockStore
 from kvdrive_client.store import StoreClient

@@ -40,7 +40,7 @@ import numpy as np
 
 from kvdrive.layout.format import DATA_FILE
 from kvdrive.layout.geometry import Geometry
-from kvdrive.tools.bench import output_file, work_dir
+from kvdrive.tools.cli_paths import output_file, work_dir
 from kvdrive.tools.targets import TARGET_DRAM_VS_MEMCPY, TARGET_PACKED_VS_SEQ, TARGET_PACKED_VS_TOKEN, verdict
 from kvdrive_client import StoreClient
 from kvdrive_client.embedded import EmbeddedDaemon

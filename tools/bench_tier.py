@@ -70,7 +70,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from kvdrive.tools.bench import output_file, work_dir
+from kvdrive.tools.cli_paths import output_file, work_dir
 from kvdrive.tools.text_table import text_table
 
 BLOCK_TOKENS, LAYERS, KV_HEADS, HEAD_DIM, ITEM = 16, 32, 8, 128, 2
