@@ -47,8 +47,8 @@ def put(store, session, buf: int, ids) -> None:
     assert not store.commit_puts([p])
 
 
-def request(dst_id: int, n: int = N) -> BlockGet:
-    return BlockGet("eng", tuple(key(i) for i in range(n)), dst_id, 0)
+def request(dst_id: int) -> BlockGet:
+    return BlockGet("eng", tuple(key(i) for i in range(N)), dst_id, 0)
 
 
 def lru(store, session) -> list[bytes]:
