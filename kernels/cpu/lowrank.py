@@ -20,7 +20,7 @@ from kvdrive.kernels import reference as ref
 from kvdrive.kernels.cpu.lowrank_fused import _fused_page_mass, is_fused
 from kvdrive.kernels.cpu.lowrank_mass import _choose, _log_mass, _lowrank_weights
 from kvdrive.kernels.cpu.lowrank_passes import _SLOT_SPARE, _passes_page_mass
-from kvdrive.kernels.cpu.threads import _cut, _in_parts
+from kvdrive.kernels.cpu.threads import _cut, _in_parts, parts_for
 
 # The entry points of a pair take the same arguments; the fused ones ignore wide, narrow and ws.
 
@@ -106,7 +106,10 @@ def _lowrank_work(g_n: int, r_n: int, p_n: int, s_n: int) -> tuple[np.ndarray, .
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:
-    """A float32 numpy view of ``t`` (a copy only when its dtype differs)."""
+    """A float32 numpy view of ``t`` (a copy only when its dtype differs; no new tensor for a
+    float32 one that needs no detaching, the decode's query)."""
+    if t.dtype == torch.float32 and not t.requires_grad:
+        return t.numpy()
     return t.detach().to(torch.float32).numpy()
 
 
@@ -124,6 +127,13 @@ def _layout(qproj: torch.Tensor | np.ndarray, layout: ref.SketchLayout) -> tuple
     if layout.rank != qproj.shape[3]:
         raise ValueError(f"a sketch layout of rank {layout.rank} for a projection of rank {qproj.shape[3]}")
     return layout.int8, layout.int2, is_fused(layout.rank, layout.int8, layout.int2)
+
+
+def _kernel_of(qproj: torch.Tensor | np.ndarray, layout: ref.SketchLayout, scaling: float) -> tuple:
+    """What a select call takes besides the arrays: (int8 channels, int2 channels, the select
+    entry point of ``layout``'s kind, ``scaling`` as float32)."""
+    wide, narrow, fused = _layout(qproj, layout)
+    return wide, narrow, _lowrank_select_fused if fused else _lowrank_select_passes, np.float32(scaling)
 
 
 def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor, scaling: float,
@@ -167,8 +177,8 @@ def lowrank_select(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
     """
     arrays = (_projection(qproj), scale.numpy(), codes.numpy(), valid.numpy())
     sink = np.empty((query.shape[0], 0), np.int64)
-    pages, scores, cached_scores = _select(query, arrays, scaling, selectable, k, page_size, sink, False, cached,
-                                           layout)
+    pages, scores, cached_scores = _select(query, arrays, _kernel_of(arrays[0], layout, scaling), selectable, k,
+                                           page_size, sink, False, cached)
     return torch.from_numpy(pages), torch.from_numpy(scores), cached_scores
 
 
@@ -182,39 +192,49 @@ def lowrank_choose(query: torch.Tensor, index, selectable: torch.Tensor, k: int,
     decode step calls this once per layer, after the model's forward pass has pushed
     torch's dispatch code and these arrays out of the caches, so each torch op left out
     saves several times its warm cost."""
-    chosen, _, cached_scores = _select(query, _index_arrays(index), index.scaling, selectable, k, index.page_size,
-                                       np.ascontiguousarray(sink.numpy(), np.int64), True, cached, index.layout)
+    arrays, kernel = _index_arrays(index)
+    chosen, _, cached_scores = _select(query, arrays, kernel, selectable, k, index.page_size,
+                                       np.ascontiguousarray(sink.numpy(), np.int64), True, cached)
     return torch.from_numpy(chosen), cached_scores
 
 
-def _index_arrays(index) -> tuple[np.ndarray, ...]:
-    """A low-rank index's (qproj, scale, codes, valid) as the kernels take them, kept on the index
-    while its tensors are the same objects (pages added in place show through the views; an
-    index that grew has new tensors, and a view of some rows, :meth:`Selector.rows`, its own)."""
-    tensors = (index.qproj, index.scale, index.codes, index.valid)
+def _index_arrays(index) -> tuple[tuple[np.ndarray, ...], tuple]:
+    """A low-rank index's (qproj, scale, codes, valid) as the kernels take them and its
+    :func:`_kernel_of`, kept on the index while its tensors, layout and scaling are the same
+    objects (pages added in place show through the views; an index that grew has new tensors,
+    and a view of some rows, :meth:`Selector.rows`, its own). Each step calls this once a
+    layer, after the model's layers have pushed this code out of the caches: at Gemma 3's
+    16K tokens the layout's checks, done anew, cost about 12 us a call."""
+    tensors = (index.qproj, index.scale, index.codes, index.valid, index.layout, index.scaling)
     kept = getattr(index, "_cpu_arrays", None)
     if kept is None or any(a is not b for a, b in zip(kept[0], tensors)):
-        kept = (tensors, (_projection(index.qproj), index.scale.numpy(), index.codes.numpy(), index.valid.numpy()))
+        arrays = (_projection(index.qproj), index.scale.numpy(), index.codes.numpy(), index.valid.numpy())
+        kept = (tensors, arrays, _kernel_of(arrays[0], index.layout, index.scaling))
         index._cpu_arrays = kept
-    return kept[1]
+    return kept[1], kept[2]
 
 
-def _select(query: torch.Tensor, arrays: tuple[np.ndarray, ...], scaling: float, selectable: torch.Tensor, k: int,
-            page_size: int, sink: np.ndarray, unscored: bool, cached: torch.Tensor | None, layout: ref.SketchLayout,
+def _select(query: torch.Tensor, arrays: tuple[np.ndarray, ...], kernel: tuple, selectable: torch.Tensor, k: int,
+            page_size: int, sink: np.ndarray, unscored: bool, cached: torch.Tensor | None,
             ) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None]:
-    """``_lowrank_select_*`` over ``arrays`` (:func:`_index_arrays`): (pages ``[B, H, s + k]``, their
-    scores ``[B, H, k]``, the cached pages' scores or None)."""
+    """``_lowrank_select_*`` over ``arrays`` (:func:`_index_arrays`) as ``kernel`` (:func:`_kernel_of`)
+    says: (pages ``[B, H, s + k]``, their scores ``[B, H, k]``, the cached pages' scores or None).
+    A call in one part goes straight to the kernel, with no closure or slicing."""
     num_pages = selectable.shape[1]
     k = min(k, num_pages)
     b, h = query.shape[:2]
     qp, sc, cd, ok = arrays
+    wide, narrow, kernel, scaling = kernel
     pages = np.empty((b, h, sink.shape[1] + k), np.int64)
     scores = np.empty((b, h, k), np.float32)
     cached_np = _NO_CACHED if cached is None else cached.numpy()
     cached_scores = np.empty(cached_np.shape, np.float32)
     q, sel = _f32(query), selectable.numpy()
-    (wide, narrow, fused), scaling = _layout(qp, layout), np.float32(scaling)
-    kernel = _lowrank_select_fused if fused else _lowrank_select_passes
+    work = num_pages * page_size * q.shape[2]
+    if parts_for(b, h, work) == 1:
+        kernel(q, qp, sc, scaling, cd, wide, narrow, ok, sel, k, num_pages, page_size, sink, unscored, pages,
+               scores, cached_np, cached_scores, *_lowrank_work(q.shape[2], qp.shape[3], num_pages, page_size))
+        return pages, scores, None if cached is None else torch.from_numpy(cached_scores)
 
     def part(bs, hs):  # without cached pages, the empty arrays slice to empty arrays
         q_, qp_, sc_, cd_, ok_, sel_, sink_, pages_, scores_, cached_, cached_scores_ = _cut(
@@ -222,5 +242,5 @@ def _select(query: torch.Tensor, arrays: tuple[np.ndarray, ...], scaling: float,
         kernel(q_, qp_, sc_, scaling, cd_, wide, narrow, ok_, sel_, k, num_pages, page_size, sink_, unscored, pages_,
                scores_, cached_, cached_scores_, *_lowrank_work(q.shape[2], qp.shape[3], num_pages, page_size))
 
-    _in_parts(b, h, num_pages * page_size * q.shape[2], part)
+    _in_parts(b, h, work, part)
     return pages, scores, None if cached is None else torch.from_numpy(cached_scores)

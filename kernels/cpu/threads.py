@@ -53,6 +53,13 @@ def one_torch_thread():
         _lent.threads = None
 
 
+def parts_for(b_n: int, h_n: int, work_per_head: int, min_work: int | None = None) -> int:
+    """How many parts :func:`_in_parts` cuts a call of ``[b_n, h_n]`` into (1: the whole call
+    on the calling thread)."""
+    units = b_n if b_n > 1 else h_n
+    return max(1, min(kernel_threads(), units, (b_n * h_n * work_per_head) // (min_work or _PART_MIN_WORK)))
+
+
 def _in_parts(b_n: int, h_n: int, work_per_head: int, fn, min_work: int | None = None) -> None:
     """Run ``fn(rows, heads)`` on slices covering ``[b_n, h_n]``, on up to :func:`kernel_threads` threads.
 
@@ -63,7 +70,7 @@ def _in_parts(b_n: int, h_n: int, work_per_head: int, fn, min_work: int | None =
     """
     by_rows = b_n > 1
     units = b_n if by_rows else h_n
-    n = max(1, min(kernel_threads(), units, (b_n * h_n * work_per_head) // (min_work or _PART_MIN_WORK)))
+    n = parts_for(b_n, h_n, work_per_head, min_work)
     if n == 1:
         fn(None, None)
         return
