@@ -158,21 +158,20 @@ def _timed(step) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
-def _timed_loads(driver, what: str, rows: np.ndarray) -> tuple[list[float], float]:
+def _timed_loads(driver, what: str, rows: np.ndarray, scratch: np.ndarray) -> tuple[list[float], float]:
     """The seconds of :data:`LOAD_PASSES` loads of every block through ``driver``, its
     memory zeroed before each (untimed) and its bytes checked after each; and the GB/s of
-    a memcpy of as many bytes timed after each pass (the median). The host's memory
-    bandwidth moved by a third between runs here (a memcpy at 8.8 to 12.9 GB/s), so a
-    load is set against the copies made beside it, not one made before the run."""
+    a memcpy of ``rows`` into ``scratch`` (the run's one, faulted in) timed after each pass
+    (the median). The host's memory bandwidth moved by a third between runs here (a memcpy
+    at 8.8 to 12.9 GB/s), so a load is set against the copies made beside it, not one made
+    before the run."""
     secs, copies = [], []
-    scratch = np.empty_like(rows)
-    np.copyto(scratch, rows)  # its pages faulted in before any copy is timed
     for _ in range(LOAD_PASSES):
         driver.prepare_load()
         secs.append(_timed(driver.load)[0])
         _check_loaded(what, driver.loaded(), rows)
-        copies.append(_timed(lambda: np.copyto(scratch, rows))[0])
-    return secs, rows.nbytes / statistics.median(copies) / 1e9
+        copies.append(_memcpy_gbps(rows, scratch, repeats=1))
+    return secs, statistics.median(copies)
 
 
 def _load_row(row: Row, loads: list[float], nbytes: int, memcpy: float) -> Row:
@@ -519,9 +518,11 @@ ENGINE_DRIVERS = {"vllm": VllmFsDriver, "sglang": SglangFileDriver}
 # ---------------------------------------------------------------- the run
 
 
-def measure(adapter: str, tier: str, sync: str, rows: np.ndarray, root: Path, memcpy: float) -> list[Row]:
+def measure(adapter: str, tier: str, sync: str, rows: np.ndarray, root: Path, memcpy: float,
+            scratch: np.ndarray) -> list[Row]:
     """Store and load ``rows`` through ``adapter`` against a daemon of its own with that
-    tier and --sync policy; its rows, and the disk's beside that daemon's directory."""
+    tier and --sync policy; its rows, and the disk's beside that daemon's directory.
+    ``scratch``: the run's memcpy destination, as large as ``rows`` (:func:`_timed_loads`)."""
     from kvdrive.layout.format import DATA_FILE  # noqa: PLC0415
     from kvdrive.tools.bench_store import SEQ_IO_BYTES, SequentialReader  # noqa: PLC0415
     from kvdrive_client.embedded import EmbeddedDaemon  # noqa: PLC0415
@@ -544,7 +545,7 @@ def measure(adapter: str, tier: str, sync: str, rows: np.ndarray, root: Path, me
             writes.append(_disk_seq_write(daemon.root, nbytes))
             store_s, _ = _timed(driver.store)
             writes.append(_disk_seq_write(daemon.root, nbytes))
-            loads, load_memcpy = _timed_loads(driver, f"{adapter} over the {tier} tier ({sync})", rows)
+            loads, load_memcpy = _timed_loads(driver, f"{adapter} over the {tier} tier ({sync})", rows, scratch)
         finally:
             driver.close()
         if not direct:
@@ -574,9 +575,10 @@ def measure(adapter: str, tier: str, sync: str, rows: np.ndarray, root: Path, me
     return rows_out
 
 
-def measure_engine(adapter: str, rows: np.ndarray, root: Path, memcpy: float) -> list[Row]:
+def measure_engine(adapter: str, rows: np.ndarray, root: Path, memcpy: float, scratch: np.ndarray) -> list[Row]:
     """Store and load ``rows`` through the engine's own backend, driven as ``adapter``'s
-    driver drives ours, its files in a fresh directory under ``root`` (removed after)."""
+    driver drives ours, its files in a fresh directory under ``root`` (removed after);
+    ``scratch`` as :func:`measure` takes it."""
     where = Path(tempfile.mkdtemp(prefix=f"bench-tier-{adapter}-", dir=root))
     n, nbytes, name = len(rows), rows.nbytes, ENGINE_OWN[adapter]
     try:
@@ -585,7 +587,7 @@ def measure_engine(adapter: str, rows: np.ndarray, root: Path, memcpy: float) ->
             os.sync()
             store_s, _ = _timed(driver.store)
             os.sync()
-            loads, load_memcpy = _timed_loads(driver, name, rows)
+            loads, load_memcpy = _timed_loads(driver, name, rows, scratch)
         finally:
             driver.close()
     finally:
@@ -705,15 +707,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _rates(args: argparse.Namespace, rows: np.ndarray, root: Path) -> dict:
     n = len(rows)
-    memcpy = _memcpy_gbps(rows, np.empty_like(rows))
+    scratch = np.empty_like(rows)  # every memcpy's destination, the loads' own too
+    memcpy = _memcpy_gbps(rows, scratch)
     _note(f"  memcpy here: {memcpy:.2f} GB/s")
     out: list[Row] = []
     for adapter in args.adapters:
         if not args.no_baselines and adapter in ENGINE_DRIVERS:
-            out += measure_engine(adapter, rows, root, memcpy)
+            out += measure_engine(adapter, rows, root, memcpy, scratch)
         for tier in args.tiers:
             for sync in args.sync:
-                out += measure(adapter, tier, sync, rows, root, memcpy)
+                out += measure(adapter, tier, sync, rows, root, memcpy, scratch)
     _against_engine(out)
     targets = _targets(out)
     header = ("adapter", "backend", "tier", "op", "blocks", "s", "GB/s", "range GB/s", "vs memcpy", "vs disk seq read",

@@ -192,8 +192,8 @@ def lowrank_choose(query: torch.Tensor, index, selectable: torch.Tensor, k: int,
     decode step calls this once per layer, after the model's forward pass has pushed
     torch's dispatch code and these arrays out of the caches, so each torch op left out
     saves several times its warm cost."""
-    arrays, kernel = _index_arrays(index)
-    chosen, _, cached_scores = _select(query, arrays, kernel, selectable, k, index.page_size,
+    arrays, entry = _index_arrays(index)
+    chosen, _, cached_scores = _select(query, arrays, entry, selectable, k, index.page_size,
                                        np.ascontiguousarray(sink.numpy(), np.int64), True, cached)
     return torch.from_numpy(chosen), cached_scores
 
@@ -214,17 +214,17 @@ def _index_arrays(index) -> tuple[tuple[np.ndarray, ...], tuple]:
     return kept[1], kept[2]
 
 
-def _select(query: torch.Tensor, arrays: tuple[np.ndarray, ...], kernel: tuple, selectable: torch.Tensor, k: int,
+def _select(query: torch.Tensor, arrays: tuple[np.ndarray, ...], entry: tuple, selectable: torch.Tensor, k: int,
             page_size: int, sink: np.ndarray, unscored: bool, cached: torch.Tensor | None,
             ) -> tuple[np.ndarray, np.ndarray, torch.Tensor | None]:
-    """``_lowrank_select_*`` over ``arrays`` (:func:`_index_arrays`) as ``kernel`` (:func:`_kernel_of`)
+    """``_lowrank_select_*`` over ``arrays`` (:func:`_index_arrays`) as ``entry`` (:func:`_kernel_of`)
     says: (pages ``[B, H, s + k]``, their scores ``[B, H, k]``, the cached pages' scores or None).
     A call in one part goes straight to the kernel, with no closure or slicing."""
     num_pages = selectable.shape[1]
     k = min(k, num_pages)
     b, h = query.shape[:2]
     qp, sc, cd, ok = arrays
-    wide, narrow, kernel, scaling = kernel
+    wide, narrow, kernel, scaling = entry
     pages = np.empty((b, h, sink.shape[1] + k), np.int64)
     scores = np.empty((b, h, k), np.float32)
     cached_np = _NO_CACHED if cached is None else cached.numpy()
