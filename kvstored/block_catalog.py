@@ -25,6 +25,7 @@ import numpy as np
 from kvstored.catalog import (
     BLOCKS_NAME, CRC, EXTENT_KEY, UID_KEY, Catalog, ExtentRecord, SeqRecord, _unpack_map, crc_of, intact_records,
 )
+from kvstored.checksum import block_crcs
 
 BLOCK_KEY = struct.Struct(">QQ")  # a block record's key: namespace uid, first extent id
 
@@ -93,7 +94,24 @@ def part_rows(uid: int, parts: int, first_id: int, offsets: list[int], slots: np
     block is extent ``first_id + i * parts + p``, one page (its slot ``slots[i]``) at
     ``offsets[i * parts + p]`` with checksum ``crc[i * parts + p]``. Byte for byte the
     rows :class:`~kvstored.catalog.ExtentRecord` would make, written without one: a put of
-    128 SGLang pages makes 256 of them, and the records' arrays cost more than their writes."""
+    128 SGLang pages makes 256 of them. Where every offset takes msgpack's integer of one
+    width (as a rule) the rows are laid out as columns of one array (:func:`_columns`), else
+    made one at a time. The put's writer thread makes them after its write, before the
+    commit: a 128-page put's part and block rows took 0.28 ms here as columns, 0.62 ms
+    one at a time."""
+    n = len(offsets)
+    off = np.asarray(offsets)
+    width = _uint_width(off) if off.dtype.kind in "iu" else None
+    if width is None or not len(slots) or slots.min() < -(1 << 31) or slots.max() >= 1 << 31:
+        return _part_rows_each(uid, parts, first_id, offsets, slots, crc)
+    keys = _columns(n, [(EXTENT_KEY_DTYPE, (uid, np.arange(n) % parts, 0, first_id + np.arange(n)))])
+    pay = _columns(n, [b"\x85\xa3off", *width(off), b"\xa5pages\xc4\x04", ("<i4", np.repeat(slots, parts)),
+                       b"\xa3crc\xc4\x04", ("<u4", crc), b"\xa7cluster\xc4\x04" + _ZERO + b"\xa3imp\xc4\x04" + _ZERO])
+    return _sealed_columns(keys, pay)
+
+
+def _part_rows_each(uid: int, parts: int, first_id: int, offsets: list[int], slots: np.ndarray,
+                    crc: np.ndarray) -> list[tuple[bytes, bytes]]:
     pack = msgpack.Packer(use_bin_type=True).pack
     keys = [EXTENT_KEY.pack(uid, k % parts, 0, first_id + k) for k in range(len(offsets))]
     payloads = [pack({"off": off, "pages": _PAGE.pack(slot), "crc": _SUM.pack(c), "cluster": _ZERO, "imp": _ZERO})
@@ -103,19 +121,82 @@ def part_rows(uid: int, parts: int, first_id: int, offsets: list[int], slots: np
 
 def block_rows(uid: int, keys: list[bytes], slots: np.ndarray, extent_ids: np.ndarray) -> list[tuple[bytes, bytes]]:
     """The catalog rows (key, stored value) of blocks ``keys`` of namespace ``uid``: block
-    ``keys[i]`` in slot ``slots[i]``, its parts in extents ``extent_ids[i]``."""
-    return sealed_rows([BlockRecord(uid, key, slot, tuple(ids)).encode()
-                        for key, slot, ids in zip(keys, slots.tolist(), extent_ids.tolist())])
+    ``keys[i]`` in slot ``slots[i]``, its parts in extents ``extent_ids[i]``. As columns
+    (:func:`part_rows`) where the slots take one msgpack width, the extent ids one, and the
+    keys are of one length (at most 255 bytes); else :meth:`BlockRecord.encode` each."""
+    n, parts = extent_ids.shape
+    slot_w, ext_w, klen = _uint_width(slots), _uint_width(extent_ids), len(keys[0]) if keys else 0
+    if slot_w is None or ext_w is None or not 0 < klen < 256 or parts >= 1 << 16 or set(map(len, keys)) != {klen}:
+        return sealed_rows([BlockRecord(uid, key, slot, tuple(ids)).encode()
+                            for key, slot, ids in zip(keys, slots.tolist(), extent_ids.tolist())])
+    head = bytes([0x90 | parts]) if parts < 16 else b"\xdc" + struct.pack(">H", parts)
+    ext = [c for p in range(parts) for c in ext_w(extent_ids[:, p])]
+    db_keys = _columns(n, [(BLOCK_KEY_DTYPE, (uid, extent_ids[:, 0]))])
+    pay = _columns(n, [b"\x83\xa4slot", *slot_w(slots), b"\xa3ext" + head, *ext, b"\xa3key\xc4" + bytes([klen]),
+                       ("V%d" % klen, np.frombuffer(b"".join(keys), "V%d" % klen))])
+    return _sealed_columns(db_keys, pay)
+
+
+EXTENT_KEY_DTYPE = np.dtype([("uid", ">u8"), ("layer", ">u4"), ("head", ">u4"), ("ext", ">u8")])  # EXTENT_KEY
+BLOCK_KEY_DTYPE = np.dtype([("uid", ">u8"), ("first", ">u8")])  # BLOCK_KEY
+# msgpack's unsigned integers: below each bound, the type byte (none: a positive fixint) and the big-endian width.
+_UINTS = ((1 << 7, None, ">u1"), (1 << 8, b"\xcc", ">u1"), (1 << 16, b"\xcd", ">u2"), (1 << 32, b"\xce", ">u4"),
+          (1 << 64, b"\xcf", ">u8"))
+
+
+def _uint_width(values: np.ndarray):
+    """A maker of the msgpack columns of ``values`` (non-negative integers) where they all take
+    one width; None where they do not (or there are none)."""
+    if not values.size:
+        return None
+    lo, hi = int(values.min()), int(values.max())
+    if lo < 0 or _uint_class(lo) != _uint_class(hi):
+        return None
+    _, tag, fmt = _UINTS[_uint_class(hi)]
+    return lambda v: ([tag] if tag else []) + [(fmt, v)]
+
+
+def _uint_class(v: int) -> int:
+    return next(i for i, (bound, _, _) in enumerate(_UINTS) if v < bound)
+
+
+def _columns(n: int, cols: list) -> np.ndarray:
+    """``n`` rows of fixed-size columns, as an ``[n, width]`` uint8 array: each column a
+    constant (bytes) or (dtype, values) (a structured dtype takes a tuple of field values)."""
+    fields, values = [], []
+    for i, col in enumerate(cols):
+        if isinstance(col, bytes):
+            fields.append((f"c{i}", f"V{len(col)}"))
+            values.append(np.frombuffer(col, f"V{len(col)}")[0])
+        else:
+            fields.append((f"c{i}", col[0]))
+            values.append(col[1])
+    out = np.empty(n, np.dtype(fields))
+    for (name, _), v in zip(fields, values):
+        if isinstance(v, tuple):
+            for field, part in zip(out.dtype[name].names, v):
+                out[name][field] = part
+        else:
+            out[name] = v
+    return out.view(np.uint8).reshape(n, -1)
+
+
+def _sealed_columns(keys: np.ndarray, payloads: np.ndarray) -> list[tuple[bytes, bytes]]:
+    """Rows of :func:`_columns` keys and payloads as (key, payload + the checksum of both)."""
+    n, kw = keys.shape
+    row = kw + payloads.shape[1]
+    crc = block_crcs(np.concatenate([keys, payloads], axis=1).reshape(-1), np.arange(n, dtype=np.int64) * row, row)
+    stored = np.concatenate([payloads, crc.astype("<u4").view(np.uint8).reshape(n, 4)], axis=1).tobytes()
+    key_bytes, vw = keys.tobytes(), payloads.shape[1] + 4
+    return [(key_bytes[i * kw: (i + 1) * kw], stored[i * vw: (i + 1) * vw]) for i in range(n)]
 
 
 def add_blocks(cat: Catalog, txn: lmdb.Transaction, parts: list[tuple[bytes, bytes]],
                blocks: list[tuple[bytes, bytes]]) -> None:
     """Write new blocks' rows (:func:`part_rows`, :func:`block_rows`) in one transaction, so
     that a block is in the catalog whole or not at all."""
-    for key, value in parts:
-        txn.put(key, value, db=cat.extents)
-    for key, value in blocks:
-        txn.put(key, value, db=cat.blocks)
+    txn.cursor(db=cat.extents).putmulti(parts)  # as a put each, in one call (256 rows: 0.07 ms, not 0.17)
+    txn.cursor(db=cat.blocks).putmulti(blocks)
     cat.num_extents += len(parts)
     cat.num_blocks += len(blocks)
 

@@ -304,6 +304,31 @@ def test_a_store_from_before_block_namespaces_opens_and_takes_blocks(daemon_fact
     assert d.stop() == 0
 
 
+@pytest.mark.parametrize("base", [0, 127, 128, 255, 256, 65535, 65536, (1 << 32) - 3, 1 << 32, 1 << 40])
+def test_rows_laid_out_as_columns_are_the_rows_made_one_at_a_time(base):
+    """part_rows and block_rows lay a put's rows out as columns where every integer takes one
+    msgpack width, else encode them one by one: either way the same bytes, here on both sides of
+    each width's bound (a put whose values straddle one takes the row-by-row path)."""
+    from kvstored.block_catalog import BlockRecord, _part_rows_each, block_rows, part_rows, sealed_rows
+
+    rng = np.random.default_rng(base % 1000)
+    for parts, n in ((1, 3), (2, 4), (17, 2)):
+        offsets = [base + 4096 * k for k in range(n * parts)]
+        slots = np.arange(n, dtype=np.int64) + min(base, 1 << 30)
+        crc = rng.integers(0, 2**32, n * parts, dtype=np.uint32)
+        assert part_rows(5, parts, base + 1, offsets, slots, crc) == _part_rows_each(5, parts, base + 1, offsets,
+                                                                                    slots, crc)
+        ids = (base + 1 + np.arange(n * parts, dtype=np.int64)).reshape(n, parts)
+        for width in (1, 33, 48):
+            keys = [bytes(rng.integers(0, 256, width, dtype=np.uint8)) for _ in range(n)]
+            one_by_one = sealed_rows([BlockRecord(5, k, s, tuple(i)).encode()
+                                      for k, s, i in zip(keys, slots.tolist(), ids.tolist())])
+            assert block_rows(5, keys, slots, ids) == one_by_one
+    mixed = [b"a", b"bc"]  # keys of two lengths: row by row
+    assert block_rows(5, mixed, np.array([1, 2]), np.array([[3], [4]])) == sealed_rows(
+        [BlockRecord(5, k, s, (i,)).encode() for k, s, i in zip(mixed, (1, 2), (3, 4))])
+
+
 def test_block_parts_are_written_as_the_extent_records_a_restart_reads():
     """A put's part rows are made without ExtentRecord objects; they must be those records'
     rows byte for byte, so that a restart and the catalog check read them as extents."""
