@@ -168,6 +168,8 @@ class GetPath:
         tick = next(self.clock)
         for entry, lay, hed, pag, col in groups:
             entry.last_use[lay, hed, col] = tick
+            if len(lay):
+                entry.last_tick = max(entry.last_tick, tick)
             self.residency.touched(entry, lay, hed, pag)
 
     def in_dram(self, req: Get, session: Session, max_bytes: int) -> bool:

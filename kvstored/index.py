@@ -108,6 +108,10 @@ class SeqEntry:
     extents: list = field(default_factory=list)
     # The token of the session that created it, while this daemon runs (not in the catalog).
     writer: bytes | None = None
+    # The tick of its most recent put or get (0: none since start): the largest of last_use,
+    # kept as one number, so that a quota ranks a namespace's sequences without a pass over
+    # each one's window (index lock held to write it).
+    last_tick: int = 0
 
     def __post_init__(self) -> None:
         self._install(_arrays(self.geometry, 0))

@@ -463,6 +463,8 @@ class PutPath:
             entry.crc[p.layers, p.heads, cols] = p.crc
             entry.importance[p.layers, p.heads, cols] = p.importance
             entry.last_use[p.layers, p.heads, cols] = tick
+            if len(cols):
+                entry.last_tick = max(entry.last_tick, tick)
             self.index.mark_pages(entry, entry.columns(p.page_ids))
             entry.extents.extend(p.extents)
             entry.num_blocks += len(p.pages)
