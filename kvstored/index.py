@@ -179,6 +179,7 @@ class BlockIndex:
         self._owner_bytes: Counter[int] = Counter()
         self._by_uid: dict[int, SeqEntry] = {}
         self._by_name: dict[tuple[int, str, str], int] = {}
+        self._by_ns: dict[tuple[int, str], dict[int, SeqEntry]] = {}  # (owner uid, namespace): its entries by uid
 
     def owner_bytes(self, owner: int) -> int:
         """What the sequences of ``owner`` count against the index budget."""
@@ -203,6 +204,7 @@ class BlockIndex:
         with self.lock:
             self._by_uid[entry.uid] = entry
             self._by_name[(entry.owner, entry.ns, entry.name)] = entry.uid
+            self._by_ns.setdefault((entry.owner, entry.ns), {})[entry.uid] = entry
             self._count(entry.owner, entry.nbytes)
 
     def remove(self, uid: int) -> SeqEntry | None:
@@ -210,6 +212,10 @@ class BlockIndex:
             entry = self._by_uid.pop(uid, None)
             if entry is not None:
                 self._by_name.pop((entry.owner, entry.ns, entry.name), None)
+                mine = self._by_ns.get((entry.owner, entry.ns), {})
+                mine.pop(uid, None)
+                if not mine:
+                    self._by_ns.pop((entry.owner, entry.ns), None)
                 self._count(entry.owner, -entry.nbytes)
             return entry
 
@@ -229,6 +235,11 @@ class BlockIndex:
     def all(self) -> list[SeqEntry]:
         with self.lock:
             return list(self._by_uid.values())
+
+    def in_namespace(self, owner: int, ns: str) -> list[SeqEntry]:
+        """The entries of ``owner`` 's namespace ``ns`` (without a pass over every entry)."""
+        with self.lock:
+            return list(self._by_ns.get((owner, ns), {}).values())
 
     # ------------------------------------------------------------ growth (writer thread)
 

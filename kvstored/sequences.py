@@ -9,6 +9,7 @@ words as for a uid never used).
 from __future__ import annotations
 
 import fnmatch
+import heapq
 import logging
 import time
 from collections import Counter
@@ -139,11 +140,11 @@ class Sequences:
     def list(self, req: ListSeqs, owner: int) -> dict:
         """The caller's sequences (of namespace ``req.ns`` if given) with uid > ``req.after``,
         in uid order, at most ``req.limit``; ``more`` says whether others follow."""
-        mine = sorted(
-            (e for e in self.index.all() if e.owner == owner and e.uid > req.after and (req.ns is None or e.ns == req.ns)
-             and e.name != BLOCKS_NAME),
-            key=lambda e: e.uid,
-        )
+        pool = self.index.all() if req.ns is None else self.index.in_namespace(owner, req.ns)
+        # The first limit + 1 by uid, not a sort of all of them: listing K sequences takes K / limit calls.
+        mine = heapq.nsmallest(req.limit + 1, (e for e in pool if e.owner == owner and e.uid > req.after
+                                               and (req.ns is None or e.ns == req.ns) and e.name != BLOCKS_NAME),
+                               key=lambda e: e.uid)
         return {"sequences": [self.describe(e) for e in mine[: req.limit]], "more": len(mine) > req.limit}
 
     def lookup(self, req: Lookup, owner: int) -> dict:
@@ -211,8 +212,7 @@ class Sequences:
             if limit is None or self.ns_bytes[(owner, ns)] <= limit:
                 continue
             # A block namespace loses single blocks instead (blocks.py).
-            candidates = [e for e in self.index.all()
-                          if e.owner == owner and e.ns == ns and e.uid not in keep and e.name != BLOCKS_NAME]
+            candidates = [e for e in self.index.in_namespace(owner, ns) if e.uid not in keep and e.name != BLOCKS_NAME]
             with self.index.lock:
                 victims = pick_victims(candidates, self.ns_bytes[(owner, ns)] - limit)
             if not victims:

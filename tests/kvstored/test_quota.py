@@ -123,3 +123,24 @@ def test_an_adapter_store_at_its_quota_stores_every_key_of_the_batch(daemon_fact
     finally:
         store.close()
     verify_clean(d)
+
+
+def test_a_namespace_lists_and_evicts_from_its_own_entries_only(daemon_factory):
+    """Quotas and listings read a namespace's own entries (kept by namespace in the index, not
+    found by a pass over every sequence): a listing pages through 40 sequences of one namespace
+    beside others of the same user, and a quota past its limit evicts only its own."""
+    d = daemon_factory(extra=["--quota", "eng/q=1M"]).start()  # 4 blocks of 256 KiB
+    c = d.client()
+    for i in range(40):
+        c.create("eng/many", f"s{i:02d}", GEOM)
+        if i % 8 == 0:
+            c.create("eng/other", f"o{i:02d}", GEOM)
+    listed = c.list("eng/many")
+    assert sorted(s["seq"] for s in listed) == [f"s{i:02d}" for i in range(40)]
+    assert [s["uid"] for s in listed] == sorted(s["uid"] for s in listed)  # uid order, across pages
+    assert len(c.list()) == 45
+    for i in range(5):
+        put_one(c, "eng/q", f"q{i}", i)
+    assert names(c, "eng/q") == ["q1", "q2", "q3", "q4"]
+    c.delete("eng/many", "s07")
+    assert len(c.list("eng/many")) == 39 and len(c.list("eng/other")) == 5
