@@ -82,6 +82,14 @@ def _slot_and_extents(v: dict) -> tuple[int, tuple[int, ...]]:
 _PAGE, _SUM = struct.Struct("<i"), struct.Struct("<I")
 _ZERO = bytes(4)  # a part's cluster (int32) and importance (float32): none
 
+# The constant parts of the rows' values (msgpack maps), as :func:`part_rows` and
+# :func:`block_rows` lay them out between their integers; :mod:`kvstored.block_columns`
+# reads them back in this form. A part: off, pages (int32), crc (uint32), cluster and imp
+# (none). A block: slot, ext (an array header follows), key (bin 8: its length follows).
+PART_HEAD, PART_PAGES, PART_CRC = b"\x85\xa3off", b"\xa5pages\xc4\x04", b"\xa3crc\xc4\x04"
+PART_TAIL = b"\xa7cluster\xc4\x04" + _ZERO + b"\xa3imp\xc4\x04" + _ZERO
+BLOCK_HEAD, BLOCK_EXT, BLOCK_KEY_BIN = b"\x83\xa4slot", b"\xa3ext", b"\xa3key\xc4"
+
 
 def sealed_rows(encoded: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """Keys and payloads as keys and stored values (each payload with its record's checksum)."""
@@ -105,8 +113,8 @@ def part_rows(uid: int, parts: int, first_id: int, offsets: list[int], slots: np
     if width is None or not len(slots) or slots.min() < -(1 << 31) or slots.max() >= 1 << 31:
         return _part_rows_each(uid, parts, first_id, offsets, slots, crc)
     keys = _columns(n, [(EXTENT_KEY_DTYPE, (uid, np.arange(n) % parts, 0, first_id + np.arange(n)))])
-    pay = _columns(n, [b"\x85\xa3off", *width(off), b"\xa5pages\xc4\x04", ("<i4", np.repeat(slots, parts)),
-                       b"\xa3crc\xc4\x04", ("<u4", crc), b"\xa7cluster\xc4\x04" + _ZERO + b"\xa3imp\xc4\x04" + _ZERO])
+    pay = _columns(n, [PART_HEAD, *width(off), PART_PAGES, ("<i4", np.repeat(slots, parts)), PART_CRC, ("<u4", crc),
+                       PART_TAIL])
     return _sealed_columns(keys, pay)
 
 
@@ -132,7 +140,7 @@ def block_rows(uid: int, keys: list[bytes], slots: np.ndarray, extent_ids: np.nd
     head = bytes([0x90 | parts]) if parts < 16 else b"\xdc" + struct.pack(">H", parts)
     ext = [c for p in range(parts) for c in ext_w(extent_ids[:, p])]
     db_keys = _columns(n, [(BLOCK_KEY_DTYPE, (uid, extent_ids[:, 0]))])
-    pay = _columns(n, [b"\x83\xa4slot", *slot_w(slots), b"\xa3ext" + head, *ext, b"\xa3key\xc4" + bytes([klen]),
+    pay = _columns(n, [BLOCK_HEAD, *slot_w(slots), BLOCK_EXT + head, *ext, BLOCK_KEY_BIN + bytes([klen]),
                        ("V%d" % klen, np.frombuffer(b"".join(keys), "V%d" % klen))])
     return _sealed_columns(db_keys, pay)
 

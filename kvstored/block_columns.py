@@ -31,7 +31,9 @@ import numba
 import numpy as np
 
 from kvstored import catalog
-from kvstored.block_catalog import BLOCK_KEY
+from kvstored.block_catalog import (
+    BLOCK_EXT, BLOCK_HEAD, BLOCK_KEY, BLOCK_KEY_BIN, PART_CRC, PART_HEAD, PART_PAGES, PART_TAIL,
+)
 from kvstored.catalog import BLOCKS_NAME, CRC, EXTENT_KEY, UID_KEY, ExtentRecord, SeqRecord
 from kvstored.checksum import block_crcs
 
@@ -42,15 +44,9 @@ def _bytes(s: bytes) -> np.ndarray:
     return np.frombuffer(s, np.uint8).copy()
 
 
-# The constant parts of a block part's extent value (msgpack of off, pages, crc, cluster, imp).
-_PART_HEAD = _bytes(b"\x85\xa3off")
-_PART_PAGES = _bytes(b"\xa5pages\xc4\x04")
-_PART_CRC = _bytes(b"\xa3crc\xc4\x04")
-_PART_TAIL = _bytes(b"\xa7cluster\xc4\x04\0\0\0\0\xa3imp\xc4\x04\0\0\0\0")
-# And of a block record's value (msgpack of slot, ext, key: the engine key as bin 8).
-_BLOCK_HEAD = _bytes(b"\x83\xa4slot")
-_BLOCK_EXT = _bytes(b"\xa3ext")
-_BLOCK_KEY = _bytes(b"\xa3key\xc4")
+# The constant parts of a block part's extent value and of a block record's value, as the writer lays them out.
+_PART_HEAD, _PART_PAGES, _PART_CRC, _PART_TAIL = map(_bytes, (PART_HEAD, PART_PAGES, PART_CRC, PART_TAIL))
+_BLOCK_HEAD, _BLOCK_EXT, _BLOCK_KEY = map(_bytes, (BLOCK_HEAD, BLOCK_EXT, BLOCK_KEY_BIN))
 
 
 @numba.njit(nogil=True, cache=True)
