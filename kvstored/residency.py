@@ -8,25 +8,30 @@ if it ranks higher itself, or one of a user over its fair share while its own us
 under its share (dram_shares.py).
 
 The ranking lives in one min-heap per (owner, block size) of *runs*: a run is a group of
-blocks of one sequence that were admitted or touched together with one tick, each with its
-own importance, keyed by ``(lowest importance, tick)``. A put or get pushes one run per
-sequence and tick, whatever the importances of its blocks (a decode step's get names
-hundreds of pages of as many importances; a run per importance cost it ~10 ms of Python),
-so the cost of keeping the order is O(log runs) per put or get, whatever the number of
-stored sequences or resident blocks. A run's key is a lower bound of its blocks' ranks:
-when it is popped, the blocks of the lowest importance are the lowest-ranked residents,
-and the rest go back under their own lowest importance, so the order is exact and the
-splitting is paid only by what eviction reaches. A block touched again is pushed again
-with its new tick; its older record goes stale. Staleness is checked when a run is
-popped: a block counts only if it is still resident and its importance and last use are
-still the run's (ticks are never reused, so a block re-admitted later cannot match an old
-run). When the records a heap holds pass twice its resident blocks (plus a slack), the
-heap is compacted in place: every record checked, stale blocks dropped. So memory stays
-proportional to the resident blocks and every push pays O(1) amortised for compaction.
+blocks of one sequence, each with the importance and last use (the tick of the put or get
+that last touched it) it had when recorded, in rank order and keyed by its first block's
+``(importance, tick)``. A put or get pushes one run per sequence, whatever the importances
+of its blocks (a decode step's get names hundreds of pages of as many importances; a run
+per importance cost it ~10 ms of Python), so the cost of keeping the order is O(log runs)
+per put or get, whatever the number of stored sequences or resident blocks. A block
+touched again is pushed again with its new tick; its older record goes stale. Staleness is
+checked when a run is popped: a block counts only if it is still resident and its
+importance and last use are still the run's (ticks are never reused, so a block
+re-admitted later cannot match an old run). When the records a heap holds pass twice its
+resident blocks (plus a slack), the heap is compacted: each sequence's records checked in
+one vectorised pass, the stale ones dropped and the live ones merged into runs of
+COMPACT_RUN blocks. So memory stays proportional to the resident blocks, every push pays
+O(1) amortised for compaction, and runs do not fragment: gets of random blocks leave a
+few live blocks in most old runs, and runs kept whole for them had grown to 20K at 400K
+resident blocks, checked one by one in Python (0.5-0.9 s a compaction, with the index
+lock held; 55-145 ms now).
 
-Eviction pops runs from the bottom of the owner's heap and takes their blocks while the
-candidates (by descending importance) still outrank them: at most one resident per
-candidate, the same pairing as a full sort of the residents would give.
+Eviction pops runs from the bottom of the owner's heap and takes their blocks in rank
+order, those that rank at or below every other run's first block, while the candidates
+(by descending importance) still outrank them; the rest of a run goes back under its new
+first block. So the order is exact, the splitting is paid only by what eviction reaches,
+and it pairs at most one resident with each candidate, as a full sort of the residents
+would.
 A put of new blocks written straight from a client's buffer (put_path.py) takes its
 slots before its write (:meth:`Residency.reserve`), copies the blocks in beside the
 write (:meth:`Residency.fill`) and maps them once its commit is done
@@ -55,43 +60,74 @@ from kvstored.dram_shares import DramShares
 from kvstored.index import BlockIndex, SeqEntry
 
 COMPACT_SLACK = 4096  # records a heap may hold beyond twice its resident blocks before compaction
+COMPACT_RUN = 512  # blocks a run of a compacted heap holds (an eviction checks a run whole)
+_RUN_FIELDS = ("importance", "ticks", "layers", "heads", "pages")
 
 
 @dataclass
 class _Run:
     """Blocks ``(layers[i], heads[i], pages[i])`` of sequence ``uid`` that had importance
-    ``importance[i]`` and last use ``tick`` when recorded."""
+    ``importance[i]`` and last use ``ticks[i]`` when recorded, in rank order: by importance,
+    then by last use."""
 
     uid: int
     importance: np.ndarray  # float32, one per block
-    tick: int
+    ticks: np.ndarray  # int64
     layers: np.ndarray
     heads: np.ndarray
     pages: np.ndarray
 
+    @classmethod
+    def ranked(cls, uid: int, importance, ticks, layers, heads, pages) -> _Run:
+        """A run of these blocks, put in rank order."""
+        order = np.lexsort((ticks, importance))
+        return cls(uid, importance[order], ticks[order], layers[order], heads[order], pages[order])
+
     @property
-    def key(self) -> float:
-        """The run's rank in its heap: its lowest importance (no block ranks below it)."""
-        return float(self.importance.min())
+    def rank(self) -> tuple[float, int]:
+        """The run's rank in its heap: its first block's (importance, last use), the lowest."""
+        return float(self.importance[0]), int(self.ticks[0])
 
     def live(self, index: BlockIndex) -> tuple[SeqEntry | None, np.ndarray]:
         """The run's entry and, per block, whether it is resident with the run's rank still."""
         entry = index.get(self.uid)
-        if entry is None:
-            return None, np.zeros(len(self.pages), dtype=bool)
-        cols = entry.columns(self.pages)
-        ok = (cols >= 0) & (cols < entry.capacity)
-        lay, hed, col = self.layers[ok], self.heads[ok], cols[ok]
-        ok[ok] = ((entry.dram_off[lay, hed, col] >= 0) & (entry.last_use[lay, hed, col] == self.tick)
-                  & (entry.importance[lay, hed, col] == self.importance[ok]))
-        return entry, ok
+        return entry, _live(entry, self.layers, self.heads, self.pages, self.importance, self.ticks)
 
-    def keep(self, mask: np.ndarray) -> _Run:
-        return _Run(self.uid, self.importance[mask], self.tick, self.layers[mask], self.heads[mask], self.pages[mask])
+    def keep(self, which: np.ndarray | slice) -> _Run:
+        """The blocks ``which`` selects (a mask, or a slice: views), in the same order."""
+        return _Run(self.uid, self.importance[which], self.ticks[which], self.layers[which], self.heads[which],
+                    self.pages[which])
+
+    def at_or_below(self, rank: tuple[float, int] | None) -> int:
+        """How many of the first blocks rank at or below ``rank`` (all of them for None)."""
+        if rank is None:
+            return len(self.pages)
+        imp, tick = rank
+        return int(np.count_nonzero((self.importance < imp) | ((self.importance == imp) & (self.ticks <= tick))))
+
+
+def _live(entry: SeqEntry | None, layers, heads, pages, importance, ticks) -> np.ndarray:
+    """Per record (a block of ``entry`` with the importance and last use it was recorded
+    with), whether the block is still resident with that rank."""
+    if entry is None:
+        return np.zeros(len(pages), dtype=bool)
+    cols = entry.columns(pages)
+    ok = (cols >= 0) & (cols < entry.capacity)
+    whole = ok.all()  # as a rule: then no copies of the records (a compaction checks ~2x the resident blocks)
+    if not whole:
+        layers, heads, cols, importance, ticks = layers[ok], heads[ok], cols[ok], importance[ok], ticks[ok]
+    # Flat indices: three-array indexing of the 3-D arrays cost several times as much.
+    at = np.ravel_multi_index((layers, heads, cols), entry.dram_off.shape)
+    live = ((entry.dram_off.reshape(-1)[at] >= 0) & (entry.last_use.reshape(-1)[at] == ticks)
+            & (entry.importance.reshape(-1)[at] == importance))
+    if whole:
+        return live
+    ok[ok] = live
+    return ok
 
 
 class _Heap:
-    """The runs of one (owner, block size), lowest ``(importance, tick)`` on top."""
+    """The runs of one (owner, block size), lowest ``(importance, last use)`` on top."""
 
     def __init__(self) -> None:
         self.items: list[tuple[float, int, int, _Run]] = []
@@ -99,14 +135,18 @@ class _Heap:
         self.resident = 0  # blocks of this owner and size in the tier
 
     def push(self, run: _Run, seq: int) -> None:
-        heapq.heappush(self.items, (run.key, run.tick, seq, run))
+        heapq.heappush(self.items, (*run.rank, seq, run))
         self.records += len(run.pages)
 
-    def pop(self) -> tuple[float, _Run]:
-        """The lowest run and the key it was ranked by (at most its lowest importance now)."""
-        key, _, _, run = heapq.heappop(self.items)
+    def pop(self) -> tuple[tuple[float, int], _Run]:
+        """The lowest run and the rank it was pushed with (at most its lowest rank now)."""
+        imp, tick, _, run = heapq.heappop(self.items)
         self.records -= len(run.pages)
-        return key, run
+        return (imp, tick), run
+
+    def top(self) -> tuple[float, int] | None:
+        """The rank of the lowest run left, None when none is."""
+        return self.items[0][:2] if self.items else None
 
 
 class Residency:
@@ -136,15 +176,9 @@ class Residency:
         if not len(lay):
             return
         heap = self._heap(entry)
-        imp, use = entry.importance[lay, hed, cols].astype(np.float32), entry.last_use[lay, hed, cols]
-        if (use == use[0]).all():
-            groups = [slice(None)]  # the usual case: one put or get, one tick
-        else:
-            order = np.argsort(use, kind="stable")
-            groups = np.split(order, np.flatnonzero(np.diff(use[order])) + 1)
-        for g in groups:
-            heap.push(_Run(entry.uid, imp[g], int(use[g][0]), lay[g].astype(np.int32),
-                           hed[g].astype(np.int32), pag[g].astype(np.int64)), next(self._seq))
+        heap.push(_Run.ranked(entry.uid, entry.importance[lay, hed, cols].astype(np.float32),
+                              entry.last_use[lay, hed, cols].astype(np.int64), lay.astype(np.int32),
+                              hed.astype(np.int32), pag.astype(np.int64)), next(self._seq))
         if heap.records > 2 * heap.resident + COMPACT_SLACK:
             self._compact(heap)
 
@@ -156,16 +190,26 @@ class Residency:
         return heap
 
     def _compact(self, heap: _Heap) -> None:
-        items = []
-        for imp, tick, seq, run in heap.items:
-            _, ok = run.live(self.index)
-            if ok.all():
-                items.append((imp, tick, seq, run))
-            elif ok.any():
-                items.append((imp, tick, seq, run.keep(ok)))
-        heapq.heapify(items)
-        heap.items = items
-        heap.records = sum(len(it[3].pages) for it in items)
+        """Drop the stale records of ``heap`` and merge each sequence's live ones into runs of
+        COMPACT_RUN blocks in rank order, in one vectorised pass per sequence (see the module's
+        notes: runs kept whole while any block of theirs lived fragmented)."""
+        by_uid: dict[int, list[_Run]] = {}
+        for item in heap.items:
+            by_uid.setdefault(item[3].uid, []).append(item[3])
+        heap.items, heap.records = [], 0
+        for uid, runs in by_uid.items():
+            entry = self.index.get(uid)
+            imp, ticks, lay, hed, pag = (np.concatenate([getattr(r, f) for r in runs]) for f in _RUN_FIELDS)
+            ok = _live(entry, lay, hed, pag, imp, ticks)
+            if not ok.any():
+                continue
+            imp, ticks, lay, hed, pag = imp[ok], ticks[ok], lay[ok], hed[ok], pag[ok]
+            order = _one_each(np.ravel_multi_index((lay, hed, entry.columns(pag)), entry.dram_off.shape),
+                              entry.dram_off.size)
+            order = order[np.lexsort((ticks[order], imp[order]))]
+            merged = _Run(uid, imp[order], ticks[order], lay[order], hed[order], pag[order])
+            for start in range(0, len(order), COMPACT_RUN):
+                heap.push(merged.keep(slice(start, start + COMPACT_RUN)), next(self._seq))
         self._counters["dram_rank_compactions"] += 1
 
     # ------------------------------------------------------------ admission
@@ -295,31 +339,25 @@ class Residency:
             entry, ok = run.live(self.index)
             if not ok.any():
                 continue
-            run = run.keep(ok)
-            if run.key > popped:  # its lowest blocks went stale: it ranks higher now
+            if not ok.all():
+                run = run.keep(ok)
+            if run.rank > popped:  # its lowest blocks went stale: it ranks higher now
                 heap.push(run, next(self._seq))
                 continue
-            # The run's lowest importance ranks below every other record; its higher ones go back.
-            low = run.importance == popped
-            if not low.all():
-                heap.push(run.keep(~low), next(self._seq))
-                run = run.keep(low)
-            cols = entry.columns(run.pages)
-            lin = np.ravel_multi_index((run.layers, run.heads, cols), entry.dram_off.shape)
-            _, first = np.unique(lin, return_index=True)  # a block recorded twice in one run goes once
-            if len(first) < len(lin):
-                run, cols = run.keep(np.isin(np.arange(len(lin)), first)), cols[np.sort(first)]
-            # Candidates from position count on, descending: those above the run's rank win.
-            beats = int(np.count_nonzero(cand_importance[count:] >= popped))
-            take = min(len(run.pages), beats, want - count)
+            run, cols = _once(run, entry)
+            # Its blocks that rank at or below every other run go, lowest first, while the
+            # candidate of each one's place (descending) outranks it; the rest go back.
+            n = min(run.at_or_below(heap.top()), want - count)
+            wins = cand_importance[count: count + n] >= run.importance[:n]
+            take = n if wins.all() else int(np.argmin(wins))
             if take < len(run.pages):
-                heap.push(run.keep(np.arange(len(run.pages)) >= take), next(self._seq))
-            if not take:
-                break
+                heap.push(run.keep(slice(take, None)), next(self._seq))
             where = (run.layers[:take], run.heads[:take], cols[:take])
             freed.append(entry.dram_off[where].copy())
             entry.dram_off[where] = -1
             count += take
+            if take < n:  # a candidate lost: every later one ranks lower, every later block higher
+                break
         if not count:
             return 0
         slots = np.concatenate(freed)
@@ -353,6 +391,29 @@ class Residency:
     def resident_records(self) -> dict[tuple[int, int], tuple[int, int]]:
         """Per (owner, block size): (resident blocks, heap records); for tests and stats."""
         return {key: (h.resident, h.records) for key, h in self._heaps.items()}
+
+
+def _one_each(lin: np.ndarray, size: int) -> np.ndarray:
+    """Positions of one record of each block (flat indices ``lin`` into arrays of ``size``):
+    a block recorded twice is live with one rank only, so either record will do. Where the
+    records cover much of the arrays, by a scatter (a sort cost 80 ms at 800K records)."""
+    if size > 4 * len(lin):
+        return np.unique(lin, return_index=True)[1]
+    at = np.arange(len(lin))
+    first = np.empty(size, np.int64)
+    first[lin] = at
+    return np.flatnonzero(first[lin] == at)
+
+
+def _once(run: _Run, entry: SeqEntry) -> tuple[_Run, np.ndarray]:
+    """``run`` with a block recorded twice in it once (its first place), and the blocks' columns."""
+    cols = entry.columns(run.pages)
+    lin = np.ravel_multi_index((run.layers, run.heads, cols), entry.dram_off.shape)
+    _, first = np.unique(lin, return_index=True)
+    if len(first) == len(lin):
+        return run, cols
+    first.sort()
+    return run.keep(first), cols[first]
 
 
 def _new_residents(entry: SeqEntry, layers, heads, cols, importance) -> np.ndarray:

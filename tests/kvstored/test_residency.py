@@ -80,9 +80,14 @@ def expected_after_put(before: list[tuple[float, int]], cand: np.ndarray, slots:
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("levels", ["few", "every block its own"])
-def test_the_heap_keeps_what_a_full_sort_of_the_residents_would(seed, levels):
+@pytest.mark.parametrize("compact", ["rarely", "often, into runs of 3"])
+def test_the_heap_keeps_what_a_full_sort_of_the_residents_would(seed, levels, compact, monkeypatch):
     # One run per put or get holds blocks of many importances (a decode step's get, the
-    # second case); eviction splits it lazily and must still rank as a full sort.
+    # second case); eviction splits it lazily and must still rank as a full sort. Compacted,
+    # a sequence's blocks of many puts and gets share runs, which interleave with others.
+    if compact != "rarely":
+        monkeypatch.setattr(residency_mod, "COMPACT_SLACK", 4)
+        monkeypatch.setattr(residency_mod, "COMPACT_RUN", 3)
     rng = np.random.default_rng(seed)
     slots = 24
     rig = Rig(slots, seqs=6)
@@ -111,6 +116,7 @@ def test_the_heap_keeps_what_a_full_sort_of_the_residents_would(seed, levels):
             rig.get(e, pick[:, 0], pick[:, 1], pick[:, 2])
         assert rig.dram.num_blocks == len(rig.residents()) <= slots
     assert rig.counters["dram_evicted"] > 0
+    assert (rig.counters["dram_rank_compactions"] > 0) == (compact != "rarely")
 
 
 def test_records_stay_within_twice_the_resident_blocks(monkeypatch):
@@ -179,3 +185,10 @@ def test_an_admission_whose_copy_fails_gives_its_slots_back():
         with pytest.raises(ProtocolError):
             rig.res.admit(e, lay, hed, pag, None, src, np.arange(4) * BB, replace=False)
     assert rig.dram.num_blocks == 0 and int((e.dram_off >= 0).sum()) == 0
+
+
+@pytest.mark.parametrize("size", [40, 4000], ids=["by a scatter", "by a sort"])
+def test_a_compaction_keeps_one_record_of_each_block(size):
+    lin = np.random.default_rng(size).integers(0, 40, 60)
+    one = residency_mod._one_each(lin, size)
+    assert sorted(lin[one].tolist()) == sorted(set(lin.tolist()))
