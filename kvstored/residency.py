@@ -60,7 +60,7 @@ from kvstored.dram_shares import DramShares
 from kvstored.index import BlockIndex, SeqEntry
 
 COMPACT_SLACK = 4096  # records a heap may hold beyond twice its resident blocks before compaction
-COMPACT_RUN = 512  # blocks a run of a compacted heap holds (an eviction checks a run whole)
+COMPACT_RUN = 128  # blocks a run of a compacted heap holds (an eviction checks a run whole, as a put's or get's)
 _RUN_FIELDS = ("importance", "ticks", "layers", "heads", "pages")
 
 
