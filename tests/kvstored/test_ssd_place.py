@@ -3,6 +3,7 @@ extents are written elsewhere; new space past the file's end is never retried.""
 
 import errno
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -60,7 +61,7 @@ def test_new_space_that_cannot_be_written_is_a_full_disk_at_once(tier, monkeypat
     with pytest.raises(OSError) as info:
         tier.place(np.zeros(2 * EXT, np.uint8), 2, EXT)
     assert info.value.errno == errno.ENOSPC
-    assert tried == [EXT, 9 * EXT]  # the hole, then new space (its stand-in) once: no more
+    assert tried == [EXT, 8 * EXT]  # the hole and new space, each once (a put's runs are all tried): no more
     assert tier.allocator.end == 8 * EXT and tier.used_bytes == 7 * EXT
 
 
@@ -72,5 +73,24 @@ def test_every_free_range_refused_is_a_disk_full_error(tmp_path, monkeypatch):
         with pytest.raises(DiskFullError):
             t.place(np.zeros(EXT, np.uint8), 1, EXT)
         assert t.used_bytes == 3 * EXT
+    finally:
+        t.close()
+
+
+def test_a_put_over_scattered_holes_writes_them_at_once_and_sets_refused_ones_aside(tmp_path, monkeypatch):
+    t = open_tier(tmp_path / "blocks.kvd", 1 << 20, 32)
+    try:
+        for k in range(1, 32, 2):  # 16 holes of one extent, as deletes leave them
+            t.allocator.free(k * EXT, EXT)
+        tried = refusing(t, {3 * EXT, 11 * EXT}, monkeypatch)
+        threads, write = set(), t.write
+        monkeypatch.setattr(t, "write", lambda off, data: (threads.add(threading.current_thread().name), write(off, data)))
+        src = np.random.default_rng(0).integers(0, 256, 12 * EXT, dtype=np.uint8)
+        offs = t.place(src, 12, EXT)
+        assert len(set(offs)) == 12 and not {3 * EXT, 11 * EXT} & set(offs)
+        assert {3 * EXT, 11 * EXT} < set(tried) and len(tried) == 14  # each refused range tried once
+        assert any(n.startswith("kvstored-ssd-write") for n in threads)  # on the writers' pool (the retries of two: here)
+        for i, off in enumerate(offs):
+            assert os.pread(t.fd, EXT, off) == src[i * EXT: (i + 1) * EXT].tobytes()
     finally:
         t.close()
