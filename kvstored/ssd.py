@@ -17,7 +17,7 @@ import errno
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -173,14 +173,17 @@ class SsdTier(Tier):
     def _write_runs(self, source: np.ndarray, src: list[int], offsets: list[int], runs: list[tuple[int, int]],
                     ext_bytes: int) -> list[tuple[tuple[int, int], OSError]]:
         """Write extents ``i`` to ``j`` of each run (back to back in the file) from ``source``,
-        on WRITE_THREADS threads where there are at least PARALLEL_MIN_RUNS runs; the runs
-        whose write failed, with its error, in order."""
+        each run one write gathered from wherever its extents lie in the source (an engine
+        page's K and V, apart in its pool), on WRITE_THREADS threads where there are at least
+        PARALLEL_MIN_RUNS runs; the runs whose write failed, with its error, in order."""
         jobs = [(offsets[i], _runs(source, src, i, j, ext_bytes), (i, j)) for i, j in runs]
         if len(jobs) < PARALLEL_MIN_RUNS:
             return self._write_each(jobs)
         if self._writers is None:
             self._writers = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="kvstored-ssd-write")
-        parts = [self._writers.submit(self._write_each, jobs[k::WRITE_THREADS]) for k in range(WRITE_THREADS)]
+        parts = [self._writers.submit(self._write_each, jobs[k::WRITE_THREADS])
+                 for k in range(min(WRITE_THREADS, len(jobs)))]
+        wait(parts)  # every write has ended before an error frees the extents for others
         return sorted((failed for part in parts for failed in part.result()), key=lambda f: f[0])
 
     def _write_each(self, jobs: list) -> list[tuple[tuple[int, int], OSError]]:
