@@ -4,6 +4,7 @@ extents are written elsewhere; new space past the file's end is never retried.""
 import errno
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -92,5 +93,28 @@ def test_a_put_over_scattered_holes_writes_them_at_once_and_sets_refused_ones_as
         assert any(n.startswith("kvstored-ssd-write") for n in threads)  # on the writers' pool (the retries of two: here)
         for i, off in enumerate(offs):
             assert os.pread(t.fd, EXT, off) == src[i * EXT: (i + 1) * EXT].tobytes()
+    finally:
+        t.close()
+
+
+def test_a_scattered_put_that_fails_waits_for_its_other_writes_before_freeing_their_space(tmp_path, monkeypatch):
+    t = open_tier(tmp_path / "blocks.kvd", 1 << 20, 16)
+    try:
+        for k in range(1, 16, 2):
+            t.allocator.free(k * EXT, EXT)
+        ended = []
+
+        def write(offset, data):
+            if offset == EXT:
+                raise RuntimeError("a write that fails at once")
+            time.sleep(0.2)
+            ended.append(time.monotonic())
+
+        monkeypatch.setattr(t, "write", write)
+        with pytest.raises(RuntimeError):
+            t.place(np.zeros(8 * EXT, np.uint8), 8, EXT)
+        raised = time.monotonic()
+        assert len(ended) == 7 and max(ended) <= raised
+        assert t.used_bytes == 8 * EXT  # the put's extents given back
     finally:
         t.close()
