@@ -15,7 +15,8 @@ memory, moved in place as vLLM's and SGLang's adapters move theirs, with
 Every block carries its key in its first bytes and the rest of a pattern of its own
 row; every loaded block is checked, so a wrong byte in hours of traffic is counted.
 
-Every ``--interval`` seconds one row: store and load latency per job (p50, p99), what
+Every ``--interval`` seconds one row: store and load latency per job (p50, p99, the
+slowest: a stall of the daemon's shows there when a p99 of few jobs misses it), what
 moved, the load hit rate, and the daemon's resident memory, memory mappings,
 descriptors, threads, catalog and data file sizes (as allocated on disk). At the end,
 the last interval against the first one after the stores filled the quota: the latency
@@ -66,9 +67,11 @@ class Interval:
     store_gbps: float
     store_p50_ms: float | None
     store_p99_ms: float | None
+    store_max_ms: float | None  # the interval's slowest: a stall a p99 of few samples can miss
     loads: int
     load_p50_ms: float | None
     load_p99_ms: float | None
+    load_max_ms: float | None
     hit_rate: float | None  # blocks found / blocks asked
     wrong_blocks: int  # loaded blocks whose bytes were not the stored ones
     failed_stores: int  # blocks a store call answered not stored
@@ -291,8 +294,9 @@ def _interval(traffic: Traffic, daemon: Daemon, run: dict, t0: float, span: floa
     return Interval(
         seconds=time.perf_counter() - t0, stored_bytes=traffic.stored_total * traffic.block_bytes,
         store_gbps=s.stored_blocks * traffic.block_bytes / span / 1e9,
-        store_p50_ms=_p(s.store_s, 0.5), store_p99_ms=_p(s.store_s, 0.99),
+        store_p50_ms=_p(s.store_s, 0.5), store_p99_ms=_p(s.store_s, 0.99), store_max_ms=_p(s.store_s, 1.0),
         loads=len(s.load_s), load_p50_ms=_p(s.load_s, 0.5), load_p99_ms=_p(s.load_s, 0.99),
+        load_max_ms=_p(s.load_s, 1.0),
         hit_rate=s.found / s.asked if s.asked else None, wrong_blocks=s.wrong, failed_stores=s.failed_stores,
         rss_mib=rss, maps=maps, fds=fds, threads=threads,
         catalog_mib=_allocated_mib([p for p in ssd.rglob("*.mdb")]), data_mib=_allocated_mib([ssd / DATA_FILE]),
@@ -368,14 +372,15 @@ def _ms(x: float | None) -> str:
 
 def _cells(r: Interval) -> tuple[str, ...]:
     return (f"{r.seconds:.0f}", format_size(r.stored_bytes), f"{r.store_gbps:.2f}", _ms(r.store_p50_ms),
-            _ms(r.store_p99_ms), str(r.loads), _ms(r.load_p50_ms), _ms(r.load_p99_ms),
+            _ms(r.store_p99_ms), _ms(r.store_max_ms), str(r.loads), _ms(r.load_p50_ms), _ms(r.load_p99_ms),
+            _ms(r.load_max_ms),
             "-" if r.hit_rate is None else f"{r.hit_rate:.2f}", str(r.wrong_blocks), str(r.failed_stores),
             f"{r.rss_mib:.0f}", str(r.maps), str(r.fds), str(r.threads), f"{r.catalog_mib:.1f}", f"{r.data_mib:.0f}",
             str(r.evicted), str(r.kills))
 
 
-HEAD = ("s", "stored", "store GB/s", "store p50", "p99 ms", "loads", "load p50", "p99 ms", "hits", "wrong", "not stored",
-        "RSS MiB", "maps", "fds", "threads", "catalog MiB", "data MiB", "evicted", "kills")
+HEAD = ("s", "stored", "store GB/s", "store p50", "p99", "max ms", "loads", "load p50", "p99", "max ms", "hits", "wrong",
+        "not stored", "RSS MiB", "maps", "fds", "threads", "catalog MiB", "data MiB", "evicted", "kills")
 
 
 def _row_line(r: Interval) -> str:
@@ -400,6 +405,11 @@ def summary(rows: list[Interval], args: argparse.Namespace, info: dict) -> list[
     lines = [f"wrong blocks loaded: {wrong}; blocks a store did not store: {failed}; kvstored "
              + ("alive at the end" if info.get("daemon_exit") is None else f"exited with {info['daemon_exit']}")
              + ("" if info.get("error") is None else f"; the traffic stopped on {info['error']}")]
+    for op in ("store", "load"):
+        worst = [(getattr(r, f"{op}_max_ms"), r.seconds) for r in rows if getattr(r, f"{op}_max_ms") is not None]
+        if worst:
+            ms, at = max(worst)
+            lines.append(f"the slowest {op} of the run: {ms:.1f} ms (in the interval ending at {at:.0f} s)")
     if info.get("kills"):
         starts = info["restart_s"]
         lines.append(f"kvstored killed (SIGKILL) and started again {info['kills']} times: it answered again in "
