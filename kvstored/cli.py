@@ -269,8 +269,8 @@ def _serve(cfg: DaemonConfig, metrics: "Metrics | None") -> int:
     # The modules' objects (~110K: numpy, numba, zmq, lmdb) live as long as the daemon. Frozen
     # out of the cyclic collector, a full collection no longer walks them: 60-100 ms each, on
     # the thread serving requests, every 10-40 s under steady gets. (Frozen before the store
-    # opens: a sequence loaded now and deleted later must stay collectable.)
-    gc.collect()
+    # opens: a sequence loaded now and deleted later must stay collectable. No collection
+    # first: it would add as much to every start, for the little garbage imports leave.)
     gc.freeze()
     try:
         server = Server(cfg, metrics)

@@ -406,14 +406,13 @@ def _one_each(lin: np.ndarray, size: int) -> np.ndarray:
 
 
 def _once(run: _Run, entry: SeqEntry) -> tuple[_Run, np.ndarray]:
-    """``run`` with a block recorded twice in it once (its first place), and the blocks' columns."""
+    """``run`` with a block recorded twice in it once (in rank order still), and the blocks' columns."""
     cols = entry.columns(run.pages)
-    lin = np.ravel_multi_index((run.layers, run.heads, cols), entry.dram_off.shape)
-    _, first = np.unique(lin, return_index=True)
-    if len(first) == len(lin):
+    one = _one_each(np.ravel_multi_index((run.layers, run.heads, cols), entry.dram_off.shape), entry.dram_off.size)
+    if len(one) == len(cols):
         return run, cols
-    first.sort()
-    return run.keep(first), cols[first]
+    one.sort()
+    return run.keep(one), cols[one]
 
 
 def _new_residents(entry: SeqEntry, layers, heads, cols, importance) -> np.ndarray:
