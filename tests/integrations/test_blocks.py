@@ -51,3 +51,30 @@ def test_an_engine_key_becomes_a_block_key_by_one_rule_one_at_a_time_or_in_a_lis
     assert keys_bytes(keys) == expect
     assert keys_bytes(iter(keys)) == expect
     assert [key_bytes(k) for k in keys] == expect
+
+
+def test_a_string_key_hashed_lately_is_not_hashed_again_and_the_kept_ones_stay_bounded(monkeypatch):
+    """SGLang converts a page's key for batch_exists and again for the get that follows: the
+    second time it comes from the keys kept, the same bytes, and the kept ones stay within
+    HASHED_KEPT, however many keys pass."""
+    import hashlib
+
+    from kvdrive_client.integrations import rows
+
+    monkeypatch.setattr(rows, "HASHED_KEPT", 8)
+    monkeypatch.setattr(rows, "_HASHED", rows._Hashed())
+    keys = [f"{i:064x}" for i in range(20)]
+    want = [b"h" + hashlib.sha256(k.encode()).digest() for k in keys]
+    assert rows.keys_bytes(keys[:3]) == want[:3]
+
+    def no_hash(*_):
+        raise AssertionError("hashed again")
+
+    with monkeypatch.context() as m:
+        m.setattr(hashlib, "sha256", no_hash)
+        assert rows.keys_bytes(keys[:3]) == want[:3]
+        assert rows.keys_bytes(iter(keys[1:3])) == want[1:3]
+    assert rows.keys_bytes(keys) == want
+    assert len(rows._HASHED.young) + len(rows._HASHED.old) <= 8
+    assert rows.keys_bytes([keys[19], b"raw", keys[18], "short", bytearray(b"ba")]) == \
+        [want[19], b"raw", want[18], b"short", b"ba"]
