@@ -528,13 +528,17 @@ def part_spans(mb: MappedBuffer, req: BlockGet | BlockPut, block_bytes: int, par
                                                  f"{block_bytes // regions} bytes: move its blocks whole, or in regions "
                                                  f"that hold whole parts")
     span = block_bytes // regions
-    mb.check_span(req.offset, int(offsets.max()) + span, what)
     if what == "destination" and len(offsets) > 1:
         ranked = np.sort(offsets)
+        mb.check_span(req.offset, int(ranked[-1]) + span, what)
         clash = np.flatnonzero(np.diff(ranked) < span)
         if len(clash):
             a, b = int(ranked[clash[0]]), int(ranked[clash[0] + 1])
             raise ProtocolError(ErrorCode.BAD_FIELD, f"'offsets' {a} and {b} overlap: {span} bytes there share "
                                                      f"bytes; a get's destinations must not overlap")
+    else:
+        mb.check_span(req.offset, int(offsets.max()) + span, what)
     per = parts // regions
+    if per == 1:  # a part a region
+        return offsets.reshape(n, parts)
     return (np.repeat(offsets, per) + np.tile(np.arange(per, dtype=np.int64) * part_bytes, n * regions)).reshape(n, parts)

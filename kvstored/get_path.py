@@ -170,7 +170,7 @@ class GetPath:
             entry.last_use[lay, hed, col] = tick
             if len(lay):
                 entry.last_tick = max(entry.last_tick, tick)
-            self.residency.touched(entry, lay, hed, pag)
+            self.residency.touched(entry, lay, hed, pag, col)
 
     def in_dram(self, req: Get, session: Session, max_bytes: int) -> bool:
         """Whether ``req`` asks for at most ``max_bytes`` and every block sits in DRAM now

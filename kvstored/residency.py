@@ -164,12 +164,16 @@ class Residency:
 
     # ------------------------------------------------------------ recording
 
-    def touched(self, entry: SeqEntry, lay: np.ndarray, hed: np.ndarray, pag: np.ndarray) -> None:
-        """Record blocks of ``entry`` whose last use or importance just changed; blocks not
-        resident are skipped (index lock held)."""
-        cols = entry.columns(pag)
+    def touched(self, entry: SeqEntry, lay: np.ndarray, hed: np.ndarray, pag: np.ndarray,
+                cols: np.ndarray | None = None) -> None:
+        """Record blocks of ``entry`` whose last use or importance just changed (``cols``: the
+        pages' columns, where the caller has them); blocks not resident are skipped (index
+        lock held)."""
+        cols = entry.columns(pag) if cols is None else cols
         res = entry.dram_off[lay, hed, cols] >= 0
-        if res.any():
+        if res.all():
+            self._record(entry, lay, hed, pag, cols)
+        elif res.any():
             self._record(entry, lay[res], hed[res], pag[res], cols[res])
 
     def _record(self, entry: SeqEntry, lay, hed, pag, cols) -> None:
