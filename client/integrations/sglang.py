@@ -201,29 +201,30 @@ def _regions(pool: Any, page_bytes: int, n: int, host_indices: Any) -> Spans | l
         return None
     ptrs, sizes = pool.get_page_buffer_meta(host_indices)
     per = len(ptrs) // n
+    one = len(set(sizes)) == 1  # as a rule: then no array is needed to check them
     if not per or per * n != len(ptrs) or len(sizes) != len(ptrs) or \
-            (np.asarray(sizes, np.int64).reshape(n, per).sum(1) != page_bytes).any():
+            (per * sizes[0] != page_bytes if one else
+             (np.asarray(sizes, np.int64).reshape(n, per).sum(1) != page_bytes).any()):
         log.error("KVDrive storage: the host pool's %d regions are not %d pages of %d bytes", len(ptrs), n,
                   page_bytes)
         return None
-    spans = _spans(pool, ptrs, sizes, n, per)
+    spans = _spans(pool, ptrs, sizes[0], n, per) if one else None
     if spans is not None:
         return spans
     return [[(ctypes.c_uint8 * sizes[j]).from_address(ptrs[j]) for j in range(i * per, (i + 1) * per)]
             for i in range(n)]
 
 
-def _spans(pool: Any, ptrs: list, sizes: list, n: int, per: int) -> Spans | None:
-    """Regions at ``ptrs`` (``per`` a page) as :class:`Spans` of the pool's ``kv_buffer``, where
-    that is one contiguous CPU tensor holding them all and they are all of one size."""
+def _spans(pool: Any, ptrs: list, size: int, n: int, per: int) -> Spans | None:
+    """Regions at ``ptrs`` (``per`` a page, ``size`` bytes each) as :class:`Spans` of the
+    pool's ``kv_buffer``, where that is one contiguous CPU tensor holding them all."""
     buf = getattr(pool, "kv_buffer", None)
-    if _IMPORT_ERROR is not None or not isinstance(buf, torch.Tensor) or len(set(sizes)) != 1:
+    if _IMPORT_ERROR is not None or not isinstance(buf, torch.Tensor) or (array := _bytes_of(buf)) is None:
         return None
-    array = _bytes_of(buf)
-    offs = np.asarray(ptrs, np.int64) - buf.data_ptr()
-    if array is None or offs.min() < 0 or offs.max() + sizes[0] > array.nbytes:
+    try:
+        return Spans(array, (np.asarray(ptrs, np.int64) - buf.data_ptr()).reshape(n, per), size)
+    except ValueError:  # a region outside the buffer
         return None
-    return Spans(array, offs.reshape(n, per), sizes[0])
 
 
 if _IMPORT_ERROR is None:
