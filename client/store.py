@@ -465,7 +465,7 @@ class StoreClient:
     def block_lookup(self, ns: str, keys, timeout: float | None = None) -> list[bool]:
         """Whether this user's block namespace ``ns`` holds each of ``keys`` (bytes), in one
         request per :data:`~kvdrive.protocol.MAX_BLOCK_KEYS` keys."""
-        keys = [bytes(k) for k in keys]
+        keys = _key_list(keys)
         found: list[bool] = []
         for i in range(0, len(keys), MAX_BLOCK_KEYS):
             found += self.call(Op.BLOCK_LOOKUP, {"ns": ns, "keys": keys[i: i + MAX_BLOCK_KEYS]}, timeout=timeout)["found"]
@@ -478,10 +478,9 @@ class StoreClient:
         write-once: keys stored already are skipped. ``wait()`` gives ``stored`` (blocks
         written) and ``present`` (skipped), once they are durable. A block in ``regions``
         equal regions has an offset per region: ``offsets[i * regions + r]``."""
-        fields = {"ns": ns, "block_bytes": block_bytes, "keys": [bytes(k) for k in keys], "buf": buffer,
+        fields = {"ns": ns, "block_bytes": block_bytes, "keys": _key_list(keys), "buf": buffer,
                   "offset": offset}
-        _place(fields, offsets, regions)
-        return PendingPut(self, self._submit(Op.BLOCK_PUT, fields))
+        return PendingPut(self, self._submit(Op.BLOCK_PUT, fields, _place(fields, offsets, regions)))
 
     def block_get_async(self, ns: str, keys, buffer: SharedBuffer | PoolBuffer, offset: int = 0,
                         offsets=None, regions: int = 1) -> PendingGet:
@@ -490,16 +489,15 @@ class StoreClient:
         ``offsets[i * regions + r]`` for region r of blocks in ``regions`` equal regions: no
         two may overlap); ``wait()`` gives ``found`` per key and ``damaged``, the positions
         whose stored copy failed its checksum (not found, their bytes not to be used)."""
-        fields = {"ns": ns, "keys": [bytes(k) for k in keys], "buf": buffer, "offset": offset}
-        _place(fields, offsets, regions)
-        return PendingGet(self, self._submit(Op.BLOCK_GET, fields))
+        fields = {"ns": ns, "keys": _key_list(keys), "buf": buffer, "offset": offset}
+        return PendingGet(self, self._submit(Op.BLOCK_GET, fields, _place(fields, offsets, regions)))
 
     def block_delete(self, ns: str, keys=None) -> dict:
         """Delete ``keys`` from block namespace ``ns`` (every block of it without ``keys``):
         ``{"deleted": n, "freed_bytes": ...}``; NotFoundError if the namespace has none."""
         if keys is None:
             return self.call(Op.BLOCK_DELETE, {"ns": ns, "all": True})
-        return self.call(Op.BLOCK_DELETE, {"ns": ns, "keys": [bytes(k) for k in keys]})
+        return self.call(Op.BLOCK_DELETE, {"ns": ns, "keys": _key_list(keys)})
 
     # ------------------------------------------------------------ life cycle
 
@@ -569,12 +567,23 @@ def _connect_embedded(dram: str, ssd_max: str, timeout: float, daemon_args: list
     return client
 
 
-def _place(fields: dict, offsets, regions: int) -> None:
-    """A block request's ``offsets`` and ``regions`` fields, where not the defaults."""
-    if offsets is not None:
-        fields["offsets"] = _int_list(offsets)
+def _place(fields: dict, offsets, regions: int) -> dict | None:
+    """A block request's ``regions`` field, where not the default, and its ``offsets`` as an
+    array frame (int64), where given: the request's arrays."""
     if regions != 1:
         fields["regions"] = int(regions)
+    if offsets is None:
+        return None
+    a = np.asarray(offsets).ravel()
+    if a.dtype != np.int64:
+        a = a.astype(np.int64)  # as int() would: floats truncated, a str of digits read
+    return {"offsets": a}
+
+
+def _key_list(keys) -> list[bytes]:
+    """``keys`` as a list of bytes (a list of bytes as it is, copied: one C pass, not a call a key)."""
+    keys = list(keys)
+    return keys if set(map(type, keys)) <= {bytes} else [bytes(k) for k in keys]
 
 
 def _int_list(x) -> list[int]:

@@ -21,7 +21,7 @@ import numpy as np
 from kvdrive.layout.geometry import MAX_LAYERS, MAX_PAGES, Geometry
 from kvdrive.protocol.blocks import MAX_BLOCK_BYTES
 from kvdrive.protocol import (
-    BUFFER_KIND_CUDA_IPC, BUFFER_KIND_MEMFD, BUFFER_KIND_POOL, CUDA_IPC_HANDLE_BYTES, MAX_BLOCK_KEY_BYTES, MAX_BLOCK_KEYS, MAX_BUFFER_BYTES, MAX_CUDA_DEVICE, GET_ARRAYS,
+    BLOCK_ARRAYS, BUFFER_KIND_CUDA_IPC, BUFFER_KIND_MEMFD, BUFFER_KIND_POOL, CUDA_IPC_HANDLE_BYTES, MAX_BLOCK_KEY_BYTES, MAX_BLOCK_KEYS, MAX_BUFFER_BYTES, MAX_CUDA_DEVICE, GET_ARRAYS,
     MAX_HEADER_BYTES, MAX_LAYERS_PER_PUT, MAX_LIST, MAX_LOOKUP, MAX_NAME_BYTES, MAX_SEQS_PER_GET, PROTOCOL_VERSION,
     PUT_ARRAYS, SESSION_TOKEN_BYTES, ErrorCode, Op, encode, error_reply, ok_reply, request_frames,
 )
@@ -349,19 +349,25 @@ class _Fields:
                                                      f"bytes (msgpack bin)")
         return tuple(v)
 
-    def offsets(self, name: str, count: int, regions: int = 1) -> np.ndarray | None:
-        """An optional list of ``regions`` offsets per key (``count`` keys), each in 0..2^44."""
+    def offsets(self, name: str, count: int, regions: int = 1, frame: np.ndarray | None = None) -> np.ndarray | None:
+        """An optional list of ``regions`` offsets per key (``count`` keys), each in 0..2^44,
+        in the header or as an array ``frame`` (int64), not both."""
         v = self._get(name, False)
-        if v is None:
+        if frame is not None:
+            if v is not None:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"{name!r} is given twice: as a field and as an array frame")
+            v = frame
+        elif v is None:
             return None
-        if not isinstance(v, list) or len(v) != count * regions:
+        each = "one integer per key" if regions == 1 else f"{regions} integers (regions) per key"
+        if not isinstance(v, (list, np.ndarray)) or len(v) != count * regions:
             got = f"{len(v)} values" if isinstance(v, list) else type(v).__name__
-            each = "one integer per key" if regions == 1 else f"{regions} integers (regions) per key"
             raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be a list of {each} "
                                                      f"({count * regions}), got {got}")
-        if v and set(map(type, v)) != {int}:  # msgpack gives ints as int, never bool or a subclass
+        if isinstance(v, list) and v and set(map(type, v)) != {int}:  # msgpack gives ints as int, never bool
             raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must hold integers only")
-        if v and (min(v) < 0 or max(v) > MAX_BUFFER_BYTES):
+        low, high = (min(v), max(v)) if isinstance(v, list) else (v.min(), v.max()) if len(v) else (0, 0)
+        if low < 0 or high > MAX_BUFFER_BYTES:
             raise ProtocolError(ErrorCode.OUT_OF_RANGE, f"field {name!r} has values outside 0..2^44")
         return np.asarray(v, dtype=np.int64)
 
@@ -509,22 +515,23 @@ def _parse_op(header: dict, frames: list, max_bytes: int, max_blocks: int) -> Re
         )
     if op is Op.GET:
         return _parse_get(f, header, frames, max_bytes, max_blocks)
-    return _parse_block_op(op, f)
+    moves = op in (Op.BLOCK_PUT, Op.BLOCK_GET)
+    return _parse_block_op(op, f, _arrays(header, frames, BLOCK_ARRAYS if moves else {}, max_bytes))
 
 
-def _parse_block_op(op: Op, f: _Fields) -> BlockRequest:
+def _parse_block_op(op: Op, f: _Fields, arrays: dict[str, np.ndarray]) -> BlockRequest:
     if op is Op.BLOCK_LOOKUP:
         return BlockLookup(f.name("ns"), f.keys("keys"))
     if op is Op.BLOCK_PUT:
         ns, block_bytes, keys = f.name("ns"), f.int("block_bytes", 4, MAX_BLOCK_BYTES), f.keys("keys")
         regions = f.int("regions", 1, MAX_LAYERS, 1)
         return BlockPut(ns, block_bytes, keys, f.int("buf", 0, 1 << 31), f.int("offset", 0, 1 << 44),
-                        f.offsets("offsets", len(keys), regions), regions)
+                        f.offsets("offsets", len(keys), regions, arrays.get("offsets")), regions)
     if op is Op.BLOCK_GET:
         ns, keys = f.name("ns"), f.keys("keys")
         regions = f.int("regions", 1, MAX_LAYERS, 1)
         return BlockGet(ns, keys, f.int("buf", 0, 1 << 31), f.int("offset", 0, 1 << 44),
-                        f.offsets("offsets", len(keys), regions), regions)
+                        f.offsets("offsets", len(keys), regions, arrays.get("offsets")), regions)
     if op is Op.BLOCK_DELETE:
         keys, every = f.keys("keys", required=False), f.bool("all", False)
         if bool(keys) == every:

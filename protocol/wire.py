@@ -25,6 +25,7 @@ import msgpack
 import numpy as np
 
 __all__ = [
+    "BLOCK_ARRAYS",
     "BUFFER_KIND_CUDA_IPC",
     "BUFFER_KIND_MEMFD",
     "BUFFER_KIND_POOL",
@@ -127,6 +128,7 @@ class ErrorCode(enum.Enum):
 # Array frames each op may carry, with their dtypes.
 PUT_ARRAYS = {"cluster": np.int32, "order": np.int32, "importance": np.float32}
 GET_ARRAYS = {"blocks": np.int32, "dst": np.int64, "seqs": np.int64}
+BLOCK_ARRAYS = {"offsets": np.int64}
 
 
 class BadReplyError(ValueError):

@@ -310,20 +310,21 @@ class InPlace:
     def _pool_moves(self, op: str, ch: Channel, pool: PoolBuffer, ks: list[bytes], offs: np.ndarray,
                     order: list[int], done: list[bool]) -> None:
         client = ch.client
-        # A request's keys and offsets share its header (64 KiB): fewer keys a request as
-        # blocks lie in more regions.
+        # A request names at most MAX_BLOCK_KEYS offsets (its keys' regions): fewer keys a
+        # request as blocks lie in more regions.
         most = max(1, MAX_BLOCK_KEYS // offs.shape[1])
         # Stores keep two puts in flight, so that one's commit overlaps the next one's write.
         step = self._in_place_step(len(order)) if op == "load" else self.sub_blocks
         step = min(step, most)
         inflight: deque = deque()
+        every = len(order) == len(ks)  # order is then 0..n-1: a request's keys and offsets are slices
         try:
             for start in range(0, len(order), step):
                 if len(inflight) == self.depth:
                     self._pool_done(op, inflight.popleft(), done)
                 idx = order[start: start + step]
-                batch = [ks[i] for i in idx]
-                at, r = offs[idx], offs.shape[1]
+                batch = ks[start: start + step] if every else [ks[i] for i in idx]
+                at, r = offs[start: start + step] if every else offs[idx], offs.shape[1]
                 inflight.append((client.block_get_async(self.ns, batch, pool, offsets=at, regions=r) if op == "load"
                                  else client.block_put_async(self.ns, self.block_bytes, batch, pool, offsets=at,
                                                              regions=r), idx))

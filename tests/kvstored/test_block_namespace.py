@@ -266,6 +266,26 @@ def test_hostile_block_requests_get_error_replies_and_the_daemon_carries_on(daem
         with pytest.raises(KVDriveError) as info:
             c.call(op, fields)
         assert f"[{code}]" in str(info.value), (op, fields, str(info.value))
+    # offsets as an array frame (int64), as the client sends them: the same checks
+    get = {"ns": "eng", "keys": [b"a", b"b"], "buf": buf.buf_id, "offset": 0}
+    framed = [
+        (get, {"offsets": np.array([0, BB, 2 * BB], np.int64)}, "bad_field"),  # 3 for 2 keys
+        (get, {"offsets": np.array([BB, -BB], np.int64)}, "out_of_range"),
+        (get, {"offsets": np.array([0, 1 << 45], np.int64)}, "out_of_range"),
+        (get, {"offsets": np.array([0, BB // 2], np.int64)}, "bad_field"),  # destinations that overlap
+        (get, {"offsets": np.zeros(3, np.int8)}, "bad_message"),  # 3 bytes: not whole int64s
+        ({**get, "offsets": [0, BB]}, {"offsets": np.array([0, BB], np.int64)}, "bad_field"),  # given twice
+        (get, {"dst": np.array([0, BB], np.int64)}, "bad_field"),  # a frame no block request takes
+    ]
+    for fields, arrays, code in framed:
+        with pytest.raises(KVDriveError) as info:
+            c.call(Op.BLOCK_GET, fields, arrays)
+        assert f"[{code}]" in str(info.value), (fields, arrays, str(info.value))
+    with pytest.raises(KVDriveError, match=r"\[bad_field\]"):
+        c.call(Op.BLOCK_LOOKUP, {"ns": "eng", "keys": [b"a"]}, {"offsets": np.array([0], np.int64)})
+    # the header's list form still moves blocks, for a client that speaks it
+    r = c.call(Op.BLOCK_GET, {**get, "keys": [key(7), key(0)], "offsets": [BB, 0]})
+    assert r["found"] == [False, True] and (buf.array[:BB] == block(0)).all()
     check(c, "eng", [0, 1], {0})
     assert c.block_lookup("eng", [b"a"]) == [False]
     assert daemon.stop() == 0
