@@ -18,13 +18,18 @@ touched again is pushed again with its new tick; its older record goes stale. St
 checked when a run is popped: a block counts only if it is still resident and its
 importance and last use are still the run's (ticks are never reused, so a block
 re-admitted later cannot match an old run). When the records a heap holds pass twice its
-resident blocks (plus a slack), the heap is compacted: each sequence's records checked in
-one vectorised pass, the stale ones dropped and the live ones merged into runs of
-COMPACT_RUN blocks. So memory stays proportional to the resident blocks, every push pays
-O(1) amortised for compaction, and runs do not fragment: gets of random blocks leave a
-few live blocks in most old runs, and runs kept whole for them had grown to 20K at 400K
-resident blocks, checked one by one in Python (0.5-0.9 s a compaction, with the index
-lock held; 55-145 ms now).
+resident blocks (plus a slack), the heap is compacted: the runs pushed longest ago, up to
+COMPACT_SLICE records (a block's older records are those its later touches made stale),
+each sequence's records among them checked in one vectorised pass, the stale ones dropped
+and the live ones merged into runs of COMPACT_RUN blocks. So memory stays proportional to
+the resident blocks, every push pays O(1) amortised for compaction, and runs do not
+fragment: gets of random blocks leave a few live blocks in most old runs, and runs kept
+whole for them had grown to 20K at 400K resident blocks, checked one by one in Python
+(0.5-0.9 s a compaction, with the index lock held). Compacting the whole heap at once
+still held the lock 66 ms at 400K resident blocks and 133 ms at 800K; a slice at a time,
+7-9 ms at either, for the same total time (a block may then keep a live record in a run
+left out as well: eviction marks a block it takes non-resident at once, so its other
+records are stale by the time they are popped).
 
 Eviction pops runs from the bottom of the owner's heap and takes their blocks in rank
 order, those that rank at or below every other run's first block, while the candidates
@@ -61,6 +66,7 @@ from kvstored.index import BlockIndex, SeqEntry
 
 COMPACT_SLACK = 4096  # records a heap may hold beyond twice its resident blocks before compaction
 COMPACT_RUN = 128  # blocks a run of a compacted heap holds (an eviction checks a run whole, as a put's or get's)
+COMPACT_SLICE = 1 << 16  # records one compaction takes at most: the oldest runs' (a bounded stall)
 _RUN_FIELDS = ("importance", "ticks", "layers", "heads", "pages")
 
 
@@ -124,6 +130,26 @@ def _live(entry: SeqEntry | None, layers, heads, pages, importance, ticks) -> np
         return live
     ok[ok] = live
     return ok
+
+
+def _take_oldest(heap: "_Heap") -> list[_Run]:
+    """The runs a compaction takes out of ``heap``: all of them where it holds at most
+    COMPACT_SLICE records, else the oldest pushed, up to COMPACT_SLICE records (a block's
+    older records are the ones its later touches made stale). The rest stay, heapified."""
+    items = heap.items
+    if heap.records <= COMPACT_SLICE:
+        heap.items, heap.records = [], 0
+        return [item[3] for item in items]
+    seqs = np.fromiter((item[2] for item in items), np.int64, len(items))
+    sizes = np.fromiter((len(item[3].pages) for item in items), np.int64, len(items))
+    order = np.argsort(seqs)
+    n = int(np.searchsorted(np.cumsum(sizes[order]), COMPACT_SLICE)) + 1
+    take = np.zeros(len(items), bool)
+    take[order[:n]] = True
+    heap.items = [item for item, t in zip(items, take.tolist()) if not t]
+    heapq.heapify(heap.items)
+    heap.records -= int(sizes[take].sum())
+    return [item[3] for item, t in zip(items, take.tolist()) if t]
 
 
 class _Heap:
@@ -194,13 +220,13 @@ class Residency:
         return heap
 
     def _compact(self, heap: _Heap) -> None:
-        """Drop the stale records of ``heap`` and merge each sequence's live ones into runs of
-        COMPACT_RUN blocks in rank order, in one vectorised pass per sequence (see the module's
-        notes: runs kept whole while any block of theirs lived fragmented)."""
+        """Drop the stale records of ``heap``'s oldest runs (:func:`_take_oldest`) and merge
+        each sequence's live ones into runs of COMPACT_RUN blocks in rank order, in one
+        vectorised pass per sequence (see the module's notes: runs kept whole while any
+        block of theirs lived fragmented)."""
         by_uid: dict[int, list[_Run]] = {}
-        for item in heap.items:
-            by_uid.setdefault(item[3].uid, []).append(item[3])
-        heap.items, heap.records = [], 0
+        for run in _take_oldest(heap):
+            by_uid.setdefault(run.uid, []).append(run)
         for uid, runs in by_uid.items():
             entry = self.index.get(uid)
             imp, ticks, lay, hed, pag = (np.concatenate([getattr(r, f) for r in runs]) for f in _RUN_FIELDS)

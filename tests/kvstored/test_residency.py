@@ -80,14 +80,17 @@ def expected_after_put(before: list[tuple[float, int]], cand: np.ndarray, slots:
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("levels", ["few", "every block its own"])
-@pytest.mark.parametrize("compact", ["rarely", "often, into runs of 3"])
+@pytest.mark.parametrize("compact", ["rarely", "often, into runs of 3", "often, the oldest 8 records at a time"])
 def test_the_heap_keeps_what_a_full_sort_of_the_residents_would(seed, levels, compact, monkeypatch):
     # One run per put or get holds blocks of many importances (a decode step's get, the
     # second case); eviction splits it lazily and must still rank as a full sort. Compacted,
-    # a sequence's blocks of many puts and gets share runs, which interleave with others.
+    # a sequence's blocks of many puts and gets share runs, which interleave with others;
+    # compacted a slice at a time, a block may keep a live record in a run left out too.
     if compact != "rarely":
         monkeypatch.setattr(residency_mod, "COMPACT_SLACK", 4)
         monkeypatch.setattr(residency_mod, "COMPACT_RUN", 3)
+    if compact.endswith("at a time"):
+        monkeypatch.setattr(residency_mod, "COMPACT_SLICE", 8)
     rng = np.random.default_rng(seed)
     slots = 24
     rig = Rig(slots, seqs=6)
@@ -119,8 +122,11 @@ def test_the_heap_keeps_what_a_full_sort_of_the_residents_would(seed, levels, co
     assert (rig.counters["dram_rank_compactions"] > 0) == (compact != "rarely")
 
 
-def test_records_stay_within_twice_the_resident_blocks(monkeypatch):
+@pytest.mark.parametrize("slice_", [None, 8], ids=["whole heap", "the oldest 8 records at a time"])
+def test_records_stay_within_twice_the_resident_blocks(slice_, monkeypatch):
     monkeypatch.setattr(residency_mod, "COMPACT_SLACK", 16)
+    if slice_:
+        monkeypatch.setattr(residency_mod, "COMPACT_SLICE", slice_)
     rig = Rig(slots=16, seqs=2)
     e = rig.entries[0]
     lay, hed, pag = (a.ravel() for a in np.meshgrid(range(2), range(2), range(4), indexing="ij"))
@@ -185,6 +191,28 @@ def test_an_admission_whose_copy_fails_gives_its_slots_back():
         with pytest.raises(ProtocolError):
             rig.res.admit(e, lay, hed, pag, None, src, np.arange(4) * BB, replace=False)
     assert rig.dram.num_blocks == 0 and int((e.dram_off >= 0).sum()) == 0
+
+
+def test_a_compaction_takes_the_oldest_runs_up_to_its_slice_and_leaves_a_heap(monkeypatch):
+    monkeypatch.setattr(residency_mod, "COMPACT_SLICE", 50)
+    rng = np.random.default_rng(7)
+    heap = residency_mod._Heap()
+    for seq in rng.permutation(40).tolist():
+        n = int(rng.integers(1, 9))
+        imp = rng.random(n).astype(np.float32)
+        run = residency_mod._Run.ranked(1, imp, np.full(n, seq, np.int64), *(np.zeros(n, np.int64),) * 2, np.arange(n))
+        heap.push(run, seq)
+    before = {id(item[3]): item[2] for item in heap.items}
+    records = heap.records
+    taken = residency_mod._take_oldest(heap)
+    taken = sorted(taken, key=lambda run: before[id(run)])
+    assert [before[id(run)] for run in taken] == list(range(len(taken))), "not the oldest pushed"
+    sizes = [len(run.pages) for run in taken]
+    assert sum(sizes) >= 50 > sum(sizes) - sizes[-1] or not heap.items
+    assert heap.records == records - sum(sizes) == sum(len(item[3].pages) for item in heap.items)
+    items = heap.items
+    assert all(items[k][:3] <= items[c][:3] for k in range(len(items)) for c in (2 * k + 1, 2 * k + 2)
+               if c < len(items)), "what is left is not a heap"
 
 
 @pytest.mark.parametrize("size", [40, 4000], ids=["by a scatter", "by a sort"])
