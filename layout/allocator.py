@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import bisect
 from typing import Iterable
 
 import numpy as np
 
 from kvdrive.layout.format import ALIGN, align_up
+from kvdrive.layout.sorted_list import SortedList
 
 
 class SpaceError(Exception):
@@ -25,7 +25,9 @@ class ExtentAllocator:
     The holes are also kept ordered by (length, start), so a best fit is a binary search:
     a scan of every hole took 0.27 ms per allocation among 10,000 holes here when none
     fitted exactly (a put of 128 engine pages allocates 256 extents), as a store whose
-    evictions left small holes met larger blocks.
+    evictions left small holes met larger blocks. Both orders are :class:`SortedList` s,
+    not plain lists: an insert into a sorted list of a million holes moved every hole
+    after it (0.8-1.1 ms an allocation or a free, as deletes all over a large store leave).
     """
 
     def __init__(self, capacity: int, align: int = ALIGN) -> None:
@@ -34,9 +36,9 @@ class ExtentAllocator:
         self.align = align
         self.capacity = capacity // align * align
         self.end = 0
-        self._starts: list[int] = []
-        self._lengths: list[int] = []
-        self._fit: list[tuple[int, int]] = []  # (length, start) of every hole, sorted
+        self._holes: dict[int, int] = {}  # start -> length of every hole
+        self._starts = SortedList()  # the holes' starts
+        self._fit = SortedList()  # (length, start) of every hole
         self._hole_bytes = 0
 
     @classmethod
@@ -58,9 +60,10 @@ class ExtentAllocator:
         if len(overlap):
             raise ValueError(f"ranges in use overlap at offset {int(start[overlap[0]])}")
         hole = start > pos
-        alloc._starts, alloc._lengths = pos[hole].tolist(), (start - pos)[hole].tolist()
-        alloc._fit = sorted(zip(alloc._lengths, alloc._starts))
-        alloc._hole_bytes = sum(alloc._lengths)
+        starts, lengths = pos[hole].tolist(), (start - pos)[hole].tolist()
+        alloc._holes = dict(zip(starts, lengths))
+        alloc._starts, alloc._fit = SortedList(starts), SortedList(zip(lengths, starts))
+        alloc._hole_bytes = sum(lengths)
         alloc.end = int(end[-1]) if len(end) else 0
         return alloc
 
@@ -74,32 +77,31 @@ class ExtentAllocator:
 
     @property
     def holes(self) -> list[tuple[int, int]]:
-        return list(zip(self._starts, self._lengths))
+        return [(start, self._holes[start]) for start in self._starts]
 
     def can_allocate(self, nbytes: int) -> bool:
         size = align_up(nbytes, self.align)
-        return bool(self._fit) and self._fit[-1][0] >= size or self.end + size <= self.capacity
+        largest = self._fit.last()
+        return largest is not None and largest[0] >= size or self.end + size <= self.capacity
 
     def allocate(self, nbytes: int) -> int:
         if nbytes <= 0:
             raise ValueError(f"allocation size must be > 0, got {nbytes}")
         size = align_up(nbytes, self.align)
-        j = bisect.bisect_left(self._fit, (size, -1))
-        if j < len(self._fit):
-            length, start = self._fit.pop(j)
-            i = bisect.bisect_left(self._starts, start)
-            if length == size:
-                del self._starts[i]
-                del self._lengths[i]
-            else:
-                self._starts[i] += size
-                self._lengths[i] -= size
-                bisect.insort(self._fit, (length - size, start + size))
+        best = self._fit.ceiling((size, -1))
+        if best is not None:
+            length, start = best
+            self._fit.remove(best)
+            self._starts.remove(start)
+            del self._holes[start]
+            if length > size:
+                self._add_hole(start + size, length - size)
             self._hole_bytes -= size
             return start
         if self.end + size > self.capacity:
+            largest = self._fit.last()
             raise SpaceError(
-                f"need {size} bytes, largest hole {self._fit[-1][0] if self._fit else 0}, "
+                f"need {size} bytes, largest hole {largest[0] if largest else 0}, "
                 f"{self.free_bytes} free of {self.capacity}"
             )
         start = self.end
@@ -110,28 +112,28 @@ class ExtentAllocator:
         size = align_up(nbytes, self.align)
         if start % self.align or start < 0 or start + size > self.end:
             raise ValueError(f"range [{start}, {start + size}) was never allocated (end {self.end})")
-        i = bisect.bisect_left(self._starts, start)
-        if i < len(self._starts) and self._starts[i] < start + size:
-            raise ValueError(f"double free of [{start}, {start + size})")
-        if i > 0 and self._starts[i - 1] + self._lengths[i - 1] > start:
+        after, before = self._starts.ceiling(start), self._starts.below(start)
+        if after is not None and after < start + size or before is not None and before + self._holes[before] > start:
             raise ValueError(f"double free of [{start}, {start + size})")
         self._hole_bytes += size
-        if i < len(self._starts) and start + size == self._starts[i]:  # the hole after it joins
-            self._unfit(i)
-            size += self._lengths.pop(i)
-            self._starts.pop(i)
-        if i > 0 and self._starts[i - 1] + self._lengths[i - 1] == start:  # it joins the hole before
-            i -= 1
-            self._unfit(i)
-            start, size = self._starts.pop(i), size + self._lengths.pop(i)
+        if after is not None and start + size == after:  # the hole after it joins
+            size += self._take_hole(after)
+        if before is not None and before + self._holes[before] == start:  # it joins the hole before
+            start, size = before, size + self._take_hole(before)
         if start + size == self.end:
             self.end = start
             self._hole_bytes -= size
             return
-        self._starts.insert(i, start)
-        self._lengths.insert(i, size)
-        bisect.insort(self._fit, (size, start))
+        self._add_hole(start, size)
 
-    def _unfit(self, i: int) -> None:
-        """Take hole ``i`` (by start) out of the best-fit order."""
-        del self._fit[bisect.bisect_left(self._fit, (self._lengths[i], self._starts[i]))]
+    def _add_hole(self, start: int, length: int) -> None:
+        self._holes[start] = length
+        self._starts.add(start)
+        self._fit.add((length, start))
+
+    def _take_hole(self, start: int) -> int:
+        """Take the hole at ``start`` out of both orders; its length."""
+        length = self._holes.pop(start)
+        self._starts.remove(start)
+        self._fit.remove((length, start))
+        return length
