@@ -118,6 +118,13 @@ def _oldest(nxt, ends, n, skip):  # pragma: no cover - compiled
     return out[:k]
 
 
+def _grown(links: np.ndarray, capacity: int) -> np.ndarray:
+    """Recency links for ``capacity`` slots: ``links``, then -1 (no slot)."""
+    out = np.full(capacity, -1, np.int32)
+    out[: len(links)] = links
+    return out
+
+
 def as_bytes(keys: list[bytes] | np.ndarray) -> list[bytes]:
     """Keys as ``bytes`` objects: rows of a byte array each made one; a list as it is."""
     if not isinstance(keys, np.ndarray):
@@ -211,13 +218,15 @@ class _Keys:
 
 class BlockKeys:
     """Keys by slot, the slot of each key, and the slots in least recently used order.
-    Not thread-safe: the index lock guards it."""
+    Not thread-safe: the index lock guards it, but for :meth:`prepare`, which the one
+    thread that adds and removes keys (kvstored's writer) runs without it."""
 
     def __init__(self) -> None:
         self._keys = _Keys()
         self._hashes = np.zeros(0, np.int64)
         self._prev = np.zeros(0, np.int32)
         self._next = np.zeros(0, np.int32)
+        self._links: tuple[np.ndarray, np.ndarray] | None = None  # prev and next, grown ahead
         self._ends = np.full(2, -1, np.int64)
         self._buckets = np.full(MIN_BUCKETS, _EMPTY, np.int32)
         self._count = self._gone = 0
@@ -225,14 +234,38 @@ class BlockKeys:
     def __len__(self) -> int:
         return self._count
 
+    def prepare(self, capacity: int, adding: int) -> None:
+        """Ahead of :meth:`grow` to ``capacity`` and :meth:`add` of ``adding`` keys, without the
+        index lock, by the thread that alone adds and removes keys: the keys and hashes
+        grown, the recency links copied into grown arrays (copied again by :meth:`grow`:
+        gets touch them meanwhile) and the table rehashed, where those would do it. Each is
+        a new array swapped in whole, so a lookup meanwhile sees the old one or the new, both
+        of every held key. At a doubling of a million keys these held the index lock, which
+        every get waits on, for tens of ms."""
+        self._grow_keys(capacity)
+        if capacity > len(self._prev):
+            self._links = (_grown(self._prev, capacity), _grown(self._next, capacity))
+        if self._count + self._gone + adding > len(self._buckets) // 2:
+            self._rehash(self._count + adding)
+
     def grow(self, capacity: int) -> None:
         """Room for slots below ``capacity``."""
+        self._grow_keys(capacity)
+        if capacity > len(self._prev):
+            links = self._links
+            if links is None or len(links[0]) != capacity:
+                links = (_grown(self._prev, capacity), _grown(self._next, capacity))
+            else:  # grown by prepare: copied again, as gets have moved slots since
+                links[0][: len(self._prev)] = self._prev
+                links[1][: len(self._next)] = self._next
+            self._prev, self._next = links
+        self._links = None
+
+    def _grow_keys(self, capacity: int) -> None:
         more = capacity - len(self._hashes)
         if more > 0:
             self._keys.grow(capacity)
             self._hashes = np.concatenate([self._hashes, np.zeros(more, np.int64)])
-            self._prev = np.concatenate([self._prev, np.full(more, -1, np.int32)])
-            self._next = np.concatenate([self._next, np.full(more, -1, np.int32)])
 
     def find(self, keys: list[bytes]) -> np.ndarray:
         """The slot of each key, -1 for those not held."""
@@ -305,9 +338,11 @@ class BlockKeys:
         return list(zip(self._keys.get(slots), slots.tolist()))
 
     def _rehash(self, count: int) -> None:
+        """A table of buckets for ``count`` keys, of the held slots (read from the buckets, as
+        only adds and removes change them: the recency links gets change too), swapped in."""
         size = MIN_BUCKETS
         while size < 4 * count:
             size *= 2
-        self._buckets = np.full(size, _EMPTY, np.int32)
-        self._gone = 0
-        _insert(self._buckets, self._hashes, self.oldest())
+        buckets = np.full(size, _EMPTY, np.int32)
+        _insert(buckets, self._hashes, self._buckets[self._buckets >= 0])
+        self._buckets, self._gone = buckets, 0

@@ -123,14 +123,25 @@ class BlockTable:
         for s in slots:
             heapq.heappush(self._free, int(s))
 
-    def fill(self, keys: list[bytes] | np.ndarray, slots: np.ndarray, extent_ids: np.ndarray) -> None:
-        """Block ``keys[i]`` is in slot ``slots[i]``, its parts in extents ``extent_ids[i]``."""
-        if len(slots) and int(slots.max()) >= len(self.gen):
-            cap = max(int(slots.max()) + 1, 2 * len(self.gen), 64)
-            grow = cap - len(self.gen)
-            self.held.grow(cap)
+    def prepare(self, slots: np.ndarray) -> None:
+        """Ahead of :meth:`fill` of ``slots``, on the writer thread without the index lock: the
+        arrays by slot grown and the key table made room in, where fill would do it
+        (:meth:`BlockKeys.prepare`; only the writer changes these, gets read them whole)."""
+        if len(slots):
+            self._grow(int(slots.max()) + 1)
+            self.held.prepare(len(self.gen), len(slots))
+
+    def _grow(self, top: int) -> None:
+        if top > len(self.gen):
+            grow = max(top, 2 * len(self.gen), 64) - len(self.gen)
             self.extent_ids = np.concatenate([self.extent_ids, np.zeros((grow, self.parts), np.int64)])
             self.gen = np.concatenate([self.gen, np.zeros(grow, np.uint32)])
+
+    def fill(self, keys: list[bytes] | np.ndarray, slots: np.ndarray, extent_ids: np.ndarray) -> None:
+        """Block ``keys[i]`` is in slot ``slots[i]``, its parts in extents ``extent_ids[i]``."""
+        if len(slots):
+            self._grow(int(slots.max()) + 1)
+            self.held.grow(len(self.gen))
         self.held.add(keys, slots)
         self.extent_ids[slots] = extent_ids
         self.gen[slots] += 1
@@ -435,6 +446,7 @@ class Blocks:
         )
 
     def _published(self, table: BlockTable, keys: list[bytes], slots: np.ndarray, ids: np.ndarray) -> None:
+        table.prepare(slots)  # a doubling's copies and rehash, before the lock gets wait on
         with self.index.lock:
             for key in keys:
                 table.pending.pop(key, None)

@@ -29,9 +29,13 @@ def check(table: BlockKeys, model: OrderedDict, absent: list) -> None:
 NAMES = {"varied": lambda i: b"key%d" % i, "fixed": lambda i: b"%09d\0\0" % i}
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["grown under the lock", "grown ahead"])
 @pytest.mark.parametrize("collide", [False, True])
 @pytest.mark.parametrize("kind", ["varied", "fixed"])
-def test_random_adds_removes_and_uses_keep_the_map_and_the_order_of_an_ordered_dict(collide, kind):
+def test_random_adds_removes_and_uses_keep_the_map_and_the_order_of_an_ordered_dict(collide, kind, ahead):
+    """With ``ahead``, each put's growth and rehash are prepared first (as kvstored's writer
+    does without the index lock), a get moves slots between that and the put, and the put
+    then rehashes nothing itself."""
     rng = np.random.default_rng(int(collide))
     make = (lambda k: OneHash(NAMES[kind](k))) if collide else NAMES[kind]
     table, model, free, top = BlockKeys(), OrderedDict(), [], 0
@@ -45,8 +49,16 @@ def test_random_adds_removes_and_uses_keep_the_map_and_the_order_of_an_ordered_d
             slots += list(range(top, top + n - len(slots)))
             top = max(top, max(slots) + 1)
             keys = [make(next(names)) for _ in slots]
+            if ahead:
+                table.prepare(top, len(slots))
+                for k in [k for i, k in enumerate(model) if i % 3 == step % 3][:4]:  # a get meanwhile
+                    table.touch(np.array([model[k]]))
+                    model.move_to_end(k)
+                table._rehash = None  # prepared: the put itself must not rehash
             table.grow(top)
             table.add(keys, np.array(slots))
+            if ahead:
+                del table._rehash
             model.update(zip(keys, slots))
         elif op == 1:  # a delete
             held = list(model)
