@@ -27,9 +27,12 @@ fragment: gets of random blocks leave a few live blocks in most old runs, and ru
 whole for them had grown to 20K at 400K resident blocks, checked one by one in Python
 (0.5-0.9 s a compaction, with the index lock held). Compacting the whole heap at once
 still held the lock 66 ms at 400K resident blocks and 133 ms at 800K; a slice at a time,
-7-9 ms at either, for the same total time (a block may then keep a live record in a run
-left out as well: eviction marks a block it takes non-resident at once, so its other
-records are stale by the time they are popped).
+about 5 ms at either, in about 55% of the total time (the oldest runs are found in push
+order, not by a pass over them all; the heap list sheds the entries of runs taken out
+when they outnumber the rest, up to 16-20 ms at 800K, once every few dozen compactions).
+A block may then keep a live record in a run left out as well: eviction marks a block
+it takes non-resident at once, so its other records are stale by the time they are
+popped.
 
 Eviction pops runs from the bottom of the owner's heap and takes their blocks in rank
 order, those that rank at or below every other run's first block, while the candidates
@@ -51,7 +54,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -132,47 +135,53 @@ def _live(entry: SeqEntry | None, layers, heads, pages, importance, ticks) -> np
     return ok
 
 
-def _take_oldest(heap: "_Heap") -> list[_Run]:
-    """The runs a compaction takes out of ``heap``: all of them where it holds at most
-    COMPACT_SLICE records, else the oldest pushed, up to COMPACT_SLICE records (a block's
-    older records are the ones its later touches made stale). The rest stay, heapified."""
-    items = heap.items
-    if heap.records <= COMPACT_SLICE:
-        heap.items, heap.records = [], 0
-        return [item[3] for item in items]
-    seqs = np.fromiter((item[2] for item in items), np.int64, len(items))
-    sizes = np.fromiter((len(item[3].pages) for item in items), np.int64, len(items))
-    order = np.argsort(seqs)
-    n = int(np.searchsorted(np.cumsum(sizes[order]), COMPACT_SLICE)) + 1
-    take = np.zeros(len(items), bool)
-    take[order[:n]] = True
-    heap.items = [item for item, t in zip(items, take.tolist()) if not t]
-    heapq.heapify(heap.items)
-    heap.records -= int(sizes[take].sum())
-    return [item[3] for item, t in zip(items, take.tolist()) if t]
-
-
 class _Heap:
-    """The runs of one (owner, block size), lowest ``(importance, last use)`` on top."""
+    """The runs of one (owner, block size), lowest ``(importance, last use)`` on top.
+
+    ``live`` holds the runs in the heap by the sequence number they were pushed with, in
+    push order, so a compaction takes the oldest without a pass over them all
+    (:meth:`take_oldest`); the entries of runs it took stay in the heap list until popped
+    (skipped) or purged, when they outnumber the live ones."""
 
     def __init__(self) -> None:
         self.items: list[tuple[float, int, int, _Run]] = []
-        self.records = 0  # blocks across the runs, stale ones included
+        self.live: OrderedDict[int, _Run] = OrderedDict()
+        self.records = 0  # blocks across the live runs, stale ones included
         self.resident = 0  # blocks of this owner and size in the tier
 
     def push(self, run: _Run, seq: int) -> None:
         heapq.heappush(self.items, (*run.rank, seq, run))
+        self.live[seq] = run
         self.records += len(run.pages)
 
-    def pop(self) -> tuple[tuple[float, int], _Run]:
-        """The lowest run and the rank it was pushed with (at most its lowest rank now)."""
-        imp, tick, _, run = heapq.heappop(self.items)
-        self.records -= len(run.pages)
-        return (imp, tick), run
+    def pop(self) -> tuple[tuple[float, int], _Run] | None:
+        """The lowest run and the rank it was pushed with (at most its lowest rank now);
+        None when no run is left."""
+        while self.items:
+            imp, tick, seq, run = heapq.heappop(self.items)
+            if self.live.pop(seq, None) is not None:
+                self.records -= len(run.pages)
+                return (imp, tick), run
+        return None
 
     def top(self) -> tuple[float, int] | None:
         """The rank of the lowest run left, None when none is."""
+        while self.items and self.items[0][2] not in self.live:
+            heapq.heappop(self.items)
         return self.items[0][:2] if self.items else None
+
+    def take_oldest(self, records: int) -> list[_Run]:
+        """The runs pushed longest ago, out of the heap, until they hold ``records`` blocks
+        (the run that reaches it included) or none is left."""
+        out, n = [], 0
+        while self.live and n < records:
+            out.append(run := self.live.popitem(last=False)[1])
+            n += len(run.pages)
+        self.records -= n
+        if len(self.items) > 2 * len(self.live) + COMPACT_SLACK:
+            self.items = [item for item in self.items if item[2] in self.live]
+            heapq.heapify(self.items)
+        return out
 
 
 class Residency:
@@ -220,12 +229,12 @@ class Residency:
         return heap
 
     def _compact(self, heap: _Heap) -> None:
-        """Drop the stale records of ``heap``'s oldest runs (:func:`_take_oldest`) and merge
+        """Drop the stale records of ``heap``'s oldest runs (:meth:`_Heap.take_oldest`) and merge
         each sequence's live ones into runs of COMPACT_RUN blocks in rank order, in one
         vectorised pass per sequence (see the module's notes: runs kept whole while any
         block of theirs lived fragmented)."""
         by_uid: dict[int, list[_Run]] = {}
-        for run in _take_oldest(heap):
+        for run in heap.take_oldest(COMPACT_SLICE):
             by_uid.setdefault(run.uid, []).append(run)
         for uid, runs in by_uid.items():
             entry = self.index.get(uid)
@@ -364,8 +373,8 @@ class Residency:
         want = len(cand_importance)
         freed: list[np.ndarray] = []
         count = 0
-        while heap is not None and heap.items and count < want:
-            popped, run = heap.pop()
+        while heap is not None and count < want and (got := heap.pop()) is not None:
+            popped, run = got
             entry, ok = run.live(self.index)
             if not ok.any():
                 continue

@@ -193,26 +193,30 @@ def test_an_admission_whose_copy_fails_gives_its_slots_back():
     assert rig.dram.num_blocks == 0 and int((e.dram_off >= 0).sum()) == 0
 
 
-def test_a_compaction_takes_the_oldest_runs_up_to_its_slice_and_leaves_a_heap(monkeypatch):
-    monkeypatch.setattr(residency_mod, "COMPACT_SLICE", 50)
+@pytest.mark.parametrize("slack", [4096, 0], ids=["stale entries kept", "stale entries purged"])
+def test_a_compaction_takes_the_oldest_runs_up_to_its_slice_and_the_rest_pop_in_rank_order(slack, monkeypatch):
+    monkeypatch.setattr(residency_mod, "COMPACT_SLACK", slack)
     rng = np.random.default_rng(7)
     heap = residency_mod._Heap()
-    for seq in rng.permutation(40).tolist():
+    for seq in range(40):
         n = int(rng.integers(1, 9))
         imp = rng.random(n).astype(np.float32)
-        run = residency_mod._Run.ranked(1, imp, np.full(n, seq, np.int64), *(np.zeros(n, np.int64),) * 2, np.arange(n))
-        heap.push(run, seq)
-    before = {id(item[3]): item[2] for item in heap.items}
+        heap.push(residency_mod._Run.ranked(1, imp, np.full(n, seq, np.int64), *(np.zeros(n, np.int64),) * 2,
+                                            np.arange(n)), seq)
+    runs = dict(heap.live)
     records = heap.records
-    taken = residency_mod._take_oldest(heap)
-    taken = sorted(taken, key=lambda run: before[id(run)])
-    assert [before[id(run)] for run in taken] == list(range(len(taken))), "not the oldest pushed"
+    taken = heap.take_oldest(130)  # most of them: the stale entries then outnumber the live ones
+    seqs = [next(s for s, r in runs.items() if r is run) for run in taken]
+    assert seqs == list(range(len(taken))), "not the oldest pushed, in order"
     sizes = [len(run.pages) for run in taken]
-    assert sum(sizes) >= 50 > sum(sizes) - sizes[-1] or not heap.items
-    assert heap.records == records - sum(sizes) == sum(len(item[3].pages) for item in heap.items)
-    items = heap.items
-    assert all(items[k][:3] <= items[c][:3] for k in range(len(items)) for c in (2 * k + 1, 2 * k + 2)
-               if c < len(items)), "what is left is not a heap"
+    assert sum(sizes) >= 130 > sum(sizes) - sizes[-1]
+    assert heap.records == records - sum(sizes) == sum(len(run.pages) for run in heap.live.values())
+    assert (len(heap.items) == 40 - len(taken)) == (slack == 0)
+    popped = []
+    while (got := heap.pop()) is not None:
+        popped.append(got)
+    assert [r for r, _ in popped] == sorted(runs[s].rank for s in range(len(taken), 40)), "not in rank order"
+    assert heap.records == 0 and not heap.live and heap.top() is None
 
 
 @pytest.mark.parametrize("size", [40, 4000], ids=["by a scatter", "by a sort"])
