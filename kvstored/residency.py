@@ -29,7 +29,7 @@ whole for them had grown to 20K at 400K resident blocks, checked one by one in P
 still held the lock 66 ms at 400K resident blocks and 133 ms at 800K; a slice at a time,
 about 5 ms at either, in about 55% of the total time (the oldest runs are found in push
 order, not by a pass over them all; the heap list sheds the entries of runs taken out
-when they outnumber the rest, up to 16-20 ms at 800K, once every few dozen compactions).
+when they outnumber the rest, up to 16-23 ms at 800K, once every few dozen compactions).
 A block may then keep a live record in a run left out as well: eviction marks a block
 it takes non-resident at once, so its other records are stale by the time they are
 popped.
