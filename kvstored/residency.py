@@ -27,9 +27,11 @@ fragment: gets of random blocks leave a few live blocks in most old runs, and ru
 whole for them had grown to 20K at 400K resident blocks, checked one by one in Python
 (0.5-0.9 s a compaction, with the index lock held). Compacting the whole heap at once
 still held the lock 66 ms at 400K resident blocks and 133 ms at 800K; a slice at a time,
-about 5 ms at either, in about 55% of the total time (the oldest runs are found in push
+2.5 ms or so at either, in about 55% of the total time (the oldest runs are found in push
 order, not by a pass over them all; the heap list sheds the entries of runs taken out
-when they outnumber the rest, up to 16-23 ms at 800K, once every few dozen compactions).
+when they outnumber the rest, up to 13-28 ms at 800K, once every few dozen compactions).
+Slices of 65,536 records took twice as long each, as many times fewer, for the same
+total: the gets' p99.9 through kvstored was 7.4-7.7 ms with them, 4.4-4.5 ms now.
 A block may then keep a live record in a run left out as well: eviction marks a block
 it takes non-resident at once, so its other records are stale by the time they are
 popped.
@@ -69,7 +71,7 @@ from kvstored.index import BlockIndex, SeqEntry
 
 COMPACT_SLACK = 4096  # records a heap may hold beyond twice its resident blocks before compaction
 COMPACT_RUN = 128  # blocks a run of a compacted heap holds (an eviction checks a run whole, as a put's or get's)
-COMPACT_SLICE = 1 << 16  # records one compaction takes at most: the oldest runs' (a bounded stall)
+COMPACT_SLICE = 1 << 15  # records one compaction takes at most: the oldest runs' (a bounded stall)
 _RUN_FIELDS = ("importance", "ticks", "layers", "heads", "pages")
 
 
