@@ -29,7 +29,7 @@ whole for them had grown to 20K at 400K resident blocks, checked one by one in P
 still held the lock 66 ms at 400K resident blocks and 133 ms at 800K; a slice at a time,
 2.5 ms or so at either, in about 55% of the total time (the oldest runs are found in push
 order, not by a pass over them all; the heap list sheds the entries of runs taken out
-when they outnumber the rest, up to 13-28 ms at 800K, once every few dozen compactions).
+when they outnumber the rest: up to 13 ms at 400K, 28 ms at 800K, every few dozen times).
 Slices of 65,536 records took twice as long each, as many times fewer, for the same
 total: the gets' p99.9 through kvstored was 7.4-7.7 ms with them, 4.4-4.5 ms now.
 A block may then keep a live record in a run left out as well: eviction marks a block
