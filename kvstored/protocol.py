@@ -361,7 +361,7 @@ class _Fields:
             return None
         each = "one integer per key" if regions == 1 else f"{regions} integers (regions) per key"
         if not isinstance(v, (list, np.ndarray)) or len(v) != count * regions:
-            got = f"{len(v)} values" if isinstance(v, list) else type(v).__name__
+            got = f"{len(v)} values" if isinstance(v, (list, np.ndarray)) else type(v).__name__
             raise ProtocolError(ErrorCode.BAD_FIELD, f"field {name!r} must be a list of {each} "
                                                      f"({count * regions}), got {got}")
         if isinstance(v, list) and v and set(map(type, v)) != {int}:  # msgpack gives ints as int, never bool

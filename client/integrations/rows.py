@@ -50,10 +50,11 @@ class _Hashed:
             return got
         old = self.old
         for i in [i for i, k in enumerate(got) if k is None]:
-            k = old.get(keys[i])
-            if k is None:
+            key = old.get(keys[i])
+            if key is None:
                 return None
-            got[i] = young[keys[i]] = k
+            got[i] = key
+            self.add(keys[i], key)  # kept young, within the bound
         return got
 
     def add(self, text: str, key: bytes) -> None:

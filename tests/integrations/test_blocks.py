@@ -76,5 +76,8 @@ def test_a_string_key_hashed_lately_is_not_hashed_again_and_the_kept_ones_stay_b
         assert rows.keys_bytes(iter(keys[1:3])) == want[1:3]
     assert rows.keys_bytes(keys) == want
     assert len(rows._HASHED.young) + len(rows._HASHED.old) <= 8
+    for _ in range(3):  # keys found in the old generation move to the young one, within the bound
+        assert rows.keys_bytes(keys[16:20]) == want[16:20] and rows.keys_bytes(keys[12:16]) == want[12:16]
+        assert len(rows._HASHED.young) + len(rows._HASHED.old) <= 8
     assert rows.keys_bytes([keys[19], b"raw", keys[18], "short", bytearray(b"ba")]) == \
         [want[19], b"raw", want[18], b"short", b"ba"]

@@ -281,6 +281,8 @@ def test_hostile_block_requests_get_error_replies_and_the_daemon_carries_on(daem
         with pytest.raises(KVDriveError) as info:
             c.call(Op.BLOCK_GET, fields, arrays)
         assert f"[{code}]" in str(info.value), (fields, arrays, str(info.value))
+    with pytest.raises(KVDriveError, match=r"\[bad_field\].*one integer per key \(2\), got 3 values"):
+        c.call(Op.BLOCK_GET, get, {"offsets": np.array([0, BB, 2 * BB], np.int64)})
     with pytest.raises(KVDriveError, match=r"\[bad_field\]"):
         c.call(Op.BLOCK_LOOKUP, {"ns": "eng", "keys": [b"a"]}, {"offsets": np.array([0], np.int64)})
     # the header's list form still moves blocks, for a client that speaks it
