@@ -42,7 +42,10 @@ def test_creates_sent_together_share_a_commit_and_each_gets_its_own_answer(daemo
         c._wait(clash)
     after = c.stats()["counters"]
     assert after["creates"] - before["creates"] == len(names)
-    assert after["create_commits"] - before["create_commits"] <= 3  # far fewer than one per sequence
+    # Far fewer commits than sequences. How many creates each commit finds queued depends on how
+    # fast the daemon's socket thread hands over what waited while it was stopped: 1 to 5
+    # commits were seen for these 33 requests.
+    assert after["create_commits"] - before["create_commits"] <= 8
 
     daemon.kill9()
     daemon.start()
