@@ -295,7 +295,7 @@ class BlockKeys:
     def add(self, keys: list[bytes] | np.ndarray, slots: np.ndarray) -> None:
         """Hold new ``keys`` (none held already; or rows of their bytes, as start-up reads
         them) in ``slots`` (free ones), most recently used last."""
-        slots = np.asarray(slots, np.int64)
+        slots = np.ascontiguousarray(slots, np.int64)
         if self._count + self._gone + len(slots) > len(self._buckets) // 2:
             self._rehash(self._count + len(slots))
         self._keys.set(slots, keys, self.oldest)
@@ -315,7 +315,7 @@ class BlockKeys:
 
     def touch(self, slots: np.ndarray) -> None:
         """``slots``, in turn, become the most recently used."""
-        _touch(self._prev, self._next, self._ends, np.asarray(slots, np.int64))
+        _touch(self._prev, self._next, self._ends, np.ascontiguousarray(slots, np.int64))
 
     def oldest(self, n: int = -1, skip: np.ndarray | None = None) -> np.ndarray:
         """The ``n`` least recently used slots (every slot, oldest first, for ``n`` < 0), but ``skip``'s."""
@@ -344,5 +344,8 @@ class BlockKeys:
         while size < 4 * count:
             size *= 2
         buckets = np.full(size, _EMPTY, np.int32)
-        _insert(buckets, self._hashes, self._buckets[self._buckets >= 0])
+        # int64 slots, as every other call passes them: the loop compiled (and warmed at
+        # start) for those, where int32 ones (the buckets') made numba compile another
+        # version at the first rehash, a stall of most of a second on the writer thread.
+        _insert(buckets, self._hashes, self._buckets[self._buckets >= 0].astype(np.int64))
         self._buckets, self._gone = buckets, 0

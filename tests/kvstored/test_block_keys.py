@@ -109,3 +109,26 @@ def test_keys_of_one_length_then_another_keep_every_key_held_and_forget_the_remo
     table.grow(64)
     table.add([b"z" * 7], np.array([40]))
     assert table.key(40) == b"z" * 7 and table.find([b"z" * 7]).tolist() == [40]
+
+
+def test_the_compiled_loops_see_one_set_of_types_the_one_warmed_at_start():
+    """kvstored warms the key table's compiled loops at start (BlockKeys.warm); a call with
+    other types (int32 slots from the buckets, say) made numba compile another version of
+    one at the first rehash: most of a second on the writer thread, in the middle of traffic."""
+    from kvstored import block_keys as bk
+
+    BlockKeys.warm()
+    table = BlockKeys()
+    keys = [b"k%07d" % i for i in range(3000)]
+    for start in range(0, len(keys), 100):  # grows, and rehashes on the way, prepared ahead and not
+        slots = np.arange(start, start + 100)
+        if start % 200:
+            table.prepare(start + 100, 100)
+        table.grow(start + 100)
+        table.add(keys[start: start + 100], slots)
+        table.touch(slots[::7])
+    table.remove(np.arange(0, 3000, 3))
+    table.oldest(5, np.array([1, 2]))
+    assert table.find(keys[1:3]).tolist() == [1, 2]
+    for loop in (bk._find, bk._insert, bk._remove, bk._link, bk._unlink, bk._touch, bk._oldest):
+        assert len(loop.signatures) == 1, f"{loop.__name__} compiled for {loop.signatures}"
