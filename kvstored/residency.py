@@ -29,7 +29,7 @@ whole for them had grown to 20K at 400K resident blocks, checked one by one in P
 still held the lock 66 ms at 400K resident blocks and 133 ms at 800K; a slice at a time,
 2.5 ms or so at either, in about 55% of the total time (the oldest runs are found in push
 order, not by a pass over them all; the heap list sheds the entries of runs taken out
-when they outnumber the rest: up to 13 ms at 400K, 28 ms at 800K, every few dozen times).
+when they outnumber the rest, a few dozen at each push that follows, see :class:`_Heap`).
 Slices of 65,536 records took twice as long each, as many times fewer, for the same
 total: the gets' p99.9 through kvstored was 7.4-7.7 ms with them, 4.4-4.5 ms now.
 A block may then keep a live record in a run left out as well: eviction marks a block
@@ -72,6 +72,7 @@ from kvstored.index import BlockIndex, SeqEntry
 COMPACT_SLACK = 4096  # records a heap may hold beyond twice its resident blocks before compaction
 COMPACT_RUN = 128  # blocks a run of a compacted heap holds (an eviction checks a run whole, as a put's or get's)
 COMPACT_SLICE = 1 << 15  # records one compaction takes at most: the oldest runs' (a bounded stall)
+SHED_STEP = 64  # heap entries each push filters while the heap list sheds its stale ones (_Heap)
 _RUN_FIELDS = ("importance", "ticks", "layers", "heads", "pages")
 
 
@@ -143,18 +144,32 @@ class _Heap:
     ``live`` holds the runs in the heap by the sequence number they were pushed with, in
     push order, so a compaction takes the oldest without a pass over them all
     (:meth:`take_oldest`); the entries of runs it took stay in the heap list until popped
-    (skipped) or purged, when they outnumber the live ones."""
+    (skipped) or shed. Once they outnumber the live ones, a copy of the list is filtered
+    SHED_STEP entries at each push (:meth:`_shed_some`), and the live entries, with those
+    pushed meanwhile, become the list when it is done. The old list, the last to hold the
+    stale entries, then loses SHED_STEP of them at each push: freeing them at once (their
+    runs' arrays) was most of a 14-15 ms stall at 800K resident blocks (29K entries, half
+    stale), with the index lock held, every few dozen compactions. Entries taken meanwhile
+    may stay (stale, and skipped)."""
 
     def __init__(self) -> None:
         self.items: list[tuple[float, int, int, _Run]] = []
         self.live: OrderedDict[int, _Run] = OrderedDict()
         self.records = 0  # blocks across the live runs, stale ones included
         self.resident = 0  # blocks of this owner and size in the tier
+        self._shed: _Shedding | None = None
+        self._dropped: list = []  # an old heap list, emptied a step at each push
 
     def push(self, run: _Run, seq: int) -> None:
-        heapq.heappush(self.items, (*run.rank, seq, run))
+        item = (*run.rank, seq, run)
+        heapq.heappush(self.items, item)
         self.live[seq] = run
         self.records += len(run.pages)
+        if self._shed is not None:
+            self._shed.pushed.append(item)
+            self._shed_some()
+        elif self._dropped:
+            del self._dropped[-SHED_STEP:]
 
     def pop(self) -> tuple[tuple[float, int], _Run] | None:
         """The lowest run and the rank it was pushed with (at most its lowest rank now);
@@ -180,10 +195,33 @@ class _Heap:
             out.append(run := self.live.popitem(last=False)[1])
             n += len(run.pages)
         self.records -= n
-        if len(self.items) > 2 * len(self.live) + COMPACT_SLACK:
-            self.items = [item for item in self.items if item[2] in self.live]
-            heapq.heapify(self.items)
+        if self._shed is None and len(self.items) > 2 * len(self.live) + COMPACT_SLACK:
+            self._shed = _Shedding(self.items.copy())
         return out
+
+    def _shed_some(self) -> None:
+        """Filter the next SHED_STEP entries of the list being shed; once every one is, the
+        live ones and those pushed meanwhile are the heap."""
+        shed, live = self._shed, self.live
+        at = shed.at
+        shed.kept.extend(item for item in shed.items[at: at + SHED_STEP] if item[2] in live)
+        shed.at = at + SHED_STEP
+        if shed.at >= len(shed.items):
+            shed.kept.extend(item for item in shed.pushed if item[2] in live)
+            heapq.heapify(shed.kept)
+            self._shed = None
+            self._dropped.extend(self.items)  # its stale entries go a step at each push
+            self.items = shed.kept
+
+
+class _Shedding:
+    """A heap list being rid of its stale entries (see :class:`_Heap`): a copy of it, how far
+    it is filtered, the live entries so far, and the entries pushed since the copy."""
+
+    __slots__ = ("items", "at", "kept", "pushed")
+
+    def __init__(self, items: list) -> None:
+        self.items, self.at, self.kept, self.pushed = items, 0, [], []
 
 
 class Residency:

@@ -193,17 +193,21 @@ def test_an_admission_whose_copy_fails_gives_its_slots_back():
     assert rig.dram.num_blocks == 0 and int((e.dram_off >= 0).sum()) == 0
 
 
-@pytest.mark.parametrize("slack", [4096, 0], ids=["stale entries kept", "stale entries purged"])
+def _pushed(heap, rng, seq: int, tick: int):
+    n = int(rng.integers(1, 9))
+    run = residency_mod._Run.ranked(1, rng.random(n).astype(np.float32), np.full(n, tick, np.int64),
+                                    *(np.zeros(n, np.int64),) * 2, np.arange(n))
+    heap.push(run, seq)
+    return run
+
+
+@pytest.mark.parametrize("slack", [4096, 0], ids=["stale entries kept", "stale entries shed"])
 def test_a_compaction_takes_the_oldest_runs_up_to_its_slice_and_the_rest_pop_in_rank_order(slack, monkeypatch):
     monkeypatch.setattr(residency_mod, "COMPACT_SLACK", slack)
+    monkeypatch.setattr(residency_mod, "SHED_STEP", 4)
     rng = np.random.default_rng(7)
     heap = residency_mod._Heap()
-    for seq in range(40):
-        n = int(rng.integers(1, 9))
-        imp = rng.random(n).astype(np.float32)
-        heap.push(residency_mod._Run.ranked(1, imp, np.full(n, seq, np.int64), *(np.zeros(n, np.int64),) * 2,
-                                            np.arange(n)), seq)
-    runs = dict(heap.live)
+    runs = {seq: _pushed(heap, rng, seq, seq) for seq in range(40)}
     records = heap.records
     taken = heap.take_oldest(130)  # most of them: the stale entries then outnumber the live ones
     seqs = [next(s for s, r in runs.items() if r is run) for run in taken]
@@ -211,12 +215,51 @@ def test_a_compaction_takes_the_oldest_runs_up_to_its_slice_and_the_rest_pop_in_
     sizes = [len(run.pages) for run in taken]
     assert sum(sizes) >= 130 > sum(sizes) - sizes[-1]
     assert heap.records == records - sum(sizes) == sum(len(run.pages) for run in heap.live.values())
-    assert (len(heap.items) == 40 - len(taken)) == (slack == 0)
+    assert len(heap.items) == 40, "the heap list is shed by the pushes that follow, not at once"
+    # Pushes shed it SHED_STEP entries at a time; a pop between them takes a live run out.
+    first = heap.pop()
+    assert first is not None and first[0] == min(r.rank for s, r in runs.items() if s >= len(taken))
+    runs = {s: r for s, r in runs.items() if s in heap.live}
+    for seq in range(40, 50):
+        runs[seq] = _pushed(heap, rng, seq, seq)
+    if slack == 0:
+        assert heap._shed is None and len(heap.items) == len(heap.live) == len(runs), "stale entries not shed"
+    else:
+        assert heap._shed is None and len(heap.items) > len(heap.live) == len(runs), "shed within the slack"
     popped = []
     while (got := heap.pop()) is not None:
         popped.append(got)
-    assert [r for r, _ in popped] == sorted(runs[s].rank for s in range(len(taken), 40)), "not in rank order"
+    assert [r for r, _ in popped] == sorted(r.rank for r in runs.values()), "not in rank order"
     assert heap.records == 0 and not heap.live and heap.top() is None
+
+
+def test_runs_taken_or_popped_while_the_heap_list_sheds_stay_out_of_it(monkeypatch):
+    """Compactions and pops between the pushes that shed the list: every run left pops once,
+    in rank order, and the list ends with live entries only."""
+    monkeypatch.setattr(residency_mod, "COMPACT_SLACK", 0)
+    monkeypatch.setattr(residency_mod, "SHED_STEP", 3)
+    rng = np.random.default_rng(11)
+    heap = residency_mod._Heap()
+    runs = {seq: _pushed(heap, rng, seq, seq) for seq in range(200)}
+    seq = 200
+    for step in range(60):
+        for run in heap.take_oldest(int(rng.integers(1, 20))):
+            runs = {s: r for s, r in runs.items() if r is not run}
+        if step % 3 == 0 and (got := heap.pop()) is not None:
+            runs = {s: r for s, r in runs.items() if r is not got[1]}
+        for _ in range(int(rng.integers(1, 6))):
+            runs[seq] = _pushed(heap, rng, seq, seq)
+            seq += 1
+    assert set(heap.live) == set(runs)
+    while heap._shed is not None:
+        runs[seq] = _pushed(heap, rng, seq, seq)
+        seq += 1
+    assert len(heap.items) <= 2 * len(heap.live) + residency_mod.SHED_STEP * 2
+    popped = []
+    while (got := heap.pop()) is not None:
+        popped.append(got[1])
+    assert sorted(map(id, popped)) == sorted(map(id, runs.values())), "a run lost or popped twice"
+    assert [r.rank for r in popped] == sorted(r.rank for r in runs.values())
 
 
 @pytest.mark.parametrize("size", [40, 4000], ids=["by a scatter", "by a sort"])
