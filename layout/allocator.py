@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -78,6 +78,11 @@ class ExtentAllocator:
     @property
     def holes(self) -> list[tuple[int, int]]:
         return [(start, self._holes[start]) for start in self._starts]
+
+    def largest_holes(self) -> Iterator[tuple[int, int]]:
+        """(start, length) of each hole, the longest first (of equal ones, the highest first);
+        the allocator must not change while this is iterated."""
+        return ((start, length) for length, start in reversed(self._fit))
 
     def can_allocate(self, nbytes: int) -> bool:
         size = align_up(nbytes, self.align)

@@ -32,6 +32,10 @@ class SortedList:
         for sub in self._lists:
             yield from sub
 
+    def __reversed__(self) -> Iterator[Any]:
+        for sub in reversed(self._lists):
+            yield from reversed(sub)
+
     def add(self, item: Any) -> None:
         if not self._lists:
             self._lists, self._maxes = [[item]], [item]

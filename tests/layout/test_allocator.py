@@ -168,6 +168,7 @@ def test_random_allocate_free_keeps_the_space_consistent(seed):
     # Everything rebuilt from the live ranges matches the allocator's own view.
     rebuilt = ExtentAllocator.from_used(capacity, live.items())
     assert rebuilt.holes == alloc.holes and rebuilt.end == alloc.end
+    assert list(alloc.largest_holes()) == sorted(alloc.holes, key=lambda h: (h[1], h[0]), reverse=True)
     for start, size in list(live.items()):
         alloc.free(start, size)
     assert alloc.end == 0 and alloc.holes == []

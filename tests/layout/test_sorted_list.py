@@ -34,7 +34,7 @@ def test_a_sorted_list_answers_as_a_plain_sorted_list_would(load, seed, monkeypa
         assert got.below(q) == (want[i - 1] if i else None)
         assert got.last() == (want[-1] if want else None)
         assert len(got) == len(want)
-    assert list(got) == want
+    assert list(got) == want and list(reversed(got)) == want[::-1]
     for x in list(want):
         got.remove(x)
     assert len(got) == 0 and got.last() is None and got.ceiling(0) is None and got.below(10 ** 6) is None
