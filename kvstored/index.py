@@ -37,11 +37,12 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
 from kvdrive.layout.geometry import Geometry
+from kvdrive.layout.sorted_list import SortedList
 from kvstored.catalog import BLOCKS_NAME
 from kvstored.config import format_size
 from kvstored.protocol import MAX_IMPORTANCE
@@ -180,6 +181,8 @@ class BlockIndex:
         self._by_uid: dict[int, SeqEntry] = {}
         self._by_name: dict[tuple[int, str, str], int] = {}
         self._by_ns: dict[tuple[int, str], dict[int, SeqEntry]] = {}  # (owner uid, namespace): its entries by uid
+        # The uids of each owner's entries, (owner,), and of each of its namespaces, (owner, ns), in order.
+        self._uids: dict[tuple, SortedList] = {}
 
     def owner_bytes(self, owner: int) -> int:
         """What the sequences of ``owner`` count against the index budget."""
@@ -205,6 +208,8 @@ class BlockIndex:
             self._by_uid[entry.uid] = entry
             self._by_name[(entry.owner, entry.ns, entry.name)] = entry.uid
             self._by_ns.setdefault((entry.owner, entry.ns), {})[entry.uid] = entry
+            for key in ((entry.owner,), (entry.owner, entry.ns)):
+                self._uids.setdefault(key, SortedList()).add(entry.uid)
             self._count(entry.owner, entry.nbytes)
 
     def remove(self, uid: int) -> SeqEntry | None:
@@ -216,6 +221,11 @@ class BlockIndex:
                 mine.pop(uid, None)
                 if not mine:
                     self._by_ns.pop((entry.owner, entry.ns), None)
+                for key in ((entry.owner,), (entry.owner, entry.ns)):
+                    uids = self._uids[key]
+                    uids.remove(uid)
+                    if not len(uids):
+                        del self._uids[key]
                 self._count(entry.owner, -entry.nbytes)
             return entry
 
@@ -240,6 +250,30 @@ class BlockIndex:
         """The entries of ``owner`` 's namespace ``ns`` (without a pass over every entry)."""
         with self.lock:
             return list(self._by_ns.get((owner, ns), {}).values())
+
+    def owned(self, owner: int) -> list[SeqEntry]:
+        """The entries of ``owner`` (without a pass over every entry)."""
+        with self.lock:
+            return [self._by_uid[uid] for uid in self._uids.get((owner,), ())]
+
+    def count(self, owner: int) -> int:
+        """How many entries ``owner`` has."""
+        return len(self._uids.get((owner,), ()))
+
+    def listed(self, owner: int, ns: str | None, after: int, n: int, keep: Callable[[SeqEntry], bool]) -> list[SeqEntry]:
+        """The first ``n`` entries of ``owner`` (of namespace ``ns``, if given) with uid > ``after``
+        that ``keep`` takes, by uid: a search and ``n`` steps, where a pass over every entry
+        for each page of a listing made listing S sequences O(S^2) (20K sequences: 1250
+        pages of 16 at 1.5-3 ms each, on the thread that serves every request)."""
+        out: list[SeqEntry] = []
+        with self.lock:
+            uids = self._uids.get((owner,) if ns is None else (owner, ns))
+            for uid in uids.irange(after + 1) if uids is not None else ():
+                if keep(entry := self._by_uid[uid]):
+                    out.append(entry)
+                    if len(out) == n:
+                        break
+        return out
 
     # ------------------------------------------------------------ growth (writer thread)
 

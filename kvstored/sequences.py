@@ -9,7 +9,6 @@ words as for a uid never used).
 from __future__ import annotations
 
 import fnmatch
-import heapq
 import logging
 import time
 from collections import Counter
@@ -140,11 +139,7 @@ class Sequences:
     def list(self, req: ListSeqs, owner: int) -> dict:
         """The caller's sequences (of namespace ``req.ns`` if given) with uid > ``req.after``,
         in uid order, at most ``req.limit``; ``more`` says whether others follow."""
-        pool = self.index.all() if req.ns is None else self.index.in_namespace(owner, req.ns)
-        # The first limit + 1 by uid, not a sort of all of them: listing K sequences takes K / limit calls.
-        mine = heapq.nsmallest(req.limit + 1, (e for e in pool if e.owner == owner and e.uid > req.after
-                                               and (req.ns is None or e.ns == req.ns) and e.name != BLOCKS_NAME),
-                               key=lambda e: e.uid)
+        mine = self.index.listed(owner, req.ns, req.after, req.limit + 1, lambda e: e.name != BLOCKS_NAME)
         return {"sequences": [self.describe(e) for e in mine[: req.limit]], "more": len(mine) > req.limit}
 
     def lookup(self, req: Lookup, owner: int) -> dict:

@@ -222,21 +222,20 @@ class Store:
     def stats(self, session: Session) -> dict:
         """Daemon-wide figures (tiers, counters) and the caller's own sequence count; to a
         caller that does not see the daemon (docs/stats.md), its own figures and its limits."""
-        mine = [e for e in self.index.all() if e.owner == session.uid]
         if not session.sees_daemon:
             return {
                 **self.hello(),
                 "scope": "user",
-                "sequences": len(mine),
+                "sequences": self.index.count(session.uid),
                 "dram_used_bytes": self.residency.shares.held(session.uid),
-                "ssd_used_bytes": sum(e.bytes for e in mine),
+                "ssd_used_bytes": sum(e.bytes for e in self.index.owned(session.uid)),
                 "index_bytes": self.index.owner_bytes(session.uid),
                 "index_max_bytes": self.index.max_bytes_per_owner,
             }
         return {
             **self.hello(),
             "scope": "daemon",
-            "sequences": len(mine),
+            "sequences": self.index.count(session.uid),
             "dram_used_bytes": self.dram.used_bytes,
             "dram_blocks": self.dram.num_blocks,
             "ssd_used_bytes": self.ssd.used_bytes,

@@ -36,6 +36,15 @@ class SortedList:
         for sub in reversed(self._lists):
             yield from reversed(sub)
 
+    def irange(self, start: Any) -> Iterator[Any]:
+        """The items at or above ``start``, in order (the list must not change meanwhile)."""
+        k = bisect_left(self._maxes, start)
+        if k < len(self._lists):
+            sub = self._lists[k]
+            yield from sub[bisect_left(sub, start):]
+            for j in range(k + 1, len(self._lists)):
+                yield from self._lists[j]
+
     def add(self, item: Any) -> None:
         if not self._lists:
             self._lists, self._maxes = [[item]], [item]

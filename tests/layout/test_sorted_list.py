@@ -33,6 +33,7 @@ def test_a_sorted_list_answers_as_a_plain_sorted_list_would(load, seed, monkeypa
         assert got.ceiling(q) == (want[i] if i < len(want) else None)
         assert got.below(q) == (want[i - 1] if i else None)
         assert got.last() == (want[-1] if want else None)
+        assert list(got.irange(q)) == want[i:]
         assert len(got) == len(want)
     assert list(got) == want and list(reversed(got)) == want[::-1]
     for x in list(want):

@@ -1,0 +1,60 @@
+"""A listing pages through an owner's sequences (of one namespace, or all of them) in uid
+order from a search of sorted uids, not a pass over every sequence for each page: checked
+here against such a pass, with sequences of several owners and namespaces added and
+removed in between."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvdrive.layout import sorted_list
+from kvdrive.layout.geometry import Geometry
+from kvstored.index import BlockIndex, SeqEntry
+
+GEOM = Geometry(1, 1, 8, "float16", 16)
+
+
+def brute(entries: dict[int, SeqEntry], owner: int, ns: str | None, after: int, n: int, keep) -> list[SeqEntry]:
+    mine = sorted((e for e in entries.values() if e.owner == owner and (ns is None or e.ns == ns) and e.uid > after
+                   and keep(e)), key=lambda e: e.uid)
+    return mine[:n]
+
+
+@pytest.mark.parametrize("load", [2, 512], ids=["sublists of 2", "sublists of 512"])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_page_is_the_next_uids_of_the_owner_and_namespace(seed, load, monkeypatch):
+    monkeypatch.setattr(sorted_list, "LOAD", load)
+    rng = np.random.default_rng(seed)
+    index = BlockIndex(1 << 40)
+    entries: dict[int, SeqEntry] = {}
+    keep = lambda e: not e.name.startswith("hidden")  # noqa: E731 - as a block namespace's entry is
+    for step in range(600):
+        if entries and rng.random() < 0.3:
+            uid = int(rng.choice(list(entries)))
+            assert index.remove(uid) is entries.pop(uid)
+        else:
+            uid = int(rng.integers(1, 1 << 62))
+            owner, ns = int(rng.integers(0, 3)), f"ns{int(rng.integers(0, 3))}"
+            name = f"hidden{uid}" if rng.random() < 0.1 else f"s{uid}"
+            entries[uid] = SeqEntry(uid, ns, name, GEOM, 0.0, owner=owner)
+            index.add(entries[uid])
+        if step % 20:
+            continue
+        for owner in range(4):  # owner 3 has none
+            mine = {e.uid for e in entries.values() if e.owner == owner}
+            assert {e.uid for e in index.owned(owner)} == mine and index.count(owner) == len(mine)
+            for ns in (None, "ns0", "ns1", "ns2", "ns9"):
+                n = int(rng.integers(1, 6))
+                after = 0
+                while True:  # page through all of them, as a client does
+                    page = index.listed(owner, ns, after, n, keep)
+                    assert page == brute(entries, owner, ns, after, n, keep)
+                    if len(page) < n:
+                        break
+                    after = page[-1].uid
+                mid = int(rng.integers(0, 1 << 62))
+                assert index.listed(owner, ns, mid, n, keep) == brute(entries, owner, ns, mid, n, keep)
+    for uid in list(entries):
+        index.remove(uid)
+    assert not index._uids and index.owned(0) == [] and index.listed(0, None, 0, 5, keep) == []
