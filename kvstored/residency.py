@@ -57,8 +57,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -76,11 +75,17 @@ SHED_STEP = 64  # heap entries each push filters while the heap list sheds its s
 _RUN_FIELDS = ("importance", "ticks", "layers", "heads", "pages")
 
 
-@dataclass
-class _Run:
+class _Run(NamedTuple):
     """Blocks ``(layers[i], heads[i], pages[i])`` of sequence ``uid`` that had importance
     ``importance[i]`` and last use ``ticks[i]`` when recorded, in rank order: by importance,
-    then by last use."""
+    then by last use.
+
+    A heap keeps each as a plain tuple, and its entries hold numbers only: tuples of ints,
+    floats and arrays, which the cyclic garbage collector stops tracking once it has seen
+    them (it tracks a named tuple for good). As dataclass instances held by the entries,
+    runs and entries were most of what a full collection walked at 800K resident blocks
+    (46K of 113K objects in a test of the residency alone), a 14-18 ms pause of whichever
+    thread allocated, a get's as often as not."""
 
     uid: int
     importance: np.ndarray  # float32, one per block
@@ -146,37 +151,35 @@ class _Heap:
     (:meth:`take_oldest`); the entries of runs it took stay in the heap list until popped
     (skipped) or shed. Once they outnumber the live ones, a copy of the list is filtered
     SHED_STEP entries at each push (:meth:`_shed_some`), and the live entries, with those
-    pushed meanwhile, become the list when it is done. The old list, the last to hold the
-    stale entries, then loses SHED_STEP of them at each push: freeing them at once (their
-    runs' arrays) was most of a 14-15 ms stall at 800K resident blocks (29K entries, half
-    stale), with the index lock held, every few dozen compactions. Entries taken meanwhile
-    may stay (stale, and skipped)."""
+    pushed meanwhile, become the list when it is done: shedding at once, with the index
+    lock held, was a 14-19 ms stall at 800K resident blocks (29K entries, half of them
+    stale) every few dozen compactions, most of it freeing the runs the stale entries held
+    then. Entries taken meanwhile may stay (stale, and skipped)."""
 
     def __init__(self) -> None:
-        self.items: list[tuple[float, int, int, _Run]] = []
-        self.live: OrderedDict[int, _Run] = OrderedDict()
+        self.items: list[tuple[float, int, int]] = []  # (importance, tick, seq) of each run pushed
+        self.live: OrderedDict[int, tuple] = OrderedDict()  # seq -> the run, as a plain tuple (see _Run)
         self.records = 0  # blocks across the live runs, stale ones included
         self.resident = 0  # blocks of this owner and size in the tier
         self._shed: _Shedding | None = None
-        self._dropped: list = []  # an old heap list, emptied a step at each push
 
     def push(self, run: _Run, seq: int) -> None:
-        item = (*run.rank, seq, run)
+        item = (*run.rank, seq)
         heapq.heappush(self.items, item)
-        self.live[seq] = run
+        self.live[seq] = tuple(run)
         self.records += len(run.pages)
         if self._shed is not None:
             self._shed.pushed.append(item)
             self._shed_some()
-        elif self._dropped:
-            del self._dropped[-SHED_STEP:]
 
     def pop(self) -> tuple[tuple[float, int], _Run] | None:
         """The lowest run and the rank it was pushed with (at most its lowest rank now);
         None when no run is left."""
         while self.items:
-            imp, tick, seq, run = heapq.heappop(self.items)
-            if self.live.pop(seq, None) is not None:
+            imp, tick, seq = heapq.heappop(self.items)
+            held = self.live.pop(seq, None)
+            if held is not None:
+                run = _Run._make(held)
                 self.records -= len(run.pages)
                 return (imp, tick), run
         return None
@@ -192,7 +195,7 @@ class _Heap:
         (the run that reaches it included) or none is left."""
         out, n = [], 0
         while self.live and n < records:
-            out.append(run := self.live.popitem(last=False)[1])
+            out.append(run := _Run._make(self.live.popitem(last=False)[1]))
             n += len(run.pages)
         self.records -= n
         if self._shed is None and len(self.items) > 2 * len(self.live) + COMPACT_SLACK:
@@ -209,9 +212,7 @@ class _Heap:
         if shed.at >= len(shed.items):
             shed.kept.extend(item for item in shed.pushed if item[2] in live)
             heapq.heapify(shed.kept)
-            self._shed = None
-            self._dropped.extend(self.items)  # its stale entries go a step at each push
-            self.items = shed.kept
+            self.items, self._shed = shed.kept, None
 
 
 class _Shedding:

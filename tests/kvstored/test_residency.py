@@ -210,11 +210,11 @@ def test_a_compaction_takes_the_oldest_runs_up_to_its_slice_and_the_rest_pop_in_
     runs = {seq: _pushed(heap, rng, seq, seq) for seq in range(40)}
     records = heap.records
     taken = heap.take_oldest(130)  # most of them: the stale entries then outnumber the live ones
-    seqs = [next(s for s, r in runs.items() if r is run) for run in taken]
+    seqs = [int(run.ticks[0]) for run in taken]  # a run's ticks are its seq here
     assert seqs == list(range(len(taken))), "not the oldest pushed, in order"
     sizes = [len(run.pages) for run in taken]
     assert sum(sizes) >= 130 > sum(sizes) - sizes[-1]
-    assert heap.records == records - sum(sizes) == sum(len(run.pages) for run in heap.live.values())
+    assert heap.records == records - sum(sizes) == sum(len(residency_mod._Run._make(t).pages) for t in heap.live.values())
     assert len(heap.items) == 40, "the heap list is shed by the pushes that follow, not at once"
     # Pushes shed it SHED_STEP entries at a time; a pop between them takes a live run out.
     first = heap.pop()
@@ -244,9 +244,9 @@ def test_runs_taken_or_popped_while_the_heap_list_sheds_stay_out_of_it(monkeypat
     seq = 200
     for step in range(60):
         for run in heap.take_oldest(int(rng.integers(1, 20))):
-            runs = {s: r for s, r in runs.items() if r is not run}
+            del runs[int(run.ticks[0])]  # a run's ticks are its seq here
         if step % 3 == 0 and (got := heap.pop()) is not None:
-            runs = {s: r for s, r in runs.items() if r is not got[1]}
+            del runs[int(got[1].ticks[0])]
         for _ in range(int(rng.integers(1, 6))):
             runs[seq] = _pushed(heap, rng, seq, seq)
             seq += 1
@@ -258,7 +258,7 @@ def test_runs_taken_or_popped_while_the_heap_list_sheds_stay_out_of_it(monkeypat
     popped = []
     while (got := heap.pop()) is not None:
         popped.append(got[1])
-    assert sorted(map(id, popped)) == sorted(map(id, runs.values())), "a run lost or popped twice"
+    assert sorted(int(r.ticks[0]) for r in popped) == sorted(runs), "a run lost or popped twice"
     assert [r.rank for r in popped] == sorted(r.rank for r in runs.values())
 
 
