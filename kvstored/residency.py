@@ -29,7 +29,7 @@ whole for them had grown to 20K at 400K resident blocks, checked one by one in P
 still held the lock 66 ms at 400K resident blocks and 133 ms at 800K; a slice at a time,
 2.5 ms or so at either, in about 55% of the total time (the oldest runs are found in push
 order, not by a pass over them all; the heap list sheds the entries of runs taken out
-when they outnumber the rest, a few dozen at each push that follows, see :class:`_Heap`).
+when they outnumber the rest: 2.5 ms at 800K, every few dozen times).
 Slices of 65,536 records took twice as long each, as many times fewer, for the same
 total: the gets' p99.9 through kvstored was 7.4-7.7 ms with them, 4.4-4.5 ms now.
 A block may then keep a live record in a run left out as well: eviction marks a block
@@ -71,7 +71,6 @@ from kvstored.index import BlockIndex, SeqEntry
 COMPACT_SLACK = 4096  # records a heap may hold beyond twice its resident blocks before compaction
 COMPACT_RUN = 128  # blocks a run of a compacted heap holds (an eviction checks a run whole, as a put's or get's)
 COMPACT_SLICE = 1 << 15  # records one compaction takes at most: the oldest runs' (a bounded stall)
-SHED_STEP = 64  # heap entries each push filters while the heap list sheds its stale ones (_Heap)
 _RUN_FIELDS = ("importance", "ticks", "layers", "heads", "pages")
 
 
@@ -149,28 +148,20 @@ class _Heap:
     ``live`` holds the runs in the heap by the sequence number they were pushed with, in
     push order, so a compaction takes the oldest without a pass over them all
     (:meth:`take_oldest`); the entries of runs it took stay in the heap list until popped
-    (skipped) or shed. Once they outnumber the live ones, a copy of the list is filtered
-    SHED_STEP entries at each push (:meth:`_shed_some`), and the live entries, with those
-    pushed meanwhile, become the list when it is done: shedding at once, with the index
-    lock held, was a 14-19 ms stall at 800K resident blocks (29K entries, half of them
-    stale) every few dozen compactions, most of it freeing the runs the stale entries held
-    then. Entries taken meanwhile may stay (stale, and skipped)."""
+    (skipped) or purged, when they outnumber the live ones. Entries hold no runs (see
+    :class:`_Run`): purging 29K of them, half stale, took 14-19 ms with the index lock
+    held while they did (freeing the runs), 2.5 ms since."""
 
     def __init__(self) -> None:
         self.items: list[tuple[float, int, int]] = []  # (importance, tick, seq) of each run pushed
         self.live: OrderedDict[int, tuple] = OrderedDict()  # seq -> the run, as a plain tuple (see _Run)
         self.records = 0  # blocks across the live runs, stale ones included
         self.resident = 0  # blocks of this owner and size in the tier
-        self._shed: _Shedding | None = None
 
     def push(self, run: _Run, seq: int) -> None:
-        item = (*run.rank, seq)
-        heapq.heappush(self.items, item)
+        heapq.heappush(self.items, (*run.rank, seq))
         self.live[seq] = tuple(run)
         self.records += len(run.pages)
-        if self._shed is not None:
-            self._shed.pushed.append(item)
-            self._shed_some()
 
     def pop(self) -> tuple[tuple[float, int], _Run] | None:
         """The lowest run and the rank it was pushed with (at most its lowest rank now);
@@ -198,31 +189,10 @@ class _Heap:
             out.append(run := _Run._make(self.live.popitem(last=False)[1]))
             n += len(run.pages)
         self.records -= n
-        if self._shed is None and len(self.items) > 2 * len(self.live) + COMPACT_SLACK:
-            self._shed = _Shedding(self.items.copy())
+        if len(self.items) > 2 * len(self.live) + COMPACT_SLACK:
+            self.items = [item for item in self.items if item[2] in self.live]
+            heapq.heapify(self.items)
         return out
-
-    def _shed_some(self) -> None:
-        """Filter the next SHED_STEP entries of the list being shed; once every one is, the
-        live ones and those pushed meanwhile are the heap."""
-        shed, live = self._shed, self.live
-        at = shed.at
-        shed.kept.extend(item for item in shed.items[at: at + SHED_STEP] if item[2] in live)
-        shed.at = at + SHED_STEP
-        if shed.at >= len(shed.items):
-            shed.kept.extend(item for item in shed.pushed if item[2] in live)
-            heapq.heapify(shed.kept)
-            self.items, self._shed = shed.kept, None
-
-
-class _Shedding:
-    """A heap list being rid of its stale entries (see :class:`_Heap`): a copy of it, how far
-    it is filtered, the live entries so far, and the entries pushed since the copy."""
-
-    __slots__ = ("items", "at", "kept", "pushed")
-
-    def __init__(self, items: list) -> None:
-        self.items, self.at, self.kept, self.pushed = items, 0, [], []
 
 
 class Residency:

@@ -201,10 +201,9 @@ def _pushed(heap, rng, seq: int, tick: int):
     return run
 
 
-@pytest.mark.parametrize("slack", [4096, 0], ids=["stale entries kept", "stale entries shed"])
+@pytest.mark.parametrize("slack", [4096, 0], ids=["stale entries kept", "stale entries purged"])
 def test_a_compaction_takes_the_oldest_runs_up_to_its_slice_and_the_rest_pop_in_rank_order(slack, monkeypatch):
     monkeypatch.setattr(residency_mod, "COMPACT_SLACK", slack)
-    monkeypatch.setattr(residency_mod, "SHED_STEP", 4)
     rng = np.random.default_rng(7)
     heap = residency_mod._Heap()
     runs = {seq: _pushed(heap, rng, seq, seq) for seq in range(40)}
@@ -215,17 +214,11 @@ def test_a_compaction_takes_the_oldest_runs_up_to_its_slice_and_the_rest_pop_in_
     sizes = [len(run.pages) for run in taken]
     assert sum(sizes) >= 130 > sum(sizes) - sizes[-1]
     assert heap.records == records - sum(sizes) == sum(len(residency_mod._Run._make(t).pages) for t in heap.live.values())
-    assert len(heap.items) == 40, "the heap list is shed by the pushes that follow, not at once"
-    # Pushes shed it SHED_STEP entries at a time; a pop between them takes a live run out.
-    first = heap.pop()
-    assert first is not None and first[0] == min(r.rank for s, r in runs.items() if s >= len(taken))
+    assert (len(heap.items) == 40 - len(taken)) == (slack == 0)
+    assert all(isinstance(x, (int, float)) for item in heap.items for x in item), "an entry holds more than numbers"
     runs = {s: r for s, r in runs.items() if s in heap.live}
     for seq in range(40, 50):
         runs[seq] = _pushed(heap, rng, seq, seq)
-    if slack == 0:
-        assert heap._shed is None and len(heap.items) == len(heap.live) == len(runs), "stale entries not shed"
-    else:
-        assert heap._shed is None and len(heap.items) > len(heap.live) == len(runs), "shed within the slack"
     popped = []
     while (got := heap.pop()) is not None:
         popped.append(got)
@@ -233,11 +226,10 @@ def test_a_compaction_takes_the_oldest_runs_up_to_its_slice_and_the_rest_pop_in_
     assert heap.records == 0 and not heap.live and heap.top() is None
 
 
-def test_runs_taken_or_popped_while_the_heap_list_sheds_stay_out_of_it(monkeypatch):
-    """Compactions and pops between the pushes that shed the list: every run left pops once,
-    in rank order, and the list ends with live entries only."""
+def test_runs_taken_popped_and_purged_in_turn_each_pop_once_in_rank_order(monkeypatch):
+    """Compactions (each purging the heap list of what they took), pops and pushes in turn:
+    every run left pops once, in rank order."""
     monkeypatch.setattr(residency_mod, "COMPACT_SLACK", 0)
-    monkeypatch.setattr(residency_mod, "SHED_STEP", 3)
     rng = np.random.default_rng(11)
     heap = residency_mod._Heap()
     runs = {seq: _pushed(heap, rng, seq, seq) for seq in range(200)}
@@ -251,10 +243,7 @@ def test_runs_taken_or_popped_while_the_heap_list_sheds_stay_out_of_it(monkeypat
             runs[seq] = _pushed(heap, rng, seq, seq)
             seq += 1
     assert set(heap.live) == set(runs)
-    while heap._shed is not None:
-        runs[seq] = _pushed(heap, rng, seq, seq)
-        seq += 1
-    assert len(heap.items) <= 2 * len(heap.live) + residency_mod.SHED_STEP * 2
+    assert len(heap.items) <= 2 * len(heap.live) + 6  # purged at the last compaction, pushes and a pop since
     popped = []
     while (got := heap.pop()) is not None:
         popped.append(got[1])
