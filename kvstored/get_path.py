@@ -169,7 +169,7 @@ class GetPath:
         for entry, lay, hed, pag, col in groups:
             entry.last_use[lay, hed, col] = tick
             if len(lay):
-                entry.last_tick = max(entry.last_tick, tick)
+                self.index.used(entry, tick)
             self.residency.touched(entry, lay, hed, pag, col)
 
     def in_dram(self, req: Get, session: Session, max_bytes: int) -> bool:

@@ -35,9 +35,9 @@ publishing a committed put is assignments into arrays that already exist.
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -180,9 +180,11 @@ class BlockIndex:
         self._owner_bytes: Counter[int] = Counter()
         self._by_uid: dict[int, SeqEntry] = {}
         self._by_name: dict[tuple[int, str, str], int] = {}
-        self._by_ns: dict[tuple[int, str], dict[int, SeqEntry]] = {}  # (owner uid, namespace): its entries by uid
         # The uids of each owner's entries, (owner,), and of each of its namespaces, (owner, ns), in order.
         self._uids: dict[tuple, SortedList] = {}
+        # Each (owner, namespace)'s entries put into or read since start-up (or holding blocks
+        # then), least recently used first: a --quota's victims in order (kvstored/quota.py).
+        self._lru: dict[tuple[int, str], OrderedDict[int, SeqEntry]] = {}
 
     def owner_bytes(self, owner: int) -> int:
         """What the sequences of ``owner`` count against the index budget."""
@@ -207,7 +209,6 @@ class BlockIndex:
         with self.lock:
             self._by_uid[entry.uid] = entry
             self._by_name[(entry.owner, entry.ns, entry.name)] = entry.uid
-            self._by_ns.setdefault((entry.owner, entry.ns), {})[entry.uid] = entry
             for key in ((entry.owner,), (entry.owner, entry.ns)):
                 self._uids.setdefault(key, SortedList()).add(entry.uid)
             self._count(entry.owner, entry.nbytes)
@@ -217,15 +218,14 @@ class BlockIndex:
             entry = self._by_uid.pop(uid, None)
             if entry is not None:
                 self._by_name.pop((entry.owner, entry.ns, entry.name), None)
-                mine = self._by_ns.get((entry.owner, entry.ns), {})
-                mine.pop(uid, None)
-                if not mine:
-                    self._by_ns.pop((entry.owner, entry.ns), None)
                 for key in ((entry.owner,), (entry.owner, entry.ns)):
                     uids = self._uids[key]
                     uids.remove(uid)
                     if not len(uids):
                         del self._uids[key]
+                lru = self._lru.get((entry.owner, entry.ns))
+                if lru is not None and lru.pop(uid, None) is not None and not lru:
+                    del self._lru[(entry.owner, entry.ns)]
                 self._count(entry.owner, -entry.nbytes)
             return entry
 
@@ -246,15 +246,33 @@ class BlockIndex:
         with self.lock:
             return list(self._by_uid.values())
 
-    def in_namespace(self, owner: int, ns: str) -> list[SeqEntry]:
-        """The entries of ``owner`` 's namespace ``ns`` (without a pass over every entry)."""
-        with self.lock:
-            return list(self._by_ns.get((owner, ns), {}).values())
-
     def owned(self, owner: int) -> list[SeqEntry]:
         """The entries of ``owner`` (without a pass over every entry)."""
         with self.lock:
             return [self._by_uid[uid] for uid in self._uids.get((owner,), ())]
+
+    def used(self, entry: SeqEntry, tick: int) -> None:
+        """``entry`` was put into or read at ``tick``: its ``last_tick``, and its place as the most
+        recently used of its namespace (index lock held)."""
+        entry.last_tick = max(entry.last_tick, tick)
+        lru = self._lru.get(key := (entry.owner, entry.ns))
+        if lru is None:
+            lru = self._lru[key] = OrderedDict()
+        lru[entry.uid] = entry
+        lru.move_to_end(entry.uid)
+
+    def rank_loaded(self) -> None:
+        """At start-up, once every entry is loaded: those holding blocks, none used since, as the
+        least recently used of their namespaces, by uid."""
+        with self.lock:
+            for uid in sorted(uid for uid, e in self._by_uid.items() if e.num_blocks):
+                entry = self._by_uid[uid]
+                self._lru.setdefault((entry.owner, entry.ns), OrderedDict())[uid] = entry
+
+    def least_recent(self, owner: int, ns: str) -> Iterator[SeqEntry]:
+        """``owner`` 's entries of namespace ``ns`` put into or read since start-up (or holding
+        blocks then), least recently used first (index lock held while it is read)."""
+        return iter(self._lru.get((owner, ns), {}).values())
 
     def count(self, owner: int) -> int:
         """How many entries ``owner`` has."""

@@ -464,7 +464,7 @@ class PutPath:
             entry.importance[p.layers, p.heads, cols] = p.importance
             entry.last_use[p.layers, p.heads, cols] = tick
             if len(cols):
-                entry.last_tick = max(entry.last_tick, tick)
+                self.index.used(entry, tick)
             self.index.mark_pages(entry, entry.columns(p.page_ids))
             entry.extents.extend(p.extents)
             entry.num_blocks += len(p.pages)

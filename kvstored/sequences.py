@@ -207,9 +207,8 @@ class Sequences:
             if limit is None or self.ns_bytes[(owner, ns)] <= limit:
                 continue
             # A block namespace loses single blocks instead (blocks.py).
-            candidates = [e for e in self.index.in_namespace(owner, ns) if e.uid not in keep and e.name != BLOCKS_NAME]
             with self.index.lock:
-                victims = pick_victims(candidates, self.ns_bytes[(owner, ns)] - limit)
+                victims = pick_victims(self.index.least_recent(owner, ns), self.ns_bytes[(owner, ns)] - limit, keep)
             if not victims:
                 continue
             freed = sum(e.bytes for e in victims)

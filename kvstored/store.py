@@ -113,6 +113,7 @@ class Store:
         self.blocks = Blocks(cfg, self.index, self.catalog, self.sequences, self.puts, self.gets, self.residency,
                              self.space, self.gate, self.counters)
         self._load()
+        self.index.rank_loaded()
         _give_back_free_memory()  # what the catalog's decode left free: most of it, for a store of small blocks
         self.space.keep_reserve()
         log.info(

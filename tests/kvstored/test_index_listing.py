@@ -58,3 +58,40 @@ def test_a_page_is_the_next_uids_of_the_owner_and_namespace(seed, load, monkeypa
     for uid in list(entries):
         index.remove(uid)
     assert not index._uids and index.owned(0) == [] and index.listed(0, None, 0, 5, keep) == []
+
+
+def test_a_namespaces_least_recently_used_come_first_and_a_quota_takes_them_in_that_order():
+    """The index keeps each namespace's used sequences in the order of their last use (and
+    those holding blocks at start-up first, by uid), so a quota picks its victims by reading
+    from the front: the least recently used that hold blocks and are not being written."""
+    from kvstored.quota import pick_victims
+
+    index = BlockIndex(1 << 40)
+    loaded = [SeqEntry(uid, "q", f"s{uid}", GEOM, 0.0, owner=1) for uid in (50, 10, 30, 40)]
+    for e in loaded:
+        index.add(e)
+    loaded[0].num_blocks = loaded[1].num_blocks = loaded[2].num_blocks = 2  # uid 40 holds none
+    index.add(SeqEntry(70, "other", "x", GEOM, 0.0, owner=1))
+    index.rank_loaded()
+    assert [e.uid for e in index.least_recent(1, "q")] == [10, 30, 50]
+    new = SeqEntry(20, "q", "s20", GEOM, 0.0, owner=1)
+    index.add(new)
+    assert [e.uid for e in index.least_recent(1, "q")] == [10, 30, 50], "a sequence counts from its first use"
+    new.num_blocks = 2
+    for uid, tick in ((20, 5), (10, 6), (40, 7), (20, 8)):
+        index.used(index.get(uid), tick)
+    assert [e.uid for e in index.least_recent(1, "q")] == [30, 50, 10, 40, 20]
+    assert index.get(20).last_tick == 8 and index.get(30).last_tick == 0
+    index.used(index.get(10), 3)  # a use that ended after a later one: its last tick stays
+    assert index.get(10).last_tick == 6 and [e.uid for e in index.least_recent(1, "q")][-1] == 10
+    bb = loaded[0].bytes
+    assert bb > 0
+    assert [e.uid for e in pick_victims(index.least_recent(1, "q"), 2 * bb, keep=set())] == [30, 50]
+    assert [e.uid for e in pick_victims(index.least_recent(1, "q"), 2 * bb + 1, keep={50})] == [30, 20, 10]
+    assert [e.uid for e in pick_victims(index.least_recent(1, "q"), 1 << 40, keep=set())] == [30, 50, 20, 10]
+    index.remove(30)
+    index.remove(50)
+    assert [e.uid for e in index.least_recent(1, "q")] == [40, 20, 10]
+    for uid in (40, 20, 10, 70):
+        index.remove(uid)
+    assert not index._lru and list(index.least_recent(1, "q")) == []
