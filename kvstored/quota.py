@@ -22,9 +22,10 @@ def pick_victims(ordered: Iterable[SeqEntry], over: int, keep: set[int]) -> list
     """From ``ordered`` (a namespace's sequences, least recently used first: the index keeps
     them so, :meth:`~kvstored.index.BlockIndex.least_recent`), those that hold blocks and
     are not in ``keep``, until they free ``over`` bytes (all of them if they cannot); call
-    with the index lock held. It reads as many as it takes and the few it skips: a sort
-    of the whole namespace by last use at each commit past the quota took 2.7 ms among
-    10,000 sequences, 27 ms among 100,000, with the index lock held."""
+    with the index lock held. It reads as many as it takes and the few it skips. A sort of
+    the whole namespace by last use at each commit past the quota, with the index lock
+    held, made a create and put past it take 5.0 ms among 10,000 one-block sequences and
+    11.2 ms among 30,000, against 2.0 and 1.8 ms this way."""
     victims = []
     for entry in ordered:
         if over <= 0:
