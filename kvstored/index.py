@@ -206,12 +206,26 @@ class BlockIndex:
                 f"pages near the stored ones, or raise --index-max-per-uid")
 
     def add(self, entry: SeqEntry) -> None:
+        self.add_many([entry])
+
+    def add_many(self, entries: list[SeqEntry]) -> None:
+        """Add ``entries``; a sorted list of uids new to them is built whole (start-up adds
+        every stored sequence at once: one by one, the sorted lists took 0.4 s a 100K)."""
+        new: dict[tuple, list[int]] = {}
         with self.lock:
-            self._by_uid[entry.uid] = entry
-            self._by_name[(entry.owner, entry.ns, entry.name)] = entry.uid
-            for key in ((entry.owner,), (entry.owner, entry.ns)):
-                self._uids.setdefault(key, SortedList()).add(entry.uid)
-            self._count(entry.owner, entry.nbytes)
+            for entry in entries:
+                self._by_uid[entry.uid] = entry
+                self._by_name[(entry.owner, entry.ns, entry.name)] = entry.uid
+                for key in ((entry.owner,), (entry.owner, entry.ns)):
+                    new.setdefault(key, []).append(entry.uid)
+                self._count(entry.owner, entry.nbytes)
+            for key, uids in new.items():
+                held = self._uids.get(key)
+                if held is None:
+                    self._uids[key] = SortedList(uids)
+                else:
+                    for uid in uids:
+                        held.add(uid)
 
     def remove(self, uid: int) -> SeqEntry | None:
         with self.lock:

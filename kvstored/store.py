@@ -124,8 +124,8 @@ class Store:
 
     def _load(self) -> None:
         contents = self.catalog.load(os.fstat(self.ssd.fd).st_size)
-        for rec in contents.sequences:
-            self.index.add(SeqEntry(rec.uid, rec.ns, rec.name, rec.geometry, rec.created, rec.owner))
+        self.index.add_many([SeqEntry(rec.uid, rec.ns, rec.name, rec.geometry, rec.created, rec.owner)
+                             for rec in contents.sequences])
         by_uid: dict[int, list[ExtentRecord]] = {}
         for ext in contents.extents:
             assert self.index.get(ext.uid) is not None, "Catalog.load checks that every extent's sequence exists"

@@ -95,3 +95,27 @@ def test_a_namespaces_least_recently_used_come_first_and_a_quota_takes_them_in_t
     for uid in (40, 20, 10, 70):
         index.remove(uid)
     assert not index._lru and list(index.least_recent(1, "q")) == []
+
+
+def test_entries_added_at_once_list_as_those_added_one_by_one():
+    """Start-up adds every stored sequence in one call (the sorted uids built whole); later
+    adds go into those lists."""
+    rng = np.random.default_rng(5)
+    entries = {}
+    for i in range(300):
+        uid = int(rng.integers(1, 1 << 62))
+        entries[uid] = SeqEntry(uid, f"ns{i % 4}", f"s{uid}", GEOM, 0.0, owner=i % 2)
+    at_once, one_by_one = BlockIndex(1 << 40), BlockIndex(1 << 40)
+    first = list(entries.values())[:200]
+    at_once.add_many(first)
+    for e in first:
+        one_by_one.add(e)
+    for e in list(entries.values())[200:]:
+        at_once.add(e)
+        one_by_one.add(e)
+    keep = lambda e: True  # noqa: E731
+    for owner in (0, 1):
+        assert at_once.count(owner) == one_by_one.count(owner) == sum(e.owner == owner for e in entries.values())
+        for ns in (None, "ns0", "ns1", "ns2", "ns3"):
+            want = brute(entries, owner, ns, 0, 1000, keep)
+            assert at_once.listed(owner, ns, 0, 1000, keep) == one_by_one.listed(owner, ns, 0, 1000, keep) == want
