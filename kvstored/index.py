@@ -177,6 +177,9 @@ class BlockIndex:
         self.max_bytes = max_bytes
         self.max_bytes_per_owner = max_bytes if max_bytes_per_owner is None else max_bytes_per_owner
         self.num_bytes = 0
+        # Blocks held by every entry in the index: what the metrics report the SSD tier holds,
+        # read without a pass over the entries (:meth:`add_blocks` keeps it).
+        self.stored_blocks = 0
         self._owner_bytes: Counter[int] = Counter()
         self._by_uid: dict[int, SeqEntry] = {}
         self._by_name: dict[tuple[int, str, str], int] = {}
@@ -219,6 +222,7 @@ class BlockIndex:
                 for key in ((entry.owner,), (entry.owner, entry.ns)):
                     new.setdefault(key, []).append(entry.uid)
                 self._count(entry.owner, entry.nbytes)
+                self.stored_blocks += entry.num_blocks
             for key, uids in new.items():
                 held = self._uids.get(key)
                 if held is None:
@@ -241,7 +245,15 @@ class BlockIndex:
                 if lru is not None and lru.pop(uid, None) is not None and not lru:
                     del self._lru[(entry.owner, entry.ns)]
                 self._count(entry.owner, -entry.nbytes)
+                self.stored_blocks -= entry.num_blocks
             return entry
+
+    def add_blocks(self, entry: SeqEntry, n: int) -> None:
+        """``n`` more blocks held by ``entry`` (fewer for n < 0), counted in :attr:`stored_blocks`
+        where the entry is in the index (index lock held, or start-up)."""
+        entry.num_blocks += n
+        if self._by_uid.get(entry.uid) is entry:
+            self.stored_blocks += n
 
     def _count(self, owner: int, delta: int) -> None:
         self.num_bytes += delta
@@ -394,7 +406,7 @@ class BlockIndex:
         gone = gone[entry.has_page[gone] & (entry.ssd_off[:, :, gone] < 0).all(axis=(0, 1))]
         entry.has_page[gone] = False
         entry.num_pages -= len(gone)
-        entry.num_blocks -= len(columns)
+        self.add_blocks(entry, -len(columns))
 
     def mark_pages(self, entry: SeqEntry, columns: np.ndarray) -> None:
         """Count ``columns`` (distinct, of a published put) as stored pages (index lock held)."""
@@ -440,5 +452,5 @@ class BlockIndex:
         # Stores written before hints were bounded may hold larger ones.
         entry.importance[layers, heads, cols] = np.clip(importance, 0.0, MAX_IMPORTANCE)
         entry.has_page[cols] = True
-        entry.num_blocks += len(pages)
+        self.add_blocks(entry, len(pages))
         entry.num_pages = int(np.count_nonzero(entry.has_page))

@@ -112,7 +112,7 @@ class DaemonCollector(Collector):
         store = server.store
         counters = dict(store.counters)  # one copy: the figures of one scrape agree with each other
         dram_bytes, dram_blocks = store.dram.usage()
-        ssd_blocks = sum(e.num_blocks for e in store.index.all())  # every stored block has its SSD copy
+        ssd_blocks = store.index.stored_blocks  # every stored block has its SSD copy
 
         by_tier = GaugeMetricFamily("kvstored_tier_bytes", "Bytes held by each tier", labels=["tier"])
         by_tier.add_metric(["dram"], dram_bytes)

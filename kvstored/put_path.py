@@ -467,7 +467,7 @@ class PutPath:
                 self.index.used(entry, tick)
             self.index.mark_pages(entry, entry.columns(p.page_ids))
             entry.extents.extend(p.extents)
-            entry.num_blocks += len(p.pages)
+            self.index.add_blocks(entry, len(p.pages))
         bb = entry.geometry.block_bytes
         self.counters["puts"] += 1
         self.counters["blocks_put"] += len(p.pages)

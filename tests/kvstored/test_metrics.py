@@ -107,3 +107,36 @@ def test_metrics_report_a_put_get_load(daemon_factory):
     assert d.stop() == 0
     with pytest.raises(urllib.error.URLError):
         scrape(port)  # the endpoint went with the daemon
+
+
+def test_the_ssd_block_gauge_follows_puts_deletes_evictions_and_a_restart(daemon_factory):
+    """``kvstored_tier_blocks{tier="ssd"}`` is kept as blocks come and go (no pass over every
+    sequence at each scrape): sequences and engine blocks put, some engine blocks deleted one
+    by one and some evicted by a quota, a sequence deleted, then the store read back at a
+    restart; each time it is the count the store itself reports."""
+    port, bb = free_port(), 64 << 10
+    d = daemon_factory(extra=["--metrics", f"127.0.0.1:{port}", "--quota", "eng=1M"]).start()
+    c = d.client()
+
+    def ssd_blocks() -> float:
+        return value(scrape(port), "kvstored_tier_blocks", tier="ssd")
+
+    def engine_put(ids) -> None:
+        buf = c._staging_buffer(len(ids) * bb)
+        buf.array[: len(ids) * bb] = 7
+        c.block_put_async("eng", bb, [b"k%d" % i for i in ids], buf).wait()
+
+    seqs = [c.create("t", f"s{i}", GEOM) for i in range(3)]
+    for i, seq in enumerate(seqs):  # 4 x 2 x (i + 1) blocks each
+        c.put(seq, range(4), range(i + 1), np.full((4, 2, i + 1, GEOM.block_bytes), i, np.uint8))
+    seq_blocks = 8 * (1 + 2 + 3)
+    engine_put(range(12))
+    engine_put(range(12, 20))  # 20 x 64 KiB past the 1M quota: the 4 least recent are evicted
+    assert ssd_blocks() == seq_blocks + 16 == seq_blocks + c.stats()["blocks"]
+    assert c.block_delete("eng", [b"k18", b"k19", b"k99"])["deleted"] == 2
+    c.delete("t", "s1")
+    expected = seq_blocks - 16 + 16 - 2
+    assert ssd_blocks() == expected
+    assert d.stop() == 0
+    d.start()
+    assert ssd_blocks() == expected == sum(s["num_blocks"] for s in d.client().list("t")) + d.client().stats()["blocks"]
