@@ -51,6 +51,8 @@ ABSENT = -1
 # Bytes per (layer, head, page) slot: ssd_off int64, crc uint32, dram_off int64,
 # importance float32, last_use int64.
 SLOT_BYTES = 8 + 4 + 8 + 4 + 8
+# Bytes per page of the window beside its slots: its count of stored blocks, int32.
+PAGE_BYTES = 4
 # What a sequence costs before it stores a block (its entry, names, dict slots).
 ENTRY_BYTES = 1024
 # What a block namespace's key table (block_keys.py, blocks.py) costs per page of its
@@ -96,10 +98,13 @@ class SeqEntry:
     dram_off: np.ndarray = field(init=False)
     importance: np.ndarray = field(init=False)
     last_use: np.ndarray = field(init=False)
-    # Whether any block of page first_page + i is stored, and how many pages are.
-    has_page: np.ndarray = field(init=False)
+    # How many blocks of page first_page + i are stored (of layers x heads), and how many
+    # pages hold any: what ``open``, ``list`` and ``lookup`` report reads these, not the window.
+    page_blocks: np.ndarray = field(init=False)
     num_pages: int = 0
     num_blocks: int = 0
+    # Blocks with a DRAM copy (residency.py keeps it, index lock held).
+    dram_blocks: int = 0
     # Page number of column 0 of the arrays.
     first_page: int = 0
     # Pages [lo_page, hi_page) are reserved: stored, or being written by a prepared put.
@@ -119,7 +124,7 @@ class SeqEntry:
         self.page_extra = BLOCK_TABLE_BYTES if self.name == BLOCKS_NAME else 0
 
     def _install(self, arrays: tuple[np.ndarray, ...]) -> None:
-        self.ssd_off, self.crc, self.dram_off, self.importance, self.last_use, self.has_page = arrays
+        self.ssd_off, self.crc, self.dram_off, self.importance, self.last_use, self.page_blocks = arrays
 
     @property
     def capacity(self) -> int:
@@ -140,10 +145,12 @@ class SeqEntry:
 
     @property
     def complete_pages(self) -> int:
-        """Pages 0..n-1 all of whose blocks are stored (index lock held)."""
+        """Pages 0..n-1 all of whose blocks are stored (index lock held): a pass over the
+        window's pages, not its blocks (at 80 layers x 8 heads x 8,192 pages the blocks' pass
+        held the index lock for 6.4 ms an ``open``)."""
         if self.first_page or not self.capacity:
             return 0
-        complete = (self.ssd_off >= 0).all(axis=(0, 1))
+        complete = self.page_blocks == self.geometry.num_layers * self.geometry.num_kv_heads
         return int(np.argmin(complete)) if not complete.all() else len(complete)
 
     @property
@@ -154,14 +161,14 @@ class SeqEntry:
 def index_bytes(geometry: Geometry, capacity: int, page_extra: int = 0) -> int:
     """What a sequence with a window of ``capacity`` pages counts against the budget
     (``page_extra``: what else it keeps per page, a block namespace's key table)."""
-    return ENTRY_BYTES + capacity * (geometry.num_layers * geometry.num_kv_heads * SLOT_BYTES + 1 + page_extra)
+    return ENTRY_BYTES + capacity * (geometry.num_layers * geometry.num_kv_heads * SLOT_BYTES + PAGE_BYTES + page_extra)
 
 
 def _arrays(g: Geometry, cap: int) -> tuple[np.ndarray, ...]:
     shape = (g.num_layers, g.num_kv_heads, cap)
     return (
         np.full(shape, ABSENT, dtype=np.int64), np.zeros(shape, dtype=np.uint32), np.full(shape, ABSENT, dtype=np.int64),
-        np.zeros(shape, dtype=np.float32), np.zeros(shape, dtype=np.int64), np.zeros(cap, dtype=bool),
+        np.zeros(shape, dtype=np.float32), np.zeros(shape, dtype=np.int64), np.zeros(cap, dtype=np.int32),
     )
 
 
@@ -385,7 +392,7 @@ class BlockIndex:
         old = (entry.ssd_off, entry.crc, entry.dram_off, entry.importance, entry.last_use)
         for new, prev in zip(arrays, old):
             new[:, :, shift : shift + prev.shape[2]] = prev
-        arrays[5][shift : shift + entry.capacity] = entry.has_page
+        arrays[5][shift : shift + entry.capacity] = entry.page_blocks
         with self.lock:
             for new, prev in zip((arrays[2], arrays[4]), (entry.dram_off, entry.last_use)):
                 new[:, :, shift : shift + prev.shape[2]] = prev
@@ -399,19 +406,27 @@ class BlockIndex:
         """Forget blocks deleted one by one (engine blocks: a page each, every block of its
         pages), their pages no longer stored (index lock held; their DRAM copies are
         residency's to forget first)."""
+        stored = entry.ssd_off[layers, heads, columns] >= 0
         entry.ssd_off[layers, heads, columns] = ABSENT
         entry.crc[layers, heads, columns] = 0
         entry.importance[layers, heads, columns] = 0
-        gone = np.unique(columns)
-        gone = gone[entry.has_page[gone] & (entry.ssd_off[:, :, gone] < 0).all(axis=(0, 1))]
-        entry.has_page[gone] = False
-        entry.num_pages -= len(gone)
-        self.add_blocks(entry, -len(columns))
+        self._count_blocks(entry, columns[stored], -1)
 
-    def mark_pages(self, entry: SeqEntry, columns: np.ndarray) -> None:
-        """Count ``columns`` (distinct, of a published put) as stored pages (index lock held)."""
-        entry.num_pages += len(columns) - int(np.count_nonzero(entry.has_page[columns]))
-        entry.has_page[columns] = True
+    def mark_blocks(self, entry: SeqEntry, columns: np.ndarray) -> None:
+        """Count blocks just stored, in pages ``columns`` (one per block, index lock held)."""
+        self._count_blocks(entry, columns, 1)
+
+    def _count_blocks(self, entry: SeqEntry, columns: np.ndarray, sign: int) -> None:
+        """Add ``sign`` to the stored blocks of each of ``columns`` (one per block), the pages
+        holding any and the entry's blocks."""
+        if not len(columns):
+            return
+        lo = int(columns.min())
+        span = entry.page_blocks[lo: int(columns.max()) + 1]
+        before = int(np.count_nonzero(span))
+        span += sign * np.bincount(columns - lo, minlength=len(span)).astype(np.int32)
+        entry.num_pages += int(np.count_nonzero(span)) - before
+        self.add_blocks(entry, sign * len(columns))
 
     def load_extents(self, entry: SeqEntry, exts: list) -> tuple[np.ndarray, np.ndarray]:
         """Fill ``entry``'s arrays from its catalog extents (:class:`~kvstored.catalog.ExtentRecord`);
@@ -451,6 +466,4 @@ class BlockIndex:
         entry.crc[layers, heads, cols] = crc
         # Stores written before hints were bounded may hold larger ones.
         entry.importance[layers, heads, cols] = np.clip(importance, 0.0, MAX_IMPORTANCE)
-        entry.has_page[cols] = True
-        self.add_blocks(entry, len(pages))
-        entry.num_pages = int(np.count_nonzero(entry.has_page))
+        self._count_blocks(entry, cols, 1)

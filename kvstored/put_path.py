@@ -465,9 +465,8 @@ class PutPath:
             entry.last_use[p.layers, p.heads, cols] = tick
             if len(cols):
                 self.index.used(entry, tick)
-            self.index.mark_pages(entry, entry.columns(p.page_ids))
+            self.index.mark_blocks(entry, cols)
             entry.extents.extend(p.extents)
-            self.index.add_blocks(entry, len(p.pages))
         bb = entry.geometry.block_bytes
         self.counters["puts"] += 1
         self.counters["blocks_put"] += len(p.pages)

@@ -362,6 +362,7 @@ class Residency:
                 self.dram.release(bb, slots[~good])
                 sel, slots = sel[good], slots[good]
             entry.dram_off[layers[sel], heads[sel], cols[sel]] = slots
+            entry.dram_blocks += len(sel)
             self.shares.add(entry.owner, len(sel) * bb)
             self._heap(entry).resident += len(sel)
             self._record(entry, layers[sel], heads[sel], pages[sel], cols[sel])
@@ -405,6 +406,7 @@ class Residency:
             where = (run.layers[:take], run.heads[:take], cols[:take])
             freed.append(entry.dram_off[where].copy())
             entry.dram_off[where] = -1
+            entry.dram_blocks -= take
             count += take
             if take < n:  # a candidate lost: every later one ranks lower, every later block higher
                 break
@@ -422,6 +424,7 @@ class Residency:
         reads them. Its heap records go stale and leave at the next pop or compaction."""
         slots = entry.dram_off[entry.dram_off >= 0].copy()
         entry.dram_off[:] = -1
+        entry.dram_blocks = 0
         if len(slots):
             self.shares.drop(entry.owner, len(slots) * entry.geometry.block_bytes)
             self._heap(entry).resident -= len(slots)
@@ -433,6 +436,7 @@ class Residency:
         slots = entry.dram_off[where]
         slots = slots[slots >= 0].copy()
         entry.dram_off[where] = -1
+        entry.dram_blocks -= len(slots)
         if len(slots):
             self.shares.drop(entry.owner, len(slots) * entry.geometry.block_bytes)
             self._heap(entry).resident -= len(slots)

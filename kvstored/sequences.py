@@ -59,8 +59,7 @@ class Sequences:
         until a put): where its pages are incomplete, a session may still store them, or none
         ever will."""
         with self.index.lock:
-            prefix = entry.complete_pages
-            dram_blocks = int((entry.dram_off >= 0).sum())
+            prefix, dram_blocks = entry.complete_pages, entry.dram_blocks
         return {
             "ns": entry.ns, "seq": entry.name, "uid": entry.uid, "geometry": entry.geometry.to_dict(),
             "num_blocks": entry.num_blocks, "bytes": entry.bytes, "dram_blocks": dram_blocks,
