@@ -184,9 +184,11 @@ class BlockIndex:
         self.max_bytes = max_bytes
         self.max_bytes_per_owner = max_bytes if max_bytes_per_owner is None else max_bytes_per_owner
         self.num_bytes = 0
-        # Blocks held by every entry in the index: what the metrics report the SSD tier holds,
-        # read without a pass over the entries (:meth:`add_blocks` keeps it).
+        # Blocks held by every entry in the index, and the bytes of each owner's: what the
+        # metrics and a user's ``stats`` report, read without a pass over the entries
+        # (:meth:`add_blocks` keeps them).
         self.stored_blocks = 0
+        self._owner_stored: Counter[int] = Counter()
         self._owner_bytes: Counter[int] = Counter()
         self._by_uid: dict[int, SeqEntry] = {}
         self._by_name: dict[tuple[int, str, str], int] = {}
@@ -229,7 +231,7 @@ class BlockIndex:
                 for key in ((entry.owner,), (entry.owner, entry.ns)):
                     new.setdefault(key, []).append(entry.uid)
                 self._count(entry.owner, entry.nbytes)
-                self.stored_blocks += entry.num_blocks
+                self._stored(entry, entry.num_blocks)
             for key, uids in new.items():
                 held = self._uids.get(key)
                 if held is None:
@@ -252,7 +254,7 @@ class BlockIndex:
                 if lru is not None and lru.pop(uid, None) is not None and not lru:
                     del self._lru[(entry.owner, entry.ns)]
                 self._count(entry.owner, -entry.nbytes)
-                self.stored_blocks -= entry.num_blocks
+                self._stored(entry, -entry.num_blocks)
             return entry
 
     def add_blocks(self, entry: SeqEntry, n: int) -> None:
@@ -260,7 +262,17 @@ class BlockIndex:
         where the entry is in the index (index lock held, or start-up)."""
         entry.num_blocks += n
         if self._by_uid.get(entry.uid) is entry:
-            self.stored_blocks += n
+            self._stored(entry, n)
+
+    def _stored(self, entry: SeqEntry, n: int) -> None:
+        self.stored_blocks += n
+        self._owner_stored[entry.owner] += n * entry.geometry.block_bytes
+        if not self._owner_stored[entry.owner]:
+            del self._owner_stored[entry.owner]
+
+    def stored_bytes(self, owner: int) -> int:
+        """The bytes of the blocks ``owner``'s entries hold."""
+        return self._owner_stored.get(owner, 0)
 
     def _count(self, owner: int, delta: int) -> None:
         self.num_bytes += delta

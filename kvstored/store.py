@@ -229,7 +229,7 @@ class Store:
                 "scope": "user",
                 "sequences": self.index.count(session.uid),
                 "dram_used_bytes": self.residency.shares.held(session.uid),
-                "ssd_used_bytes": sum(e.bytes for e in self.index.owned(session.uid)),
+                "ssd_used_bytes": self.index.stored_bytes(session.uid),
                 "index_bytes": self.index.owner_bytes(session.uid),
                 "index_max_bytes": self.index.max_bytes_per_owner,
             }

@@ -1,7 +1,7 @@
 """A listing pages through an owner's sequences (of one namespace, or all of them) in uid
-order from a search of sorted uids, not a pass over every sequence for each page: checked
-here against such a pass, with sequences of several owners and namespaces added and
-removed in between."""
+order from a search of sorted uids, not a pass over every sequence for each page, and the
+blocks and bytes stored are counted as they come and go: checked here against such
+passes, with sequences of several owners and namespaces added and removed in between."""
 
 from __future__ import annotations
 
@@ -37,13 +37,20 @@ def test_a_page_is_the_next_uids_of_the_owner_and_namespace(seed, load, monkeypa
             uid = int(rng.integers(1, 1 << 62))
             owner, ns = int(rng.integers(0, 3)), f"ns{int(rng.integers(0, 3))}"
             name = f"hidden{uid}" if rng.random() < 0.1 else f"s{uid}"
-            entries[uid] = SeqEntry(uid, ns, name, GEOM, 0.0, owner=owner)
-            index.add(entries[uid])
+            entry = entries[uid] = SeqEntry(uid, ns, name, GEOM, 0.0, owner=owner)
+            entry.num_blocks = int(rng.integers(0, 3))  # held before it is added, as at start-up
+            index.add(entry)
+        if entries:  # blocks stored and deleted: the counts the metrics and stats read
+            index.add_blocks(entries[int(rng.choice(list(entries)))], int(rng.integers(0, 5)))
+            entry = entries[int(rng.choice(list(entries)))]
+            index.add_blocks(entry, -int(rng.integers(0, entry.num_blocks + 1)))
         if step % 20:
             continue
+        assert index.stored_blocks == sum(e.num_blocks for e in entries.values())
         for owner in range(4):  # owner 3 has none
             mine = {e.uid for e in entries.values() if e.owner == owner}
             assert {e.uid for e in index.owned(owner)} == mine and index.count(owner) == len(mine)
+            assert index.stored_bytes(owner) == sum(e.bytes for e in entries.values() if e.owner == owner)
             for ns in (None, "ns0", "ns1", "ns2", "ns9"):
                 n = int(rng.integers(1, 6))
                 after = 0
@@ -58,6 +65,7 @@ def test_a_page_is_the_next_uids_of_the_owner_and_namespace(seed, load, monkeypa
     for uid in list(entries):
         index.remove(uid)
     assert not index._uids and index.owned(0) == [] and index.listed(0, None, 0, 5, keep) == []
+    assert index.stored_blocks == 0 and not index._owner_stored
 
 
 def test_a_namespaces_least_recently_used_come_first_and_a_quota_takes_them_in_that_order():
