@@ -508,10 +508,14 @@ class Blocks:
         if not self.cfg.quotas:
             return
         written: dict[int, set[int]] = {}
+        tables: list[BlockTable] = []  # the group's namespaces only: not a pass over every one
         for p in prepared:
             if p.entry.name == BLOCKS_NAME:
+                table = self.tables.get((p.entry.owner, p.entry.ns))
+                if table is not None and table.entry is p.entry and p.entry.uid not in written:
+                    tables.append(table)
                 written.setdefault(p.entry.uid, set()).update(p.page_ids.tolist())
-        for table in [t for t in self.tables.values() if t.entry.uid in written]:
+        for table in tables:
             limit = self.sequences.quota_of(table.entry.ns)
             key = (table.entry.owner, table.entry.ns)
             if limit is None or self.sequences.ns_bytes[key] <= limit:
