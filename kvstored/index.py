@@ -291,11 +291,6 @@ class BlockIndex:
         with self.lock:
             return list(self._by_uid.values())
 
-    def owned(self, owner: int) -> list[SeqEntry]:
-        """The entries of ``owner`` (without a pass over every entry)."""
-        with self.lock:
-            return [self._by_uid[uid] for uid in self._uids.get((owner,), ())]
-
     def used(self, entry: SeqEntry, tick: int) -> None:
         """``entry`` was put into or read at ``tick``: its ``last_tick``, and its place as the most
         recently used of its namespace (index lock held)."""
