@@ -24,8 +24,9 @@ rank, pipeline stage and context-parallel rank where there are several) and page
 order or dtype miss instead of loading as garbage).
 ``batch_exists`` is one lookup request; ``batch_set_v1`` / ``batch_get_v1`` (with
 ``interface_v1``) take the regions of each page in SGLang's host pool from
-``get_page_buffer_meta`` and copy them into / out of the shared buffer registered with
-kvstored: one memcpy each way. With ``"allocator": "shm"`` in the extra config, SGLang
+``get_page_buffer_meta`` (or from the pool's strides, once they have agreed with it:
+:mod:`~kvdrive_client.integrations.page_strides`) and copy them into / out of the shared
+buffer registered with kvstored: one memcpy each way. With ``"allocator": "shm"`` in the extra config, SGLang
 keeps its host pools in memfds, which this backend shares with kvstored
 (:mod:`~kvdrive_client.integrations.pool`): kvstored then reads and writes each page's
 regions in place (an MHA pool's K and V in its ``page_first``, ``page_first_direct`` and
@@ -128,12 +129,14 @@ import ctypes
 import logging
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
 
 from kvdrive.protocol.blocks import block_geometry
 from kvdrive_client.integrations.blocks import BlockStore
+from kvdrive_client.integrations.page_strides import PageStrides
 from kvdrive_client.integrations.rows import Spans
 from kvdrive_client.locate import DEFAULT
 
@@ -199,6 +202,9 @@ def _regions(pool: Any, page_bytes: int, n: int, host_indices: Any) -> Spans | l
     ``page_bytes``."""
     if not _whole_pages(pool, n, host_indices):
         return None
+    strides = _strides_of(pool)
+    if strides is not None and strides.ready and (spans := _strided(pool, strides, host_indices)) is not None:
+        return spans
     ptrs, sizes = pool.get_page_buffer_meta(host_indices)
     per = len(ptrs) // n
     one = len(set(sizes)) == 1  # as a rule: then no array is needed to check them
@@ -210,9 +216,47 @@ def _regions(pool: Any, page_bytes: int, n: int, host_indices: Any) -> Spans | l
         return None
     spans = _spans(pool, ptrs, sizes[0], n, per) if one else None
     if spans is not None:
+        if strides is not None and not strides.ready:
+            strides.learn(strides.firsts(host_indices), spans.offsets, sizes[0])
         return spans
     return [[(ctypes.c_uint8 * sizes[j]).from_address(ptrs[j]) for j in range(i * per, (i + 1) * per)]
             for i in range(n)]
+
+
+_STRIDES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # host pool -> its PageStrides
+
+
+def _strides_of(pool: Any) -> PageStrides | None:
+    """``pool`` 's :class:`PageStrides` (made on first use); None for a pool that cannot be
+    weakly referenced (its pages are then always asked of it)."""
+    try:
+        strides = _STRIDES.get(pool)
+        if strides is None:
+            strides = _STRIDES[pool] = PageStrides(pool, _page_tokens(pool))
+        return strides
+    except TypeError:
+        return None
+
+
+def _strided(pool: Any, strides: PageStrides, host_indices: Any) -> Spans | None:
+    """The pages of ``host_indices`` as :class:`Spans` computed from ``strides`` (the first
+    and last checked against the pool); None where they cannot be (the pool is then asked)."""
+    buf = getattr(pool, "kv_buffer", None)
+    if strides.buffer is None or strides.buffer[0] is not buf:
+        array = _bytes_of(buf) if _IMPORT_ERROR is None and isinstance(buf, torch.Tensor) else None
+        if array is None:
+            return None
+        strides.buffer = (buf, array)
+    firsts = strides.firsts(host_indices)
+    if firsts is None:
+        return None
+    offsets = strides.predict(firsts)
+    if not strides.spot_check(host_indices, offsets, buf.data_ptr()):
+        return None
+    try:
+        return Spans(strides.buffer[1], offsets, strides.span)
+    except ValueError:  # a region outside the buffer
+        return None
 
 
 def _spans(pool: Any, ptrs: list, size: int, n: int, per: int) -> Spans | None:
