@@ -210,3 +210,16 @@ def punch_hole(fd: int, offset: int, nbytes: int) -> bool:
     if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
         return False
     raise OSError(err, f"punching a hole of {nbytes} bytes at {offset}: {os.strerror(err)}")
+
+
+_SYNC_FILE_RANGE_WRITE = 0x02
+_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Have the kernel start writing ``[offset, offset + nbytes)`` of ``fd`` 's dirty pages to
+    the disk (``sync_file_range(SYNC_FILE_RANGE_WRITE)``: it waits for nothing but room in
+    the disk's queue, and makes nothing durable)."""
+    if _libc.sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"starting writeback of {nbytes} bytes at {offset}: {os.strerror(err)}")

@@ -156,6 +156,7 @@ class Store:
             "format": FORMAT_VERSION,
             "engine": self.engine.name,
             "direct_io": self.ssd.direct,
+            "direct_writes": self.ssd.direct_writes,
             "dram_bytes": self.dram.capacity,
             "ssd_max_bytes": self.ssd.allocator.capacity,
             "sync": self.cfg.sync,

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from typing import Callable
 
 from kvdrive.layout.format import DATA_FILE
-from kvstored.config import DaemonConfig
+from kvstored.config import DaemonConfig, SyncPolicy
 
 
 class Tier(ABC):
@@ -46,7 +46,8 @@ def _dram(cfg: DaemonConfig) -> Tier:
 def _ssd(cfg: DaemonConfig) -> Tier:
     from kvstored.ssd import SsdTier
 
-    return SsdTier(cfg.ssd_dir / DATA_FILE, cfg.ssd_max_bytes, cfg.direct_io)
+    return SsdTier(cfg.ssd_dir / DATA_FILE, cfg.ssd_max_bytes, cfg.direct_io,
+                   cached_writes=cfg.sync == SyncPolicy.WRITE_BEHIND)
 
 
 # Medium name -> how to open it from the daemon's configuration.
