@@ -212,14 +212,16 @@ def punch_hole(fd: int, offset: int, nbytes: int) -> bool:
     raise OSError(err, f"punching a hole of {nbytes} bytes at {offset}: {os.strerror(err)}")
 
 
-_SYNC_FILE_RANGE_WRITE = 0x02
+_SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 0x01, 0x02, 0x04
+WAIT_WRITTEN = _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WAIT_AFTER  # start_writeback's wait
 _libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 
 
-def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Have the kernel start writing ``[offset, offset + nbytes)`` of ``fd`` 's dirty pages to
-    the disk (``sync_file_range(SYNC_FILE_RANGE_WRITE)``: it waits for nothing but room in
-    the disk's queue, and makes nothing durable)."""
-    if _libc.sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) != 0:
+def start_writeback(fd: int, offset: int, nbytes: int, wait: int = 0) -> None:
+    """Have the kernel write ``[offset, offset + nbytes)`` of ``fd`` 's dirty pages to the disk:
+    started, waiting only for room in the disk's queue; with ``wait=WAIT_WRITTEN``, also
+    waited for until they are written (``sync_file_range``: nothing is made durable, no
+    metadata is written, nor the disk's cache flushed)."""
+    if _libc.sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE | wait) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"starting writeback of {nbytes} bytes at {offset}: {os.strerror(err)}")
+        raise OSError(err, f"writeback of {nbytes} bytes at {offset}: {os.strerror(err)}")
