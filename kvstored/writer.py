@@ -75,9 +75,19 @@ class Writer:
                 # first unflushed write; a commit thread's wake-up is neither.
                 if dirty_since is not None and (not running or first is None or time.monotonic() - dirty_since >= 1.0):
                     self._finish_commit(wait=True)
-                    self.store.sync()
+                    self._flush()
                     dirty_since = None
         self._finish_commit(wait=True)
+
+    def _flush(self) -> None:
+        """Write-behind's flush. One that fails (a disk error, or a filesystem that found no
+        room for pages the page cache had taken) is counted and logged; the writer goes on."""
+        try:
+            self.store.sync()
+        except OSError as exc:
+            self.store.counters["flushes_failed"] += 1
+            log.error("a write-behind flush failed (%s): puts acknowledged since the last flush may be lost; a get "
+                      "reports each such block damaged, never other bytes", exc)
 
     def _write_group(self, item) -> bool:
         """Write ``item`` and what follows it in the queue's turns, until the group holds

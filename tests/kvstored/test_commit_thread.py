@@ -147,3 +147,34 @@ def test_write_behind_is_not_flushed_after_every_group_the_commit_thread_commits
     took = time.monotonic() - t0
     during = [t for t in syncs if t <= t0 + took]
     assert len(during) <= 1 + int(took), (len(during), took)
+
+
+@pytest.mark.sync("write-behind")
+def test_a_failed_write_behind_flush_is_counted_and_the_writer_goes_on(served, caplog):
+    server, client = served
+    real, flushes = server.store.ssd.sync, []
+
+    def fails_first():
+        flushes.append(time.monotonic())
+        if len(flushes) == 1:
+            raise OSError(5, "Input/output error")
+        real()
+
+    server.store.ssd.sync = fails_first
+    a, out = client.register(N * BB), client.register(N * BB)
+    with caplog.at_level("ERROR", logger="kvstored.writer"):
+        assert put(client, a, "eng", "a", blocks(4)).wait()["stored"] == N
+        deadline = time.monotonic() + 10
+        while not flushes and time.monotonic() < deadline:  # flushed within about a second
+            time.sleep(0.05)
+    assert flushes and "write-behind flush failed" in caplog.text
+    assert client.stats()["counters"]["flushes_failed"] == 1
+    # The writer is still there: the next put is stored, flushed and read back.
+    assert put(client, a, "eng", "b", blocks(5)).wait()["stored"] == N
+    found, got = load(client, out, "eng", "b")
+    assert found == [True] * N
+    np.testing.assert_array_equal(got, blocks(5))
+    deadline = time.monotonic() + 10
+    while len(flushes) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(flushes) == 2 and client.stats()["counters"]["flushes_failed"] == 1
