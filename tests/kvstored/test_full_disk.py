@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import lmdb
 import numpy as np
@@ -46,6 +47,27 @@ def small_disk(tmp_path):
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True, text=True)
     if done.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def ext4_disk(tmp_path):
+    """A 32 MiB ext4 filesystem of its own (an image on a loop device): one that takes O_DIRECT,
+    as a tmpfs does not."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a loop device needs root")
+    image, mnt = tmp_path / "ext4.img", tmp_path / "ext4"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(32 << 20)
+    for cmd in (["mkfs.ext4", "-q", "-F", str(image)], ["mount", "-o", "loop", str(image), str(mnt)]):
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+        except FileNotFoundError:
+            pytest.skip(f"no {cmd[0]} here")
+        if done.returncode:
+            pytest.skip(f"cannot make an ext4 disk here ({cmd[0]}): {done.stderr.strip() or done.returncode}")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
@@ -207,11 +229,11 @@ def test_puts_work_again_after_a_delete_on_a_full_disk(daemon_factory, small_dis
         np.testing.assert_array_equal(got, expect.reshape(-1, BB))
 
 
-def _interleaved(daemon_factory, small_disk, num_seqs: int = 4):
+def _interleaved(daemon_factory, small_disk, num_seqs: int = 4, extra: list[str] | None = None):
     """A daemon on the small disk holding ``num_seqs`` sequences put into in turn (their
     extents interleave in the data file); with its client, the sequences, the pages stored
     in each and ``put_next(client, seq, i)``, which puts sequence i's next pages."""
-    d = daemon_factory(dram="0")
+    d = daemon_factory(dram="0", extra=extra)
     d.ssd = small_disk / "ssd"
     d.start()
     c = d.client()
@@ -225,3 +247,32 @@ def _interleaved(daemon_factory, small_disk, num_seqs: int = 4):
     for turn in range(NUM_PUTS):
         put_next(c, seqs[turn % num_seqs], turn % num_seqs)
     return d, c, seqs, stored, put_next
+
+
+def test_write_behind_on_a_full_ext4_disk_refuses_puts_and_loses_none(daemon_factory, ext4_disk):
+    """Write-behind writes the data file through the page cache: ext4 takes the room for a
+    write's pages as it copies them, so a full disk refuses the put then (``full``), not at
+    its writeback, where it would be lost after its acknowledgement. Puts work again after a
+    delete, and every acknowledged page reads back after the flush and a restart."""
+    d, c, seqs, stored, put_next = _interleaved(daemon_factory, ext4_disk, extra=["--sync", "write-behind"])
+    hello = c.hello()
+    assert hello["direct_io"] and not hello["direct_writes"]
+    with pytest.raises(StoreFullError, match=r"\[full\]"):
+        for turn in range(1000):
+            put_next(c, seqs[turn % 4], turn % 4)
+    assert sum(stored) * 8 * BB > 16 << 20, "the disk filled before much was stored"
+    assert c.delete("t", "s0")["freed_bytes"] == stored[0] * 8 * BB
+    put_next(c, seqs[1], 1)
+    time.sleep(1.5)  # past the flush
+    assert c.stats()["counters"].get("flushes_failed", 0) == 0
+    d.stop()
+    d.start()
+    c = d.client()
+    for i in (1, 2, 3):
+        got = c.get(c.open("t", f"s{i}"), blocks(range(stored[i])))
+        expect = np.concatenate([pages_of(i, first) for first in range(0, stored[i], PAGES_PER_PUT)], axis=2)
+        np.testing.assert_array_equal(got, expect.reshape(-1, BB))
+    d.stop()
+    verify = subprocess.run([sys.executable, "-m", "kvdrive.tools.inspect", str(d.ssd), "--verify"],
+                            capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
