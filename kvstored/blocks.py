@@ -273,12 +273,12 @@ class Blocks:
                 return None
             with self.index.lock:
                 picks = self._pick(table, req)
-                lay, pag = np.tile(np.arange(parts), len(picks)), np.repeat(picks.slots, parts)
+                lay, pag = np.tile(np.arange(parts, dtype=np.int32), len(picks)), np.repeat(picks.slots, parts)
                 col = entry.columns(pag)
                 src = entry.dram_off[lay, 0, col]
                 if not (src >= 0).all():
                     return None
-                self.gets.used([(entry, lay, np.zeros(len(lay), np.int64), pag, col)])
+                self.gets.used_resident(entry, lay, np.zeros(len(lay), np.int32), pag, col)
                 table.held.touch(picks.slots)
             mb.write_blocks(self.residency.dram.arena, src, at[picks.pos].reshape(-1) + req.offset,
                             entry.geometry.block_bytes)

@@ -172,6 +172,15 @@ class GetPath:
                 self.index.used(entry, tick)
             self.residency.touched(entry, lay, hed, pag, col)
 
+    def used_resident(self, entry: SeqEntry, lay: np.ndarray, hed: np.ndarray, pag: np.ndarray,
+                      col: np.ndarray) -> None:
+        """:meth:`used` of one group of blocks the caller found resident in DRAM (index lock held)."""
+        tick = next(self.clock)
+        entry.last_use[lay, hed, col] = tick
+        if len(lay):
+            self.index.used(entry, tick)
+        self.residency.touched_resident(entry, lay, hed, pag, col, tick)
+
     def in_dram(self, req: Get, session: Session, max_bytes: int) -> bool:
         """Whether ``req`` asks for at most ``max_bytes`` and every block sits in DRAM now
         (False for a request :meth:`get` would refuse). An eviction after this answer only

@@ -20,7 +20,8 @@ PAGES = 8
 class Rig:
     """One owner's sequences over a DRAM tier of ``slots`` blocks, driven as puts and gets drive it."""
 
-    def __init__(self, slots: int, seqs: int, pages: int = PAGES) -> None:
+    def __init__(self, slots: int, seqs: int, pages: int = PAGES, resident_path: bool = False) -> None:
+        self.resident_path = resident_path  # gets of resident blocks only record as a DRAM-only get does
         self.dram = DramTier(slots * BB)
         self.index = BlockIndex(1 << 34)
         self.counters = Counter()
@@ -49,7 +50,10 @@ class Rig:
         miss = e.dram_off[lay, hed, pag] < 0
         with self.index.lock:
             e.last_use[lay, hed, pag] = self.tick
-            self.res.touched(e, lay, hed, pag)
+            if self.resident_path and not miss.any():
+                self.res.touched_resident(e, lay, hed, pag, pag, self.tick)  # the window starts at page 0
+            else:
+                self.res.touched(e, lay, hed, pag)
         offs = (np.arange(int(miss.sum())) % 64) * BB
         self.res.admit(e, lay[miss], hed[miss], pag[miss], None, self.src, offs, replace=False)
 
@@ -81,7 +85,8 @@ def expected_after_put(before: list[tuple[float, int]], cand: np.ndarray, slots:
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("levels", ["few", "every block its own"])
 @pytest.mark.parametrize("compact", ["rarely", "often, into runs of 3", "often, the oldest 8 records at a time"])
-def test_the_heap_keeps_what_a_full_sort_of_the_residents_would(seed, levels, compact, monkeypatch):
+@pytest.mark.parametrize("gets", ["touched", "touched_resident"])
+def test_the_heap_keeps_what_a_full_sort_of_the_residents_would(seed, levels, compact, gets, monkeypatch):
     # One run per put or get holds blocks of many importances (a decode step's get, the
     # second case); eviction splits it lazily and must still rank as a full sort. Compacted,
     # a sequence's blocks of many puts and gets share runs, which interleave with others;
@@ -93,7 +98,7 @@ def test_the_heap_keeps_what_a_full_sort_of_the_residents_would(seed, levels, co
         monkeypatch.setattr(residency_mod, "COMPACT_SLICE", 8)
     rng = np.random.default_rng(seed)
     slots = 24
-    rig = Rig(slots, seqs=6)
+    rig = Rig(slots, seqs=6, resident_path=gets == "touched_resident")
     unput = {e.uid: [(l, h, p) for l in range(2) for h in range(2) for p in range(PAGES)] for e in rig.entries}
     for _ in range(300):
         e = rig.entries[rng.integers(len(rig.entries))]
