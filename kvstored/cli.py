@@ -100,7 +100,8 @@ def _add_io_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sync", choices=SyncPolicy.ALL, default=SyncPolicy.DURABLE,
         help="durable: a put is acknowledged after fdatasync and an fsynced LMDB commit; "
-        "write-behind: acknowledged before, flushed within a second (a power loss may lose acknowledged puts) "
+        "write-behind: acknowledged once in the page cache, flushed within a second (a power loss may lose "
+        "acknowledged puts) "
         f"(default: {SyncPolicy.DURABLE})",
     )
     p.add_argument("--engine", choices=ENGINES, default="auto",
