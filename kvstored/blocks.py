@@ -278,7 +278,7 @@ class Blocks:
                 src = entry.dram_off[lay, 0, col]
                 if not (src >= 0).all():
                     return None
-                self.gets.used_resident(entry, lay, np.zeros(len(lay), np.int32), pag, col)
+                self.gets.used([(entry, lay, np.zeros(len(lay), np.int32), pag, col)], resident=True)
                 table.held.touch(picks.slots)
             mb.write_blocks(self.residency.dram.arena, src, at[picks.pos].reshape(-1) + req.offset,
                             entry.geometry.block_bytes)

@@ -162,24 +162,20 @@ class GetPath:
             self.used([(f.entry, f.lay, f.hed, f.pag, f.col) for f in found])
         return found
 
-    def used(self, groups) -> None:
+    def used(self, groups, resident: bool = False) -> None:
         """Blocks just read, as (entry, layers, heads, pages, columns) groups: their last use
-        set to one new tick, and the DRAM residents' rank recorded (index lock held)."""
+        set to one new tick, and the DRAM residents' rank recorded (index lock held).
+        ``resident``: the caller found every one in DRAM (a DRAM-only get), so their rank
+        needs no residency check and, as a rule, no sort (:meth:`Residency.touched_resident`)."""
         tick = next(self.clock)
         for entry, lay, hed, pag, col in groups:
             entry.last_use[lay, hed, col] = tick
             if len(lay):
                 self.index.used(entry, tick)
-            self.residency.touched(entry, lay, hed, pag, col)
-
-    def used_resident(self, entry: SeqEntry, lay: np.ndarray, hed: np.ndarray, pag: np.ndarray,
-                      col: np.ndarray) -> None:
-        """:meth:`used` of one group of blocks the caller found resident in DRAM (index lock held)."""
-        tick = next(self.clock)
-        entry.last_use[lay, hed, col] = tick
-        if len(lay):
-            self.index.used(entry, tick)
-        self.residency.touched_resident(entry, lay, hed, pag, col, tick)
+            if resident:
+                self.residency.touched_resident(entry, lay, hed, pag, col, tick)
+            else:
+                self.residency.touched(entry, lay, hed, pag, col)
 
     def in_dram(self, req: Get, session: Session, max_bytes: int) -> bool:
         """Whether ``req`` asks for at most ``max_bytes`` and every block sits in DRAM now

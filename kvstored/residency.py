@@ -225,18 +225,16 @@ class Residency:
     def touched_resident(self, entry: SeqEntry, lay: np.ndarray, hed: np.ndarray, pag: np.ndarray,
                          cols: np.ndarray, tick: int) -> None:
         """:meth:`touched` of blocks the caller found resident, their last use just set to
-        ``tick``: ranked by importance alone (a stable sort, and none where they share one
-        importance, as an engine's blocks do). A DRAM get of 128 engine blocks records them
+        ``tick``: in rank order as they are where they share one importance, as an engine's
+        blocks do; else ranked as any run is. A DRAM get of 128 engine blocks records them
         with 5 numpy calls instead of 17, which cost about 30 us a get after its copy had
         pushed them out of the caches (index lock held)."""
         if not len(lay):
             return
         imp = entry.importance[lay, hed, cols]
-        lay, hed, pag = lay.astype(np.int32, copy=False), hed.astype(np.int32, copy=False), pag.astype(np.int64, copy=False)
-        if len(imp) > 1 and imp.min() != imp.max():
-            order = np.argsort(imp, kind="stable")
-            imp, lay, hed, pag = imp[order], lay[order], hed[order], pag[order]
-        self._push(entry, _Run(entry.uid, imp, np.full(len(imp), tick, np.int64), lay, hed, pag))
+        blocks = (entry.uid, imp, np.full(len(imp), tick, np.int64), lay.astype(np.int32, copy=False),
+                  hed.astype(np.int32, copy=False), pag.astype(np.int64, copy=False))
+        self._push(entry, _Run.ranked(*blocks) if len(imp) > 1 and imp.min() != imp.max() else _Run(*blocks))
 
     def _record(self, entry: SeqEntry, lay, hed, pag, cols) -> None:
         if not len(lay):

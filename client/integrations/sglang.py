@@ -26,8 +26,8 @@ order or dtype miss instead of loading as garbage).
 ``interface_v1``) take the regions of each page in SGLang's host pool from
 ``get_page_buffer_meta`` (or from the pool's strides, once they have agreed with it:
 :mod:`~kvdrive_client.integrations.page_strides`) and copy them into / out of the shared
-buffer registered with kvstored: one memcpy each way. With ``"allocator": "shm"`` in the extra config, SGLang
-keeps its host pools in memfds, which this backend shares with kvstored
+buffer registered with kvstored: one memcpy each way. With ``"allocator": "shm"`` in the
+extra config, SGLang keeps its host pools in memfds, which this backend shares with kvstored
 (:mod:`~kvdrive_client.integrations.pool`): kvstored then reads and writes each page's
 regions in place (an MHA pool's K and V in its ``page_first``, ``page_first_direct`` and
 ``page_head`` layouts, an MLA pool's whole page in its ``page_first`` and
@@ -239,8 +239,8 @@ def _strides_of(pool: Any) -> PageStrides | None:
 
 
 def _strided(pool: Any, strides: PageStrides, host_indices: Any) -> Spans | None:
-    """The pages of ``host_indices`` as :class:`Spans` computed from ``strides`` (the first
-    and last checked against the pool); None where they cannot be (the pool is then asked)."""
+    """The pages of ``host_indices`` as :class:`Spans` computed from ``strides`` (the last
+    checked against the pool); None where they cannot be (the pool is then asked)."""
     buf = getattr(pool, "kv_buffer", None)
     if strides.buffer is None or strides.buffer[0] is not buf:
         array = _bytes_of(buf) if _IMPORT_ERROR is None and isinstance(buf, torch.Tensor) else None
