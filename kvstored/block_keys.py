@@ -273,7 +273,7 @@ class BlockKeys:
         out = np.empty(len(keys), np.int64)
         _find(self._buckets, self._hashes, query, out)
         hit = np.flatnonzero(out >= 0)
-        asked = [keys[i] for i in hit.tolist()]
+        asked = keys if len(hit) == len(keys) else [keys[i] for i in hit.tolist()]
         same = self._keys.same(out[hit], asked)
         if not same.all():  # a key of the same hash as another
             for j in np.flatnonzero(~same).tolist():

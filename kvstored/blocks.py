@@ -273,9 +273,14 @@ class Blocks:
                 return None
             with self.index.lock:
                 picks = self._pick(table, req)
-                lay, pag = np.tile(np.arange(parts, dtype=np.int32), len(picks)), np.repeat(picks.slots, parts)
-                col = entry.columns(pag)
-                src = entry.dram_off[lay, 0, col]
+                if parts == 1:  # as a rule: the one part's offsets by one plain index
+                    lay, pag = np.zeros(len(picks), np.int32), picks.slots
+                    col = entry.columns(pag)
+                    src = entry.dram_off[0, 0][col]
+                else:
+                    lay, pag = np.tile(np.arange(parts, dtype=np.int32), len(picks)), np.repeat(picks.slots, parts)
+                    col = entry.columns(pag)
+                    src = entry.dram_off[lay, 0, col]
                 if not (src >= 0).all():
                     return None
                 self.gets.used([(entry, lay, np.zeros(len(lay), np.int32), pag, col)], resident=True)
@@ -289,10 +294,13 @@ class Blocks:
         """A get's reply once its copies are done: a block deleted, or its slot given to
         another key, during the copy is a miss, as is a damaged one."""
         with self.index.lock:
-            same = (table.gen[picks.slots] == picks.gens).tolist()
-        found = [False] * len(req.keys)
-        for i, ok in zip(picks.pos.tolist(), same):
-            found[i] = ok and i not in damaged
+            same = table.gen[picks.slots] == picks.gens
+        if len(picks) == len(req.keys) and not damaged and same.all():  # as a rule: every key found whole
+            found = [True] * len(req.keys)
+        else:
+            found = [False] * len(req.keys)
+            for i, ok in zip(picks.pos.tolist(), same.tolist()):
+                found[i] = ok and i not in damaged
         self.counters["block_gets"] += 1
         return {"found": found, "damaged": sorted(damaged)}
 
