@@ -273,14 +273,9 @@ class Blocks:
                 return None
             with self.index.lock:
                 picks = self._pick(table, req)
-                if parts == 1:  # as a rule: the one part's offsets by one plain index
-                    lay, pag = np.zeros(len(picks), np.int32), picks.slots
-                    col = entry.columns(pag)
-                    src = entry.dram_off[0, 0][col]
-                else:
-                    lay, pag = np.tile(np.arange(parts, dtype=np.int32), len(picks)), np.repeat(picks.slots, parts)
-                    col = entry.columns(pag)
-                    src = entry.dram_off[lay, 0, col]
+                lay, pag = np.tile(np.arange(parts, dtype=np.int32), len(picks)), np.repeat(picks.slots, parts)
+                col = entry.columns(pag)
+                src = entry.dram_off[lay, 0, col]
                 if not (src >= 0).all():
                     return None
                 self.gets.used([(entry, lay, np.zeros(len(lay), np.int32), pag, col)], resident=True)
