@@ -2,10 +2,10 @@
 for the cache placement :meth:`kvdrive_client.device_cache.DeviceCache._place_torch`).
 
 One module per stage, as the Triton set: :mod:`.hierarchical` and :mod:`.lowrank` select
-pages (the low-rank logits in :mod:`.lowrank_fused`, :mod:`.lowrank_passes` and
-:mod:`.lowrank_mass`), :mod:`.placement` places them in the device cache, :mod:`.attention`
-attends over them; :mod:`.common` holds the compiled helpers they share and numba's code
-generation, :mod:`.threads` how a call is split across threads.
+pages (the low-rank logits in :mod:`.lowrank_fused`, :mod:`.lowrank_passes`,
+:mod:`.lowrank_vnni` and :mod:`.lowrank_mass`), :mod:`.placement` places them in the device
+cache, :mod:`.attention` attends over them; :mod:`.common` holds the compiled helpers they
+share and numba's code generation, :mod:`.threads` how a call is split across threads.
 
 The names below are the package's interface. A test that replaces one of the private ones
 (a compiled kernel, a threshold) must replace it in the module that looks it up, e.g.

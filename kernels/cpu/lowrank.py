@@ -10,6 +10,8 @@ passes, the larger part of the compile.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 
 import numba
@@ -20,13 +22,16 @@ from kvdrive.kernels import reference as ref
 from kvdrive.kernels.cpu.lowrank_fused import _fused_page_mass, is_fused
 from kvdrive.kernels.cpu.lowrank_mass import _choose, _log_mass, _lowrank_weights
 from kvdrive.kernels.cpu.lowrank_passes import _SLOT_SPARE, _passes_page_mass
+from kvdrive.kernels.cpu.lowrank_vnni import available as vnni_available
 from kvdrive.kernels.cpu.threads import _cut, _in_parts, parts_for
 
-# The entry points of a pair take the same arguments; the fused ones ignore wide, narrow and ws.
+log = logging.getLogger(__name__)
+
+# The entry points of a pair take the same arguments; the fused ones ignore wide, narrow, vnni and ws.
 
 
 @numba.njit(nogil=True, cache=True)
-def _lowrank_scores_fused(query, qproj, scale, scaling, codes, wide, narrow, valid, p_n, s_n, out, w, logits, ws,
+def _lowrank_scores_fused(query, qproj, scale, scaling, codes, wide, narrow, vnni, valid, p_n, s_n, out, w, logits, ws,
                           top):  # pragma: no cover - compiled
     """Each (row, head)'s page scores into ``out`` ``[B, H, P]``, for the fused layout."""
     for b in range(query.shape[0]):
@@ -38,19 +43,19 @@ def _lowrank_scores_fused(query, qproj, scale, scaling, codes, wide, narrow, val
 
 
 @numba.njit(nogil=True, cache=True)
-def _lowrank_scores_passes(query, qproj, scale, scaling, codes, wide, narrow, valid, p_n, s_n, out, w, logits, ws,
+def _lowrank_scores_passes(query, qproj, scale, scaling, codes, wide, narrow, vnni, valid, p_n, s_n, out, w, logits, ws,
                            top):  # pragma: no cover - compiled
     """:func:`_lowrank_scores_fused` for every other layout."""
     for b in range(query.shape[0]):
         for h in range(query.shape[1]):
             _lowrank_weights(query, qproj, scale, scaling, b, h, w)
-            _passes_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, ws, top, out[b, h])
+            _passes_page_mass(w, codes, wide, narrow, vnni, valid, b, h, p_n, s_n, logits, ws, top, out[b, h])
             for p in range(p_n):
                 out[b, h, p] = _log_mass(out[b, h, p])
 
 
 @numba.njit(nogil=True, cache=True)
-def _lowrank_select_fused(query, qproj, scale, scaling, codes, wide, narrow, valid, selectable, k, p_n, s_n, sink,
+def _lowrank_select_fused(query, qproj, scale, scaling, codes, wide, narrow, vnni, valid, selectable, k, p_n, s_n, sink,
                           unscored, out_pages, out_scores, cached, cached_scores, w, logits, ws, top, score,
                           cand):  # pragma: no cover - compiled
     """Per (row, head): ``out_pages`` ``[B, H, s + k]`` is the row's ``sink`` pages ``[B, s]`` then its
@@ -68,14 +73,14 @@ def _lowrank_select_fused(query, qproj, scale, scaling, codes, wide, narrow, val
 
 
 @numba.njit(nogil=True, cache=True)
-def _lowrank_select_passes(query, qproj, scale, scaling, codes, wide, narrow, valid, selectable, k, p_n, s_n, sink,
+def _lowrank_select_passes(query, qproj, scale, scaling, codes, wide, narrow, vnni, valid, selectable, k, p_n, s_n, sink,
                            unscored, out_pages, out_scores, cached, cached_scores, w, logits, ws, top, score,
                            cand):  # pragma: no cover - compiled
     """:func:`_lowrank_select_fused` for every other layout."""
     for b in range(query.shape[0]):
         for h in range(query.shape[1]):
             _lowrank_weights(query, qproj, scale, scaling, b, h, w)
-            _passes_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, ws, top, score)
+            _passes_page_mass(w, codes, wide, narrow, vnni, valid, b, h, p_n, s_n, logits, ws, top, score)
             _choose(score, b, h, selectable, k, p_n, sink, unscored, out_pages, out_scores, cached, cached_scores, cand)
 
 
@@ -121,6 +126,23 @@ def _projection(t: torch.Tensor) -> np.ndarray:
     return _f32(t)
 
 
+VNNI_ENV = "KVDRIVE_LOWRANK_VNNI"
+
+
+def vnni() -> bool:
+    """Whether the passes' int4 and int2 channels go by VNNI dot products (:mod:`.lowrank_vnni`):
+    where the host has them, unless ``KVDRIVE_LOWRANK_VNNI=0``. Logs once where they do not."""
+    off = os.environ.get(VNNI_ENV, "1") == "0"
+    if vnni_available() and not off:
+        return True
+    if getattr(vnni, "logged", None) != off:
+        vnni.logged = off
+        why = f"{VNNI_ENV}=0" if off else "no AVX-512 VNNI and VBMI for numba on this host"
+        log.info("%s: the low-rank index's int4 and int2 channels are scored by int16 multiply-adds (about half "
+                 "the speed at layouts other than head dim 64's)", why)
+    return False
+
+
 def _layout(qproj: torch.Tensor | np.ndarray, layout: ref.SketchLayout) -> tuple[int, int, bool]:
     """(int8 channels, int2 channels, whether it is the fused layout) of ``layout``, which must be
     the projection's rank."""
@@ -130,10 +152,11 @@ def _layout(qproj: torch.Tensor | np.ndarray, layout: ref.SketchLayout) -> tuple
 
 
 def _kernel_of(qproj: torch.Tensor | np.ndarray, layout: ref.SketchLayout, scaling: float) -> tuple:
-    """What a select call takes besides the arrays: (int8 channels, int2 channels, the select
-    entry point of ``layout``'s kind, ``scaling`` as float32)."""
+    """What a select call takes besides the arrays: (int8 channels, int2 channels, whether by VNNI,
+    the select entry point of ``layout``'s kind, ``scaling`` as float32)."""
     wide, narrow, fused = _layout(qproj, layout)
-    return wide, narrow, _lowrank_select_fused if fused else _lowrank_select_passes, np.float32(scaling)
+    return (wide, narrow, not fused and vnni(), _lowrank_select_fused if fused else _lowrank_select_passes,
+            np.float32(scaling))
 
 
 def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor, scaling: float,
@@ -146,17 +169,19 @@ def lowrank_scores(query: torch.Tensor, qproj: torch.Tensor, scale: torch.Tensor
     ``[B, >= P*S]`` may have spare capacity past ``num_pages`` pages (no copy is made).
     Returns float32 ``[B, H, P]``, within 1e-4 of the reference (the exponential is a polynomial)
     at the default layout of head dim 64; other layouts round their int4 and int2 weights to
-    int16 (:func:`_slot_weights`), within 3e-3 at Gemma 3's rank 108 on random codes.
+    int16 (:func:`.lowrank_passes._slot_weights`), within 3e-3 at Gemma 3's rank 108 on random
+    codes, or where the host has VNNI (:func:`vnni`) to int8 (:mod:`.lowrank_vnni`), about twice that.
     A large call runs in parts on up to :func:`kernel_threads` threads (:func:`_in_parts`).
     """
     out = np.empty((query.shape[0], query.shape[1], num_pages), np.float32)
     q, qp, sc, cd, ok = _f32(query), _projection(qproj), scale.numpy(), codes.numpy(), valid.numpy()
     (wide, narrow, fused), scaling = _layout(qproj, layout), np.float32(scaling)
     kernel = _lowrank_scores_fused if fused else _lowrank_scores_passes
+    by_vnni = not fused and vnni()
 
     def part(bs, hs):
         q_, qp_, sc_, cd_, ok_, out_ = _cut((q, qp, sc, cd, ok, out), bs, hs, rows_only=(4,))
-        kernel(q_, qp_, sc_, scaling, cd_, wide, narrow, ok_, num_pages, page_size, out_,
+        kernel(q_, qp_, sc_, scaling, cd_, wide, narrow, by_vnni, ok_, num_pages, page_size, out_,
                *_lowrank_work(q.shape[2], qp.shape[3], num_pages, page_size)[:4])  # no top-k scratch
 
     _in_parts(q.shape[0], q.shape[1], num_pages * page_size * q.shape[2], part)
@@ -224,7 +249,7 @@ def _select(query: torch.Tensor, arrays: tuple[np.ndarray, ...], entry: tuple, s
     k = min(k, num_pages)
     b, h = query.shape[:2]
     qp, sc, cd, ok = arrays
-    wide, narrow, kernel, scaling = entry
+    wide, narrow, by_vnni, kernel, scaling = entry
     pages = np.empty((b, h, sink.shape[1] + k), np.int64)
     scores = np.empty((b, h, k), np.float32)
     cached_np = _NO_CACHED if cached is None else cached.numpy()
@@ -232,14 +257,14 @@ def _select(query: torch.Tensor, arrays: tuple[np.ndarray, ...], entry: tuple, s
     q, sel = _f32(query), selectable.numpy()
     work = num_pages * page_size * q.shape[2]
     if parts_for(b, h, work) == 1:
-        kernel(q, qp, sc, scaling, cd, wide, narrow, ok, sel, k, num_pages, page_size, sink, unscored, pages,
+        kernel(q, qp, sc, scaling, cd, wide, narrow, by_vnni, ok, sel, k, num_pages, page_size, sink, unscored, pages,
                scores, cached_np, cached_scores, *_lowrank_work(q.shape[2], qp.shape[3], num_pages, page_size))
         return pages, scores, None if cached is None else torch.from_numpy(cached_scores)
 
     def part(bs, hs):  # without cached pages, the empty arrays slice to empty arrays
         q_, qp_, sc_, cd_, ok_, sel_, sink_, pages_, scores_, cached_, cached_scores_ = _cut(
             (q, qp, sc, cd, ok, sel, sink, pages, scores, cached_np, cached_scores), bs, hs, rows_only=(4, 5, 6))
-        kernel(q_, qp_, sc_, scaling, cd_, wide, narrow, ok_, sel_, k, num_pages, page_size, sink_, unscored, pages_,
+        kernel(q_, qp_, sc_, scaling, cd_, wide, narrow, by_vnni, ok_, sel_, k, num_pages, page_size, sink_, unscored, pages_,
                scores_, cached_, cached_scores_, *_lowrank_work(q.shape[2], qp.shape[3], num_pages, page_size))
 
     _in_parts(b, h, work, part)

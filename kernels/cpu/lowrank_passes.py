@@ -8,6 +8,7 @@ import numpy as np
 
 from kvdrive.kernels.cpu.common import _LOWRANK_FASTMATH, _fmax
 from kvdrive.kernels.cpu.lowrank_mass import _weight_sums
+from kvdrive.kernels.cpu.lowrank_vnni import _vnni_dot, _vnni_weights
 
 # Other layouts: passes over a tile of tokens, each over a few code rows of one kind (4 int8
 # rows, 4 int4 rows or 2 int2 rows: 4, 8 or 8 channels) for up to 4 query heads at once.
@@ -20,7 +21,8 @@ from kvdrive.kernels.cpu.lowrank_mass import _weight_sums
 # pages in about 0.2 ms here, against 0.43 ms when a tile's codes were first widened to
 # floats in memory, 108 KiB a tile of 256 tokens, more than L1, then read back once per
 # head; with float32 passes throughout the logits took about 1.7 times as long as with
-# int16 ones.)
+# int16 ones.) Where the host has AVX-512 VNNI, the int4 and int2 channels go by its dot
+# products instead (:mod:`.lowrank_vnni`), and only the int8 passes run here.
 _PASS_ROWS = {8: 4, 4: 4, 2: 2}  # code rows per pass, by bits per channel
 _PASS_ROWS8, _PASS_ROWS4, _PASS_ROWS2 = _PASS_ROWS[8], _PASS_ROWS[4], _PASS_ROWS[2]
 _PASS_TILE = 1024  # tokens per tile: 4 heads' logits (16 KiB) and int16 sums (8 KiB)
@@ -161,8 +163,10 @@ def _passes(ws, wq, g0, hc, c, wide, rows4, rows2, s4, s2, t0, t1, logits, acc):
 
 
 @numba.njit(nogil=True, cache=True, fastmath=_LOWRANK_FASTMATH, error_model="numpy")
-def _passes_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, ws, top, out):  # pragma: no cover - compiled
+def _passes_page_mass(w, codes, wide, narrow, vnni, valid, b, h, p_n, s_n, logits, ws, top, out):  # pragma: no cover - compiled
     """Estimated mass of pages [0, p_n) of (row b, head h) into ``out`` (callers take the log).
+    With ``vnni`` (:func:`.lowrank_vnni.available` only) the int4 and int2 channels go by
+    :func:`.lowrank_vnni._vnni_dot` instead of their passes.
 
     ``w`` ``[G, R]``: base-2 logit weights (:func:`.lowrank_mass._lowrank_weights`). ``codes``:
     rows as :func:`reference.pack_lowrank_codes` lays them out, the first ``wide`` channels
@@ -193,7 +197,14 @@ def _passes_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, ws,
     tmax = np.empty((g_n, n_tiles), np.float32)  # each tile's max logit per head
     tsum = np.empty((g_n, n_tiles), np.float32)  # its page sums' total
     psum = np.empty((g_n, p_n), np.float32)  # each page's sum against its tile's max
-    _slot_weights(w, wide, narrow, ws, wq, inv)
+    _slot_weights(w, wide, narrow, ws, wq, inv)  # ws: the int8 passes' weights, whichever way the rest go
+    w4, w2 = np.empty((g_n, 4 * ((rows4 + 1) // 2)), np.int8), np.empty((g_n, 4 * rows2), np.int8)
+    sc = np.empty((g_n, 5), np.float32)
+    if vnni:  # the int8 passes only, and no int16 sums to add
+        if c.strides[1] != 1:
+            raise ValueError("the VNNI logits read contiguous code rows")
+        _vnni_weights(w, wide, narrow, w4, w2, sc)
+        inv[:] = 0.0
     for i in range(n_tiles):
         t0 = i * tile
         t1 = min(t_n, t0 + tile)
@@ -203,7 +214,11 @@ def _passes_page_mass(w, codes, wide, narrow, valid, b, h, p_n, s_n, logits, ws,
         g0 = 0
         while g0 < g_n:
             hc = min(4, g_n - g0)
-            _passes(ws, wq, g0, hc, c, wide, rows4, rows2, s4, s2, t0, t1, logits, acc)
+            if vnni:
+                _passes(ws, wq, g0, hc, c, wide, 0, 0, s4, s2, t0, t1, logits, acc)
+                _vnni_dot(hc, c, wide, rows4, rows2, w4, w2, sc, g0, t0, t1, logits)
+            else:
+                _passes(ws, wq, g0, hc, c, wide, rows4, rows2, s4, s2, t0, t1, logits, acc)
             g0 += hc
         okt = ok[t0:t1]
         for g in range(g_n):

@@ -16,7 +16,7 @@ from kvdrive.kernels import reference as ref
 
 from kernel_cases import (BACKENDS, EMPTY_ROW, FEW_SELECTABLE_ROW, LOWRANK_SHAPES, NONE_SELECTABLE_ROW, PADDED_ROW,
                           lowrank_case, random_slots, widened)
-from tolerances import assert_close
+from tolerances import assert_close, lowrank_kernel
 
 NEG_INF = float("-inf")
 HALF = (torch.float16, torch.bfloat16)
@@ -62,7 +62,7 @@ def test_lowrank_scores_match_reference(kernels, seed, dtype):
     got = kernels.lowrank_scores(case.query, case.qproj, case.scale, case.scaling, case.codes, case.valid,
                                  case.num_pages, case.page_size, case.layout)  # spare capacity past num_pages
     assert got.shape == expect.shape and got.dtype == torch.float32
-    assert_close(got, expect, "lowrank_scores")  # -inf where the reference has it, too
+    assert_close(got, expect, lowrank_kernel(kernels, case.layout, "lowrank_scores"))  # -inf where the reference has it
     assert torch.isneginf(got[PADDED_ROW, :, :3]).all() and torch.isneginf(got[EMPTY_ROW]).all()
     # Scores are logs of mass shares: over a head's pages they sum to one per query head.
     some = case.valid[:, : case.num_pages * case.page_size].any(dim=1)
@@ -98,8 +98,9 @@ def test_lowrank_select_matches_reference(kernels, seed, dtype, k):
     _, expect_top, expect_cached = ref.lowrank_select(case.query.float(), *args)
     pages, top, cached_scores = kernels.lowrank_select(case.query, *args)
     assert pages.shape == (*case.codes.shape[:2], min(k, case.num_pages))
-    assert_top_k(pages, top, expect_top, case.reference_scores(), selectable, "lowrank_select")
-    assert_close(cached_scores, expect_cached, "lowrank_select")
+    kernel = lowrank_kernel(kernels, case.layout, "lowrank_select")
+    assert_top_k(pages, top, expect_top, case.reference_scores(), selectable, kernel)
+    assert_close(cached_scores, expect_cached, kernel)
     if k:
         few = top[FEW_SELECTABLE_ROW]  # three selectable pages score, the rest of the k do not
         assert torch.isfinite(few[:, :3]).all() and torch.isneginf(few[:, 3:]).all()
@@ -127,7 +128,8 @@ def test_lowrank_select_of_no_pages_still_scores_the_cached_ones(kernels):
     pages, top, cached_scores = kernels.lowrank_select(case.query, case.qproj, case.scale, case.scaling, case.codes,
                                                        case.valid, selectable, 0, case.page_size, cached, case.layout)
     assert pages.shape == top.shape == (b, h, 0)
-    assert_close(cached_scores, case.reference_scores()[..., [3, 3]].masked_fill(cached < 0, NEG_INF), "lowrank_select")
+    assert_close(cached_scores, case.reference_scores()[..., [3, 3]].masked_fill(cached < 0, NEG_INF),
+                 lowrank_kernel(kernels, case.layout, "lowrank_select"))
     assert torch.isneginf(cached_scores[..., 1]).all() and torch.isneginf(cached_scores[EMPTY_ROW]).all()
 
 
