@@ -13,6 +13,15 @@ def tiny(kind: str = "qwen2", layers: int = 2, seed: int = 0):
 
 
 @pytest.fixture
+def int16_lowrank(monkeypatch):
+    """The CPU kernels' low-rank scores by their int16 passes, not by VNNI's int8 weights
+    (``kvdrive.kernels.cpu.lowrank_vnni``, on hosts that have it): for tests that hold two
+    kernel sets to the same pages, which the int8 weights' coarser rounding may swap at a
+    near tie (their scores' bounds are checked in tests/kernels)."""
+    monkeypatch.setenv("KVDRIVE_LOWRANK_VNNI", "0")
+
+
+@pytest.fixture
 def make_tiny():
     return tiny
 

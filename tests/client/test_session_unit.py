@@ -202,7 +202,7 @@ def test_a_cache_that_holds_every_page_fetches_each_page_once_and_then_stops():
 
 
 @pytest.mark.parametrize("index", ["lowrank", "hierarchical"])
-def test_cpu_and_reference_kernels_decode_alike(index):
+def test_cpu_and_reference_kernels_decode_alike(int16_lowrank, index):
     d = Decode(B=3, T=320, steps=16, pads=(0, 70, 0))
     runs = {}
     for kernels in ("cpu", "reference"):
