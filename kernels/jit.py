@@ -12,22 +12,34 @@ compiles (the kernels' on-disk cache keeps code for each setting apart).
 512-bit code); ``NUMBA_CPU_NAME`` or ``NUMBA_CPU_FEATURES`` set by the user are left
 as they are.
 
-Compiled kernels are kept once per machine: :func:`configure_cache` points numba's
-on-disk cache at ``<KVDrive's cache>/numba`` (:func:`cache_root`), not at the
-``__pycache__`` beside the sources, unless ``NUMBA_CACHE_DIR`` says otherwise.
+Compiled kernels are kept once per machine and version of their sources:
+:func:`configure_cache` points numba's on-disk cache at ``<KVDrive's cache>/numba/<digest>``
+(:func:`cache_root`, :func:`source_digest`), not at the ``__pycache__`` beside the sources,
+unless ``NUMBA_CACHE_DIR`` says otherwise. numba checks only the file that defines a cached
+function, not the files of the functions it calls, whose code it holds compiled in: after
+a ``git pull`` that changed only a callee's file, a caller loaded from its cache ran the old
+callee. A directory per digest of every numba source compiles afresh whenever any changes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
+import shutil
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 VECTOR_ENV = "KVDRIVE_JIT_VECTOR"
 CACHE_ENV = "NUMBA_CACHE_DIR"
+# The packages whose modules numba compiles with cache=True: the client's kernels, and the
+# daemon's and the protocol's (the embedded kvstored inherits the cache directory).
+NUMBA_PACKAGES = ("kvdrive.kernels", "kvstored", "kvdrive.protocol")
+KEPT_VERSIONS = 4  # cache directories of other source digests kept, the most recently used
 
 
 def cache_root() -> Path:
@@ -43,8 +55,40 @@ def cache_root() -> Path:
     return Path(base) / "kvdrive"
 
 
+def source_digest() -> str:
+    """16 hex digits of SHA-256 over the Python sources of :data:`NUMBA_PACKAGES` (paths and bytes)."""
+    h = hashlib.sha256()
+    for name in NUMBA_PACKAGES:
+        spec = find_spec(name)
+        for root in spec.submodule_search_locations or () if spec else ():
+            for path in sorted(Path(root).rglob("*.py")):
+                h.update(f"{name}/{path.relative_to(root)}\0".encode())
+                h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _cache_dir() -> Path:
+    """``cache_root() / "numba" / source_digest()``, marked as used now; directories of other
+    digests past the :data:`KEPT_VERSIONS` most recently used are removed, and the ones numba
+    made there itself before the cache was kept per digest."""
+    base = cache_root() / "numba"
+    target = base / source_digest()
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        os.utime(target)
+        dirs = [p for p in base.iterdir() if p.is_dir() and p != target]
+        others = sorted((p for p in dirs if re.fullmatch(r"[0-9a-f]{16}", p.name)), key=lambda p: p.stat().st_mtime,
+                        reverse=True)
+        unkeyed = [p for p in dirs if re.fullmatch(r"\w+_[0-9a-f]{40}", p.name)]  # numba's own, before the digests
+        for old in others[KEPT_VERSIONS:] + unkeyed:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:  # an unwritable cache: numba says so and compiles in memory
+        log.debug("numba cache directory %s: %s", target, e)
+    return target
+
+
 def configure_cache() -> Path:
-    """Point numba's on-disk cache at ``cache_root() / "numba"``; returns the directory in use.
+    """Point numba's on-disk cache at :func:`_cache_dir`; returns the directory in use.
 
     Call before the kernels are defined. Before numba is imported this sets
     ``NUMBA_CACHE_DIR``, which numba reads at import and which the processes started
@@ -53,7 +97,7 @@ def configure_cache() -> Path:
     """
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
-    target = cache_root() / "numba"
+    target = _cache_dir()
     if "numba" not in sys.modules:
         os.environ[CACHE_ENV] = str(target)
         return target

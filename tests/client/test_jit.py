@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -70,9 +71,37 @@ def cache_probe(tmp_path, first: str = "", **env) -> tuple[str, str, str]:
 
 def test_kernels_cache_under_the_kvdrive_cache_and_processes_started_inherit_it(tmp_path):
     variable, kernel_dir, err = cache_probe(tmp_path)
-    target = tmp_path / "kvdrive" / "numba"
+    target = tmp_path / "kvdrive" / "numba" / jit.source_digest()
     assert variable == str(target), "the embedded kvstored inherits the variable: its kernels cache there too"
     assert Path(kernel_dir).parent == target and "numba was imported before" not in err
+
+
+def test_a_change_to_any_numba_source_gives_a_fresh_cache_and_old_ones_are_pruned(tmp_path, monkeypatch):
+    """numba checks only the file defining a cached function, not those of the functions it
+    compiled in: each version of the sources caches apart, and only the most recently used
+    few versions are kept."""
+    kernels = tmp_path / "src"
+    kernels.mkdir()
+    (kernels / "a.py").write_text("x = 1\n")
+    monkeypatch.setattr(jit, "find_spec", lambda name: SimpleNamespace(submodule_search_locations=[str(kernels)]))
+    monkeypatch.setenv("KVDRIVE_CACHE", str(tmp_path / "cache"))
+    first = jit._cache_dir()
+    assert first.is_dir() and first.parent == tmp_path / "cache" / "numba" and jit._cache_dir() == first
+    (kernels / "sub").mkdir()
+    (kernels / "sub" / "b.py").write_text("y = 2\n")  # a callee's module, anywhere under a package
+    made = [first, jit._cache_dir()]
+    assert made[1] != first and first.is_dir()
+    for i in range(jit.KEPT_VERSIONS + 1):
+        for age, p in enumerate(made):  # used in the order made, so that the order is certain
+            if p.exists():
+                os.utime(p, (1000 + age, 1000 + age))
+        (kernels / "a.py").write_text(f"x = {i + 2}\n")
+        made.append(jit._cache_dir())
+    (keep := tmp_path / "cache" / "numba" / "not-a-digest").mkdir()
+    (tmp_path / "cache" / "numba" / f"cpu_{'0' * 40}").mkdir()  # numba's own, from before the digests
+    jit._cache_dir()
+    left = set((tmp_path / "cache" / "numba").iterdir())
+    assert left == {keep, made[-1], *made[-1 - jit.KEPT_VERSIONS:-1]}
 
 
 def test_a_numba_cache_dir_the_user_set_is_kept(tmp_path):
@@ -84,6 +113,6 @@ def test_a_numba_cache_dir_the_user_set_is_kept(tmp_path):
 
 def test_numba_imported_first_still_caches_the_kernels_there_and_says_what_it_cannot_do(tmp_path):
     variable, kernel_dir, err = cache_probe(tmp_path, first="import numba;")
-    assert Path(kernel_dir).parent == tmp_path / "kvdrive" / "numba"
+    assert Path(kernel_dir).parent == tmp_path / "kvdrive" / "numba" / jit.source_digest()
     assert variable == "", "set after numba's import, the variable would reset numba's settings at the next compile"
     assert "numba was imported before KVDrive's kernels" in err and "embedded kvstored" in err
