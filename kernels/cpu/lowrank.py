@@ -55,8 +55,8 @@ def _lowrank_scores_passes(query, qproj, scale, scaling, codes, wide, narrow, vn
 
 
 @numba.njit(nogil=True, cache=True)
-def _lowrank_select_fused(query, qproj, scale, scaling, codes, wide, narrow, vnni, valid, selectable, k, p_n, s_n, sink,
-                          unscored, out_pages, out_scores, cached, cached_scores, w, logits, ws, top, score,
+def _lowrank_select_fused(query, qproj, scale, scaling, codes, wide, narrow, vnni, valid, selectable, k, p_n, s_n,
+                          sink, unscored, out_pages, out_scores, cached, cached_scores, w, logits, ws, top, score,
                           cand):  # pragma: no cover - compiled
     """Per (row, head): ``out_pages`` ``[B, H, s + k]`` is the row's ``sink`` pages ``[B, s]`` then its
     top ``k`` by mass (:func:`.lowrank_mass._lowrank_top`; their log masses in ``out_scores`` ``[B, H, k]``, the
@@ -73,8 +73,8 @@ def _lowrank_select_fused(query, qproj, scale, scaling, codes, wide, narrow, vnn
 
 
 @numba.njit(nogil=True, cache=True)
-def _lowrank_select_passes(query, qproj, scale, scaling, codes, wide, narrow, vnni, valid, selectable, k, p_n, s_n, sink,
-                           unscored, out_pages, out_scores, cached, cached_scores, w, logits, ws, top, score,
+def _lowrank_select_passes(query, qproj, scale, scaling, codes, wide, narrow, vnni, valid, selectable, k, p_n, s_n,
+                           sink, unscored, out_pages, out_scores, cached, cached_scores, w, logits, ws, top, score,
                            cand):  # pragma: no cover - compiled
     """:func:`_lowrank_select_fused` for every other layout."""
     for b in range(query.shape[0]):
@@ -137,7 +137,7 @@ def vnni() -> bool:
         return True
     if getattr(vnni, "logged", None) != off:
         vnni.logged = off
-        why = f"{VNNI_ENV}=0" if off else "no AVX-512 VNNI and VBMI for numba on this host"
+        why = f"{VNNI_ENV}=0" if off else "no AVX-512 VNNI and VBMI for numba on this host (or its LLVM lacks them)"
         log.info("%s: the low-rank index's int4 and int2 channels are scored by int16 multiply-adds (about half "
                  "the speed at layouts other than head dim 64's)", why)
     return False
@@ -264,8 +264,8 @@ def _select(query: torch.Tensor, arrays: tuple[np.ndarray, ...], entry: tuple, s
     def part(bs, hs):  # without cached pages, the empty arrays slice to empty arrays
         q_, qp_, sc_, cd_, ok_, sel_, sink_, pages_, scores_, cached_, cached_scores_ = _cut(
             (q, qp, sc, cd, ok, sel, sink, pages, scores, cached_np, cached_scores), bs, hs, rows_only=(4, 5, 6))
-        kernel(q_, qp_, sc_, scaling, cd_, wide, narrow, by_vnni, ok_, sel_, k, num_pages, page_size, sink_, unscored, pages_,
-               scores_, cached_, cached_scores_, *_lowrank_work(q.shape[2], qp.shape[3], num_pages, page_size))
+        kernel(q_, qp_, sc_, scaling, cd_, wide, narrow, by_vnni, ok_, sel_, k, num_pages, page_size, sink_, unscored,
+               pages_, scores_, cached_, cached_scores_, *_lowrank_work(q.shape[2], qp.shape[3], num_pages, page_size))
 
     _in_parts(b, h, work, part)
     return pages, scores, None if cached is None else torch.from_numpy(cached_scores)

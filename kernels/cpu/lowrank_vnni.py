@@ -24,7 +24,10 @@ scores 0.0015 below it.
 The kernel is LLVM IR written here (numba has no vector types): a loop over groups of 16
 tokens, the last one masked (no read or write past the tokens asked for), and in it loops
 over the code rows, whose sums stay in registers. It compiles only where numba targets
-AVX-512 VNNI, VBMI, BW and VL; elsewhere :mod:`.lowrank` takes the passes and logs so once.
+AVX-512 VNNI, VBMI, BW and VL and its LLVM verifies the intrinsics as declared here
+(:func:`_pointer_kind`: checked with numba 0.59's LLVM 14, 0.65's LLVM 20 and 0.68's LLVM 22;
+declared for LLVM 22 alone, they failed to compile on LLVM 20, the numba the engines pin);
+elsewhere :mod:`.lowrank` takes the passes and logs so once.
 """
 
 from __future__ import annotations
@@ -56,25 +59,93 @@ _INT2_FIELDS = [0, 2, 4, 6, 32, 34, 36, 38] * (_LANES // 2)  # an int2 row's byt
 
 @functools.cache
 def available() -> bool:
-    """Whether numba compiles for a CPU with AVX-512 VNNI, VBMI, BW and VL: the host's, unless
-    ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` name another (then only the features they name count)."""
+    """Whether numba compiles for a CPU with AVX-512 VNNI, VBMI, BW and VL (the host's, unless
+    ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` name another: then only the features they name
+    count) and its LLVM takes the kernel's intrinsics as they are written (:func:`_pointer_kind`)."""
     from llvmlite import binding as llvm  # noqa: PLC0415
 
     if numba.config.CPU_FEATURES:
         named = set(numba.config.CPU_FEATURES.split(","))
-        return all(f"+{f}" in named for f in _FEATURES)
-    if numba.config.CPU_NAME and numba.config.CPU_NAME != "host":
-        return False
-    try:
-        host = llvm.get_host_cpu_features()
-    except RuntimeError:
-        return False
-    return all(host.get(f) for f in _FEATURES)
+        features = all(f"+{f}" in named for f in _FEATURES)
+    elif numba.config.CPU_NAME and numba.config.CPU_NAME != "host":
+        features = False
+    else:
+        try:
+            host = llvm.get_host_cpu_features()
+        except RuntimeError:
+            return False
+        features = all(host.get(f) for f in _FEATURES)
+    return features and _pointer_kind() is not None
+
+
+@functools.cache
+def _pointer_kind() -> bool | None:
+    """How numba's LLVM names the masked load and store intrinsics: False where its pointers
+    are opaque (LLVM 15 on: ``.p0``), True where typed (LLVM 14: ``.p0v16i8``), None where a
+    module calling every intrinsic of the kernel either way fails to verify (then no VNNI)."""
+    from llvmlite import binding as llvm  # noqa: PLC0415
+
+    for typed in (False, True):
+        mod = ir.Module()
+        fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [ir.PointerType(_I8)]), "probe")
+        b = ir.IRBuilder(fn.append_basic_block())
+        calls = _Intrinsics(mod, typed)
+        mask = ir.Constant(_VM, [1] * _LANES)
+        codes = _widen(b, calls.load8(b, fn.args[0], mask))
+        lanes = b.bitcast(b.call(calls.multishift, [b.call(calls.permute, [codes, codes, codes]), codes]), _V32)
+        sums = b.call(calls.dp, [lanes, lanes, lanes])
+        calls.storef(b, b.fadd(calls.loadf(b, fn.args[0], mask), b.sitofp(sums, _VF)), fn.args[0], mask)
+        b.ret_void()
+        try:
+            llvm.parse_assembly(str(mod)).verify()
+        except RuntimeError:
+            continue
+        return typed
+    return None
+
+
+class _Intrinsics:
+    """The kernel's intrinsics, declared in ``mod``; the masked loads and stores named for
+    ``typed`` pointers or opaque ones, and taking an ``i8*`` either way."""
+
+    def __init__(self, mod, typed: bool):
+        def declare(name, ret, *args):
+            return cgutils.get_or_insert_function(mod, ir.FunctionType(ret, list(args)), name)
+
+        def ptr(vtype):  # the pointer argument of a masked load or store of vtype, and its name's suffix
+            return (ir.PointerType(vtype), f"p0v{_LANES}{'i8' if vtype == _VB else 'f32'}") if typed else (
+                ir.PointerType(_I8), "p0")
+
+        (p8, n8), (pf, nf) = ptr(_VB), ptr(_VF)
+        self._p8, self._pf = p8, pf
+        self._load8 = declare(f"llvm.masked.load.v16i8.{n8}", _VB, p8, _I32, _VM, _VB)
+        self._loadf = declare(f"llvm.masked.load.v16f32.{nf}", _VF, pf, _I32, _VM, _VF)
+        self._storef = declare(f"llvm.masked.store.v16f32.{nf}", ir.VoidType(), _VF, pf, _I32, _VM)
+        # Declared with 32-bit lanes, as LLVM up to 20 (numba 0.65, which the engines pin) has
+        # it; LLVM 21 on takes bytes, and reads this form as that.
+        self.dp = declare("llvm.x86.avx512.vpdpbusd.512", _V32, _V32, _V32, _V32)
+        self.permute = declare("llvm.x86.avx512.vpermi2var.qi.512", _V8, _V8, _V8, _V8)
+        self.multishift = declare("llvm.x86.avx512.pmultishift.qb.512", _V8, _V8, _V8)
+
+    def load8(self, b, p, mask):
+        return b.call(self._load8, [b.bitcast(p, self._p8), ir.Constant(_I32, 1), mask, ir.Constant(_VB, None)])
+
+    def loadf(self, b, p, mask):
+        return b.call(self._loadf, [b.bitcast(p, self._pf), ir.Constant(_I32, 4), mask, ir.Constant(_VF, None)])
+
+    def storef(self, b, value, p, mask):
+        b.call(self._storef, [value, b.bitcast(p, self._pf), ir.Constant(_I32, 4), mask])
 
 
 def _splat(builder, value, vtype):
     one = builder.insert_element(ir.Constant(vtype, ir.Undefined), value, ir.Constant(_I32, 0))
     return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, vtype.count), [0] * vtype.count))
+
+
+def _widen(builder, v):
+    """16 bytes in the low bytes of a 512-bit vector, the rest zero."""
+    picks = ir.Constant(ir.VectorType(_I32, 4 * _LANES), [min(i, _LANES) for i in range(4 * _LANES)])
+    return builder.shuffle_vector(v, ir.Constant(_VB, None), picks)
 
 
 def _k(value):
@@ -92,20 +163,7 @@ class _Emit:
         self.w2, _, self.w2_stride = self._array(context, sig.args[6], w2)
         self.sc, _, self.sc_stride = self._array(context, sig.args[7], sc)
         self.out, _, self.out_stride = self._array(context, sig.args[11], out)
-        mod = builder.module
-        ptr = ir.PointerType(_I8)
-        self.dp = cgutils.get_or_insert_function(mod, ir.FunctionType(_V32, [_V32, _V8, _V8]),
-                                                 "llvm.x86.avx512.vpdpbusd.512")
-        self.load8 = cgutils.get_or_insert_function(mod, ir.FunctionType(_VB, [ptr, _I32, _VM, _VB]),
-                                                    "llvm.masked.load.v16i8.p0")
-        self.loadf = cgutils.get_or_insert_function(mod, ir.FunctionType(_VF, [ptr, _I32, _VM, _VF]),
-                                                    "llvm.masked.load.v16f32.p0")
-        self.storef = cgutils.get_or_insert_function(mod, ir.FunctionType(ir.VoidType(), [_VF, ptr, _I32, _VM]),
-                                                     "llvm.masked.store.v16f32.p0")
-        self.permute = cgutils.get_or_insert_function(mod, ir.FunctionType(_V8, [_V8, _V8, _V8]),
-                                                      "llvm.x86.avx512.vpermi2var.qi.512")
-        self.multishift = cgutils.get_or_insert_function(mod, ir.FunctionType(_V8, [_V8, _V8]),
-                                                         "llvm.x86.avx512.pmultishift.qb.512")
+        self.calls = _Intrinsics(builder.module, _pointer_kind())
         # Each head's int4 and int2 sums, two sets of each (:meth:`_in_twos`).
         self.acc4 = [[cgutils.alloca_once(builder, _V32) for _ in range(hc)] for _ in range(2)]
         self.acc2 = [[cgutils.alloca_once(builder, _V32) for _ in range(hc)] for _ in range(2)]
@@ -123,30 +181,26 @@ class _Emit:
         """Head ``g0 + j``'s four int8 weights of code group ``col``, in every lane."""
         b = self.b
         p = self._at(base, stride, b.add(self.g0, ir.Constant(_I64, j)), b.mul(col, ir.Constant(_I64, 4)))
-        return b.bitcast(_splat(b, b.load(b.bitcast(p, ir.PointerType(_I32))), _V32), _V8)
+        return _splat(b, b.load(b.bitcast(p, ir.PointerType(_I32))), _V32)
 
     def _row(self, row, t, mask):
-        return self.b.call(self.load8, [self._at(self.c, self.c_stride, row, t), ir.Constant(_I32, 1), mask,
-                                        ir.Constant(_VB, None)])
+        return self.calls.load8(self.b, self._at(self.c, self.c_stride, row, t), mask)
 
     def _wide(self, row, t, mask):
         """A row's 16 codes in the low bytes of a 512-bit vector (the rest zero)."""
-        v = self._row(row, t, mask)
-        picks = ir.Constant(ir.VectorType(_I32, 4 * _LANES), [min(i, _LANES) for i in range(4 * _LANES)])
-        return self.b.shuffle_vector(v, ir.Constant(_VB, None), picks)
+        return _widen(self.b, self._row(row, t, mask))
 
     def _codes(self, data, fields, mask, offset):
         """Each lane's four code fields, chosen from its bytes (``vpmultishiftqb``), masked, offset."""
         b = self.b
-        picked = b.bitcast(b.call(self.multishift, [ir.Constant(_V8, fields), data]), _V32)
+        picked = b.bitcast(b.call(self.calls.multishift, [ir.Constant(_V8, fields), data]), _V32)
         return b.xor(b.and_(picked, _k(mask)), _k(offset))
 
     def _add(self, accs, lanes, base, stride, col):
         """Each head's weights of code group ``col`` times ``lanes``, into its sum in ``accs``."""
         b = self.b
-        db = b.bitcast(lanes, _V8)
         for j, a in enumerate(accs):
-            b.store(b.call(self.dp, [b.load(a), db, self._weight(base, stride, j, col)]), a)
+            b.store(b.call(self.calls.dp, [b.load(a), lanes, self._weight(base, stride, j, col)]), a)
 
     def _in_twos(self, count, step):
         """``step(i, k)`` for i in range(count): the first half (rounded up) into the first set of
@@ -175,7 +229,7 @@ class _Emit:
             ra = b.add(self.r4, b.mul(p, ir.Constant(_I64, 2)))
             rb = b.add(ra, ir.Constant(_I64, 1))
             rb = b.select(b.icmp_signed("<", rb, last), rb, last)  # an odd row count: any row, times zero weights
-            pair_bytes = b.call(self.permute, [self._wide(ra, t, mask), ir.Constant(_V8, _PAIR_BYTES),
+            pair_bytes = b.call(self.calls.permute, [self._wide(ra, t, mask), ir.Constant(_V8, _PAIR_BYTES),
                                                self._wide(rb, t, mask)])
             lanes = self._codes(pair_bytes, _PAIR_FIELDS, 0x0F0F0F0F, 0x08080808)  # codes + 8
             self._add(self.acc4[k], lanes, self.w4, self.w4_stride, p)
@@ -202,8 +256,7 @@ class _Emit:
             for k, sums in enumerate((self.acc4[0], self.acc4[1], self.acc2[0], self.acc2[1])):
                 share = b.fadd(share, b.fmul(b.sitofp(b.load(sums[j]), _VF), scale(k)))
             p = self._at(self.out, self.out_stride, g, b.mul(off, ir.Constant(_I64, 4)))
-            old = b.call(self.loadf, [p, ir.Constant(_I32, 4), mask, ir.Constant(_VF, None)])
-            b.call(self.storef, [b.fadd(old, share), p, ir.Constant(_I32, 4), mask])
+            self.calls.storef(b, b.fadd(self.calls.loadf(b, p, mask), share), p, mask)
 
 
 def _dot_intrinsic(hc: int):

@@ -86,3 +86,16 @@ def test_vnni_is_available_only_where_numba_targets_every_feature_it_needs(monke
     monkeypatch.setattr(numba.config, "CPU_FEATURES", "")
     monkeypatch.setattr(numba.config, "CPU_NAME", "skylake")
     assert not check()
+
+
+def test_vnni_needs_an_llvm_that_takes_its_intrinsics(monkeypatch):
+    """numba's LLVM must verify a module calling the kernel's intrinsics as they are declared
+    (masked loads named for opaque pointers from LLVM 15 on, typed ones before; ``vpdpbusd``
+    with 32-bit lanes, as LLVM 20 has it and LLVM 22 still reads); with none it verifies,
+    the passes run instead."""
+    assert vnni._pointer_kind() is not None, "the LLVM of the locked numba verifies one of the two forms"
+    features = "+avx512f,+avx512bw,+avx512vl,+avx512vnni,+avx512vbmi"
+    monkeypatch.setattr(numba.config, "CPU_FEATURES", features)
+    assert vnni.available.__wrapped__()
+    monkeypatch.setattr(vnni, "_pointer_kind", lambda: None)
+    assert not vnni.available.__wrapped__()
