@@ -205,12 +205,14 @@ def _passes_page_mass(w, codes, wide, narrow, vnni, valid, b, h, p_n, s_n, logit
             raise ValueError("the VNNI logits read contiguous code rows")
         _vnni_weights(w, wide, narrow, w4, w2, sc)
         inv[:] = 0.0
+        acc[:] = 0
     for i in range(n_tiles):
         t0 = i * tile
         t1 = min(t_n, t0 + tile)
         n = t1 - t0
         logits[:, :n] = 0.0
-        acc[:, :n] = 0
+        if not vnni:
+            acc[:, :n] = 0
         g0 = 0
         while g0 < g_n:
             hc = min(4, g_n - g0)

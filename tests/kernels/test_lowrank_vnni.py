@@ -7,25 +7,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 import pytest
+import torch
 
+from kvdrive.kernels import reference as ref
 from kvdrive.kernels.cpu import lowrank_vnni as vnni
 
 needs_vnni = pytest.mark.skipif(not vnni.available(), reason="no AVX-512 VNNI and VBMI on this host")
-
-
-def _values(codes: np.ndarray, wide: int, n4: int, narrow: int) -> np.ndarray:
-    """The channels' values of packed code rows, as ``reference.pack_lowrank_codes`` lays them out."""
-    rows4 = (n4 + 1) // 2
-    c = codes.astype(np.int32)
-    chans = [c[r] for r in range(wide)]
-    for i in range(rows4):
-        y = c[wide + i]
-        chans += [((y & 0xF) ^ 8) - 8, y >> 4]
-    chans = chans[: wide + n4]
-    for i in range((narrow + 3) // 4):
-        y = c[wide + rows4 + i]
-        chans += [((y >> (2 * j)) & 3 ^ 2) - 2 for j in range(3)] + [y >> 6]
-    return np.stack(chans[: wide + n4 + narrow])
 
 
 # (int8, int4, int2 channels): Gemma 3's default, head dim 128's, an odd int4 count and odd row
@@ -54,7 +41,8 @@ def test_vnni_logits_are_exact_where_the_weights_round_to_themselves(wide, n4, n
     out = np.full((heads, n + 20), 7.0, np.float32)
     for g0 in range(0, heads, 4):
         vnni._vnni_dot(min(4, heads - g0), codes, wide, rows4, rows2, w4, w2, sc, g0, t0, t1, out)
-    values = _values(codes, wide, n4, narrow)[wide:, t0:t1]
+    layout = ref.SketchLayout(wide + n4 + narrow, wide, narrow)
+    values = ref.unpack_lowrank_codes(torch.from_numpy(codes), layout).numpy()[wide:, t0:t1]
     expect = 7.0 + w[:, wide:].astype(np.int64) @ values.astype(np.int64)
     assert np.array_equal(out[:, :n], expect.astype(np.float32))
     assert np.all(out[:, n:] == 7.0)
