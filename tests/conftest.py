@@ -67,8 +67,38 @@ def _interpret_device_calls_once_per_launch() -> None:
     interpreter.InterpretedFunction.__call__ = call
 
 
+def _interpret_xor_reductions_with_numpy() -> None:
+    """Triton's interpreter reduces with numpy where the combine function is one of its own
+    max, min, argmax, argmin or sum, and otherwise calls the combine function element by
+    element in Python. ``tl.sort`` (the Triton kernels' page choice and placement) swaps
+    pairs by an xor reduction over a hypercube of the keys, which fell to that loop: two
+    thirds of an interpreted decode step. Integer xor is associative and commutative, so
+    ``np.bitwise_xor.reduce`` gives the same bits; the sort itself still runs as Triton
+    writes it."""
+    try:
+        import numpy as np  # noqa: PLC0415
+        from triton import language as tl  # noqa: PLC0415
+        from triton.runtime import interpreter  # noqa: PLC0415
+    except ImportError:
+        return
+    xor = getattr(tl.standard, "_xor_combine", None)
+    apply_impl = getattr(getattr(interpreter, "ReduceOps", None), "apply_impl", None)
+    if xor is None or apply_impl is None or not hasattr(interpreter.ReduceOps, "to_tensor"):
+        return
+
+    def reduce(self, input):
+        if self.combine_fn == xor and len(input) == 1 and input[0].dtype.scalar.is_int():
+            x = input[0]
+            return self.to_tensor(np.bitwise_xor.reduce(x.handle.data, axis=self.axis, keepdims=self.keep_dims),
+                                  x.dtype.scalar)
+        return apply_impl(self, input)
+
+    interpreter.ReduceOps.apply_impl = reduce
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpret_device_calls_once_per_launch()
+    _interpret_xor_reductions_with_numpy()
 
 from kvdrive_client import StoreClient  # noqa: E402
 
