@@ -104,6 +104,10 @@ def _add_io_options(p: argparse.ArgumentParser) -> None:
         "acknowledged puts) "
         f"(default: {SyncPolicy.DURABLE})",
     )
+    p.add_argument("--write-behind-backlog", default=None, metavar="SIZE",
+                   help="with --sync write-behind: how much written data may wait in the page cache for the "
+                        "disk before puts wait for it; a burst up to this size is taken at memory speed, a "
+                        "longer stream at the disk's (default: 512M)")
     p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="SSD read engine: auto takes kvikio where cuFile reports GPUDirect Storage active, else Linux AIO on an "
                         "O_DIRECT file, else preadv on --io-threads threads (default: auto)")
@@ -161,6 +165,8 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         max_gap_bytes=_size("--max-gap", args.max_gap),
         max_io_bytes=_size("--max-io", args.max_io),
         sync=args.sync,
+        **({} if args.write_behind_backlog is None else
+           {"write_behind_backlog_bytes": _size("--write-behind-backlog", args.write_behind_backlog)}),
         engine=args.engine,
         direct_io=not args.no_direct,
         parent_pid=args.parent_pid,
@@ -234,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CANNOT_START
     if not cfg.dram_bytes:
         log.info("--dram 0: no DRAM tier; every get reads the SSD (and the page cache, with --no-direct)")
+    if args.write_behind_backlog is not None and cfg.sync != SyncPolicy.WRITE_BEHIND:
+        log.warning("--write-behind-backlog has no effect with --sync %s: puts are written O_DIRECT", cfg.sync)
     code = EXIT_CANNOT_START
     try:
         code = _run(cfg)

@@ -105,6 +105,8 @@ class DaemonConfig:
     max_gap_bytes: int = 64 << 10
     max_io_bytes: int = 4 << 20
     sync: str = SyncPolicy.DURABLE
+    # With --sync write-behind: page-cache writes not yet on the disk past which puts wait (writeback.py).
+    write_behind_backlog_bytes: int = 512 << 20
     direct_io: bool = True
     max_message_bytes: int = 64 << 20
     max_blocks_per_request: int = 1 << 22
@@ -156,6 +158,8 @@ class DaemonConfig:
                              f"so that other users keep room, got {format_size(self.index_max_per_uid_bytes)}")
         if self.sync not in SyncPolicy.ALL:
             raise ValueError(f"--sync must be one of {', '.join(SyncPolicy.ALL)}, got {self.sync!r}")
+        if self.write_behind_backlog_bytes < 1 << 20:
+            raise ValueError(f"--write-behind-backlog must be at least 1M, got {self.write_behind_backlog_bytes}")
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if not 0 <= self.socket_mode <= 0o777:

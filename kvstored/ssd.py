@@ -110,7 +110,8 @@ class SsdTier(Tier):
 
     name = "ssd"
 
-    def __init__(self, path: Path, capacity: int, direct: bool, cached_writes: bool = False) -> None:
+    def __init__(self, path: Path, capacity: int, direct: bool, cached_writes: bool = False,
+                 backlog_bytes: int | None = None) -> None:
         self.path = path
         self.direct = False
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
@@ -127,7 +128,7 @@ class SsdTier(Tier):
             self.fd = os.open(path, flags, 0o600)
         # Where writes go: the O_DIRECT descriptor, or the same file through the page cache.
         self.wfd = os.open(path, flags, 0o600) if self.direct and cached_writes else self.fd
-        self._writeback = Writeback(path) if self.wfd != self.fd else None
+        self._writeback = Writeback(path, backlog_bytes) if self.wfd != self.fd else None
         self.allocator = ExtentAllocator(capacity)
         self._ready_frees: list[tuple[int, int]] = []
         self._frees_lock = threading.Lock()
@@ -139,6 +140,11 @@ class SsdTier(Tier):
     def direct_writes(self) -> bool:
         """Whether writes bypass the page cache (O_DIRECT)."""
         return self.direct and self.wfd == self.fd
+
+    @property
+    def writeback_backlog(self) -> int:
+        """Bytes of page-cache writes that may wait for the disk before a write waits (0: O_DIRECT writes)."""
+        return 0 if self._writeback is None else self._writeback.backlog_bytes
 
     @property
     def capacity(self) -> int:  # type: ignore[override]

@@ -157,6 +157,7 @@ class Store:
             "engine": self.engine.name,
             "direct_io": self.ssd.direct,
             "direct_writes": self.ssd.direct_writes,
+            "write_behind_backlog": self.ssd.writeback_backlog,
             "dram_bytes": self.dram.capacity,
             "ssd_max_bytes": self.ssd.allocator.capacity,
             "sync": self.cfg.sync,

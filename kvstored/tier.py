@@ -47,7 +47,7 @@ def _ssd(cfg: DaemonConfig) -> Tier:
     from kvstored.ssd import SsdTier
 
     return SsdTier(cfg.ssd_dir / DATA_FILE, cfg.ssd_max_bytes, cfg.direct_io,
-                   cached_writes=cfg.sync == SyncPolicy.WRITE_BEHIND)
+                   cached_writes=cfg.sync == SyncPolicy.WRITE_BEHIND, backlog_bytes=cfg.write_behind_backlog_bytes)
 
 
 # Medium name -> how to open it from the daemon's configuration.

@@ -10,8 +10,8 @@ waited up to 0.5 s at a flush and loads from the SSD up to 0.27 s (with O_DIRECT
 One thread here starts each run's writeback as soon as it is written and keeps at most
 :data:`FLIGHT_BYTES` of it in the disk's queue, waiting for the oldest before starting
 more, then drops its pages from the page cache (no read uses them). A write returns at
-once until :data:`BACKLOG_BYTES` are written and not yet on the disk, then waits for the
-thread: a burst goes into memory at memory speed, a sustained stream is held to the
+once until its backlog (:data:`BACKLOG_BYTES` by default; kvstored's ``--write-behind-backlog``)
+is written and not yet on the disk, then waits for the thread: a burst goes into memory at memory speed, a sustained stream is held to the
 disk's pace. A flush first lets the thread take everything (:meth:`Writeback.drain`), so
 its fsync finds little left to write. Offered 3 GB/s, stores ran at 2.85-3.0 GB/s
 (O_DIRECT: 2.3-2.4), their p99 at 25-36 ms (O_DIRECT: 37-51), loads' p99 at 57-97 ms
@@ -35,15 +35,17 @@ from kvstored.files import WAIT_WRITTEN, start_writeback
 log = logging.getLogger(__name__)
 
 FLIGHT_BYTES = 64 << 20  # writeback started and not yet waited for: about 30 ms of a 2 GB/s disk
-BACKLOG_BYTES = 512 << 20  # written and not yet known on the disk; past it, writes wait
+BACKLOG_BYTES = 512 << 20  # written and not yet known on the disk; past it, writes wait (the default)
 
 
 class Writeback:
     """Paced writeback of the ranges :meth:`written` names, in order, on one thread
-    (started on first use) with its own descriptor of ``path``."""
+    (started on first use) with its own descriptor of ``path``; writes wait while more than
+    ``backlog_bytes`` (default :data:`BACKLOG_BYTES`) are not yet known on the disk."""
 
-    def __init__(self, path: os.PathLike) -> None:
+    def __init__(self, path: os.PathLike, backlog_bytes: int | None = None) -> None:
         self.path = path
+        self.backlog_bytes = BACKLOG_BYTES if backlog_bytes is None else backlog_bytes
         self._todo: queue.SimpleQueue = queue.SimpleQueue()  # (offset, nbytes), an Event (drain), None (stop)
         self._cond = threading.Condition()
         self._backlog = 0  # bytes written and not yet waited for on the disk
@@ -60,13 +62,13 @@ class Writeback:
 
     def written(self, offset: int, nbytes: int) -> None:
         """``nbytes`` at ``offset`` were just written (any thread); waits while the backlog is
-        past BACKLOG_BYTES."""
+        past ``backlog_bytes``."""
         self._start()
         with self._cond:
             self._backlog += nbytes
         self._todo.put((offset, nbytes))
         with self._cond:
-            while self._backlog > BACKLOG_BYTES and not self._ended:
+            while self._backlog > self.backlog_bytes and not self._ended:
                 self._cond.wait()
 
     def drain(self) -> None:

@@ -86,6 +86,12 @@ def test_a_malformed_metrics_address_is_a_usage_error(tmp_path):
     assert rc == 2 and out.strip() == "kvstored: --metrics '9464' is not HOST:PORT with a port in 1..65535 (e.g. 127.0.0.1:9464)"
 
 
+def test_a_write_behind_backlog_under_1m_is_a_usage_error(tmp_path):
+    rc, out, _ = kvstored("--ssd", str(tmp_path / "ssd"), "--dram", "1M", "--sync", "write-behind",
+                          "--write-behind-backlog", "512K")
+    assert rc == 2 and out.strip() == "kvstored: --write-behind-backlog must be at least 1M, got 524288"
+
+
 @pytest.mark.parametrize("listen_bytes", [108, 108 - len(".session")], ids=["listen", "session socket"])
 def test_a_socket_path_too_long_for_a_unix_socket_is_a_usage_error(tmp_path, listen_bytes):
     # One byte over sockaddr_un's limit: --listen's path, then the session socket kept beside it.

@@ -69,3 +69,25 @@ def test_durable_writes_bypass_the_page_cache(daemon_factory):
     if hello["direct_io"]:
         time.sleep(0.1)
         assert cached_fraction(d.ssd / DATA_FILE) < 0.1
+
+
+def test_a_small_write_behind_backlog_holds_puts_to_it_and_loses_none(daemon_factory):
+    """``--write-behind-backlog 1M`` against 3 MiB of puts: the writes past it wait for the
+    disk, and every block reads back, before and after a restart."""
+    d = daemon_factory(dram="1M", extra=["--sync", "write-behind", "--write-behind-backlog", "1M"]).start()
+    client = d.client()
+    hello = client.hello()
+    assert hello["write_behind_backlog"] == (1 << 20 if not hello["direct_writes"] and hello["direct_io"] else 0)
+    seq = client.create("wb", "small", GEOM)
+    for page in range(PAGES):
+        client.put(seq, range(GEOM.num_layers), [page], page_data(7, page, 1))
+    want = np.concatenate([page_data(7, p, 1).reshape(-1, BB) for p in range(PAGES)])
+    np.testing.assert_array_equal(client.get(seq, page_blocks(range(PAGES))), want)
+    d.stop()
+    d.start()
+    client = d.client()
+    np.testing.assert_array_equal(client.get(client.open("wb", "small"), page_blocks(range(PAGES))), want)
+
+
+def test_durable_writes_have_no_backlog(daemon):
+    assert daemon.client().hello()["write_behind_backlog"] == 0

@@ -29,7 +29,7 @@ def write_runs(path, back: Writeback, count: int, seen: list[int] | None = None)
 
 
 def test_writes_wait_past_the_backlog_and_a_drain_leaves_none(tmp_path, monkeypatch):
-    monkeypatch.setattr(wb, "BACKLOG_BYTES", 4 * RUN)
+    assert Writeback(tmp_path / "data").backlog_bytes == wb.BACKLOG_BYTES  # the default; --write-behind-backlog sets it
     monkeypatch.setattr(wb, "FLIGHT_BYTES", 2 * RUN)
     real = wb.start_writeback
 
@@ -39,7 +39,7 @@ def test_writes_wait_past_the_backlog_and_a_drain_leaves_none(tmp_path, monkeypa
         real(fd, offset, nbytes, wait)
 
     monkeypatch.setattr(wb, "start_writeback", slow)
-    back = Writeback(tmp_path / "data")
+    back = Writeback(tmp_path / "data", backlog_bytes=4 * RUN)
     (tmp_path / "data").touch()
     seen: list[int] = []
     write_runs(tmp_path / "data", back, 24, seen)
