@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg.dram_bytes:
         log.info("--dram 0: no DRAM tier; every get reads the SSD (and the page cache, with --no-direct)")
     if args.write_behind_backlog is not None and cfg.sync != SyncPolicy.WRITE_BEHIND:
-        log.warning("--write-behind-backlog has no effect with --sync %s: puts are written O_DIRECT", cfg.sync)
+        log.warning("--write-behind-backlog has no effect with --sync %s (it bounds write-behind's page-cache writes)",
+                    cfg.sync)
     code = EXIT_CANNOT_START
     try:
         code = _run(cfg)

@@ -10,10 +10,11 @@ waited up to 0.5 s at a flush and loads from the SSD up to 0.27 s (with O_DIRECT
 One thread here starts each run's writeback as soon as it is written and keeps at most
 :data:`FLIGHT_BYTES` of it in the disk's queue, waiting for the oldest before starting
 more, then drops its pages from the page cache (no read uses them). A write returns at
-once until its backlog (:data:`BACKLOG_BYTES` by default; kvstored's ``--write-behind-backlog``)
-is written and not yet on the disk, then waits for the thread: a burst goes into memory at memory speed, a sustained stream is held to the
-disk's pace. A flush first lets the thread take everything (:meth:`Writeback.drain`), so
-its fsync finds little left to write. Offered 3 GB/s, stores ran at 2.85-3.0 GB/s
+once until a backlog (:data:`BACKLOG_BYTES` unless kvstored's ``--write-behind-backlog``
+says otherwise) is written and not yet on the disk, then waits for the thread: a burst
+goes into memory at memory speed, a sustained stream is held to the disk's pace. A flush
+first lets the thread take everything (:meth:`Writeback.drain`), so its fsync finds little
+left to write. Offered 3 GB/s, stores ran at 2.85-3.0 GB/s
 (O_DIRECT: 2.3-2.4), their p99 at 25-36 ms (O_DIRECT: 37-51), loads' p99 at 57-97 ms
 (O_DIRECT: 57-71), the page cache 0.6 GB above its size before (3 GB while the flush
 alone dropped the written pages, whose sweep made a store's p99 0.1 s); a 2 GiB burst of
