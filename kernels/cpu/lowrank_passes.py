@@ -198,8 +198,9 @@ def _passes_page_mass(w, codes, wide, narrow, vnni, valid, b, h, p_n, s_n, logit
     tsum = np.empty((g_n, n_tiles), np.float32)  # its page sums' total
     psum = np.empty((g_n, p_n), np.float32)  # each page's sum against its tile's max
     _slot_weights(w, wide, narrow, ws, wq, inv)  # ws: the int8 passes' weights, whichever way the rest go
-    w4, w2 = np.empty((g_n, 4 * ((rows4 + 1) // 2)), np.int8), np.empty((g_n, 4 * rows2), np.int8)
-    sc = np.empty((g_n, 5), np.float32)
+    v4, v2 = (4 * ((rows4 + 1) // 2), 4 * rows2) if vnni else (0, 0)  # the VNNI weights: none without it
+    w4, w2 = np.empty((g_n, v4), np.int8), np.empty((g_n, v2), np.int8)
+    sc = np.empty((g_n, 5 if vnni else 0), np.float32)
     if vnni:  # the int8 passes only, and no int16 sums to add
         if c.strides[1] != 1:
             raise ValueError("the VNNI logits read contiguous code rows")
