@@ -65,8 +65,8 @@ MODELS = {
 
 def cache_dir() -> Path:
     """Where KVDrive keeps per-machine files it derived (de-quantised models, compiled kernels):
-    :func:`kvdrive.kernels.jit.cache_root`."""
-    from kvdrive.kernels.jit import cache_root  # noqa: PLC0415 - the kernels own the rule: they need it before numba loads
+    :func:`kvdrive.protocol.jit_cache.cache_root`."""
+    from kvdrive.protocol.jit_cache import cache_root  # noqa: PLC0415
 
     return cache_root()
 

@@ -8,7 +8,7 @@ unless ``triton`` is chosen (Triton kernels, ``kvdrive.kernels.triton_kernels``,
 under Triton's interpreter and run on one H200: README, "On a GPU").
 
 The compiled CPU kernels are compiled once per machine and cached under KVDrive's
-cache directory (:mod:`kvdrive.kernels.jit`); :func:`warm_up` compiles or loads them
+cache directory (:mod:`kvdrive.protocol.jit_cache`); :func:`warm_up` compiles or loads them
 before a decode needs them (:mod:`kvdrive.kernels.warmup`).
 """
 
@@ -17,10 +17,6 @@ if __name__ == "kernels":  # imported from the repository root by its bare folde
 
     step_aside(__name__)
 else:
-    from kvdrive.kernels import jit
-
-    jit.configure_cache()  # before the kernels below import numba: they cache where it says
-
     from kvdrive.kernels.backends import CpuKernels, Kernels, ReferenceKernels
     from kvdrive.kernels.choice import KERNEL_CHOICES, compiles_on_cpu, for_device
     from kvdrive.kernels.warmup import KernelProgress, WarmUpReport, warm_up

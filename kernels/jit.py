@@ -12,107 +12,18 @@ compiles (the kernels' on-disk cache keeps code for each setting apart).
 512-bit code); ``NUMBA_CPU_NAME`` or ``NUMBA_CPU_FEATURES`` set by the user are left
 as they are.
 
-Compiled kernels are kept once per machine and version of their sources:
-:func:`configure_cache` points numba's on-disk cache at ``<KVDrive's cache>/numba/<digest>``
-(:func:`cache_root`, :func:`source_digest`), not at the ``__pycache__`` beside the sources,
-unless ``NUMBA_CACHE_DIR`` says otherwise. numba checks only the file that defines a cached
-function, not the files of the functions it calls, whose code it holds compiled in: after
-a ``git pull`` that changed only a callee's file, a caller loaded from its cache ran the old
-callee. A directory per digest of every numba source compiles afresh whenever any changes.
+Where the compiled kernels are kept is :mod:`kvdrive.protocol.jit_cache`'s: each module of
+them calls ``jit_cache.use("kvdrive.kernels")`` before its definitions.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import re
-import shutil
-import sys
-from importlib.util import find_spec
-from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 VECTOR_ENV = "KVDRIVE_JIT_VECTOR"
-CACHE_ENV = "NUMBA_CACHE_DIR"
-# The packages whose modules numba compiles with cache=True: the client's kernels, and the
-# daemon's and the protocol's (the embedded kvstored inherits the cache directory).
-NUMBA_PACKAGES = ("kvdrive.kernels", "kvstored", "kvdrive.protocol")
-KEPT_VERSIONS = 4  # cache directories of other source digests kept, the most recently used
-
-
-def cache_root() -> Path:
-    """Where KVDrive keeps per-machine files it derived (compiled kernels, de-quantised models):
-    ``$KVDRIVE_CACHE``, else ``$XDG_CACHE_HOME/kvdrive``, else ``~/.cache/kvdrive``.
-
-    Defined here, the lowest layer that needs it: the kernels' cache must be set before
-    numba loads, which is before anything of ``kvdrive_client`` can be imported.
-    """
-    if os.environ.get("KVDRIVE_CACHE"):
-        return Path(os.environ["KVDRIVE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kvdrive"
-
-
-def source_digest() -> str:
-    """16 hex digits of SHA-256 over the Python sources of :data:`NUMBA_PACKAGES` (paths and bytes)."""
-    h = hashlib.sha256()
-    for name in NUMBA_PACKAGES:
-        spec = find_spec(name)
-        for root in spec.submodule_search_locations or () if spec else ():
-            for path in sorted(Path(root).rglob("*.py")):
-                h.update(f"{name}/{path.relative_to(root)}\0".encode())
-                h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def _cache_dir() -> Path:
-    """``cache_root() / "numba" / source_digest()``, marked as used now; directories of other
-    digests past the :data:`KEPT_VERSIONS` most recently used are removed, and the ones numba
-    made there itself before the cache was kept per digest."""
-    base = cache_root() / "numba"
-    target = base / source_digest()
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-        os.utime(target)
-        dirs = [p for p in base.iterdir() if p.is_dir() and p != target]
-        others = sorted((p for p in dirs if re.fullmatch(r"[0-9a-f]{16}", p.name)), key=lambda p: p.stat().st_mtime,
-                        reverse=True)
-        unkeyed = [p for p in dirs if re.fullmatch(r"\w+_[0-9a-f]{40}", p.name)]  # numba's own, before the digests
-        for old in others[KEPT_VERSIONS:] + unkeyed:
-            shutil.rmtree(old, ignore_errors=True)
-    except OSError as e:  # an unwritable cache: numba says so and compiles in memory
-        log.debug("numba cache directory %s: %s", target, e)
-    return target
-
-
-def configure_cache() -> Path:
-    """Point numba's on-disk cache at :func:`_cache_dir`; returns the directory in use.
-
-    Call before the kernels are defined. Before numba is imported this sets
-    ``NUMBA_CACHE_DIR``, which numba reads at import and which the processes started
-    from here (the embedded kvstored, whose kernels are numba's too) inherit. A
-    ``NUMBA_CACHE_DIR`` the user set is left as it is.
-    """
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    target = _cache_dir()
-    if "numba" not in sys.modules:
-        os.environ[CACHE_ENV] = str(target)
-        return target
-    import numba  # noqa: PLC0415
-
-    if numba.config.CACHE_DIR:  # a .numba_config.yaml of the user's
-        return Path(numba.config.CACHE_DIR)
-    # Setting the variable now would make numba re-read its whole environment at the next
-    # compile, undoing configure()'s vector width; numba's own setting is read when a
-    # kernel is defined, so the kernels still cache in the target.
-    numba.config.CACHE_DIR = str(target)
-    log.warning("numba was imported before KVDrive's kernels: they cache in %s, but processes started from here "
-                "(the embedded kvstored) cache beside their sources (import kvdrive_client before numba, or set %s)",
-                target, CACHE_ENV)
-    return target
 
 
 def wide_vector_features() -> str | None:

@@ -1,7 +1,7 @@
 """Compiling the CPU kernels before a decode needs them.
 
 numba compiles a kernel the first time it is called with new argument types and keeps
-the machine code in its on-disk cache (:func:`kvdrive.kernels.jit.configure_cache`),
+the machine code in its on-disk cache (:mod:`kvdrive.protocol.jit_cache`),
 so each kernel compiles once per machine. Left to the decode, that first compile lands
 in the first steps: SmolLM2's first generate() on a 2-core host spent about 80 s in it
 (1.7 s per step of selection against 37 ms once compiled), with nothing said.

@@ -30,12 +30,15 @@ from operator import itemgetter
 import numba
 import numpy as np
 
+from kvdrive.protocol import jit_cache
 from kvstored import catalog
 from kvstored.block_catalog import (
     BLOCK_EXT, BLOCK_HEAD, BLOCK_KEY, BLOCK_KEY_BIN, PART_CRC, PART_HEAD, PART_PAGES, PART_TAIL,
 )
 from kvstored.catalog import BLOCKS_NAME, CRC, EXTENT_KEY, UID_KEY, ExtentRecord, SeqRecord
 from kvstored.checksum import block_crcs
+
+jit_cache.use("kvstored")  # before the definitions below: they cache where it says
 
 _NONE = np.int64(-1)
 

@@ -17,6 +17,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from kvdrive.protocol import jit_cache
+
+jit_cache.use("kvstored")  # before the definitions below: they cache where it says
+
 _EMPTY, _GONE = -1, -2  # a bucket never used; one whose slot was removed (probes go on past it)
 MIN_BUCKETS = 64
 HASH_CHUNK = 65536  # rows of keys made bytes objects at once to be hashed

@@ -18,7 +18,10 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from kvdrive.protocol import jit_cache
 from kvdrive.protocol.copy import copy_bytes as _copy_bytes
+
+jit_cache.use("kvstored")  # before the definitions below: they cache where it says
 
 _POLY = 0x82F63B78  # CRC-32C, reflected
 

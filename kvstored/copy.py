@@ -8,9 +8,12 @@ import threading
 import numba
 import numpy as np
 
+from kvdrive.protocol import jit_cache
 from kvdrive.protocol.copy import copy_bytes as _copy_bytes
 from kvdrive.protocol.copy import gather_scatter_serial as _gather_scatter
 from kvdrive.protocol.copy import in_bounds as _in_bounds
+
+jit_cache.use("kvstored")  # before the definitions below: they cache where it says
 
 # Copies at least this large are split over numba's thread pool, on hosts with at
 # least PARALLEL_MIN_THREADS threads; others run on the calling thread. Waking the

@@ -16,6 +16,10 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from kvdrive.protocol import jit_cache
+
+jit_cache.use("kvdrive.protocol")  # before the definitions below: they cache where it says
+
 STREAM_VEC = 32  # bytes a non-temporal store writes: a streamed copy's destination is aligned to it
 
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvdrive.kernels.jit import cache_root
+from kvdrive.protocol.jit_cache import cache_root
 
 log = logging.getLogger(__name__)
 

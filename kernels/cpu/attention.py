@@ -9,6 +9,9 @@ import torch
 
 from kvdrive.kernels.cpu.common import _ATTENTION_FASTMATH, BFLOAT16, FLOAT16, FLOAT32, _fmax, _widen
 from kvdrive.kernels.cpu.threads import _cut, _in_parts
+from kvdrive.protocol import jit_cache
+
+jit_cache.use("kvdrive.kernels")  # before the definitions below: they cache where it says
 
 
 @numba.njit(nogil=True, cache=True, inline="always")

@@ -11,6 +11,9 @@ from numba.extending import intrinsic, overload
 import numpy as np
 
 from kvdrive.kernels import jit
+from kvdrive.protocol import jit_cache
+
+jit_cache.use("kvdrive.kernels")  # before the definitions below: they cache where it says
 
 # Before the first kernel is compiled or loaded from the cache (every kernel module imports this one first).
 VECTOR_WIDTH = jit.configure()

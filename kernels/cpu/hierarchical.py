@@ -7,6 +7,9 @@ import numpy as np
 import torch
 
 from kvdrive.kernels.cpu.common import _nth_unused
+from kvdrive.protocol import jit_cache
+
+jit_cache.use("kvdrive.kernels")  # before the definitions below: they cache where it says
 
 
 @numba.njit(nogil=True, cache=True, inline="always", fastmath=True)

@@ -24,6 +24,9 @@ from kvdrive.kernels.cpu.lowrank_mass import _choose, _log_mass, _lowrank_weight
 from kvdrive.kernels.cpu.lowrank_passes import _SLOT_SPARE, _passes_page_mass
 from kvdrive.kernels.cpu.lowrank_vnni import available as vnni_available
 from kvdrive.kernels.cpu.threads import _cut, _in_parts, parts_for
+from kvdrive.protocol import jit_cache
+
+jit_cache.use("kvdrive.kernels")  # before the definitions below: they cache where it says
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,9 @@ import numpy as np
 
 from kvdrive.kernels.cpu.common import _LOWRANK_FASTMATH, _fmax
 from kvdrive.kernels.cpu.lowrank_mass import _page_sums
+from kvdrive.protocol import jit_cache
+
+jit_cache.use("kvdrive.kernels")  # before the definitions below: they cache where it says
 
 # The default code layout at head dim 64 (rank 27: 1 int8 channel, 14 int4, 12 int2; 11
 # rows) has a fused logit pass: each token's codes are widened once, in registers, and

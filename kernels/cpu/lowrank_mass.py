@@ -12,6 +12,9 @@ import numba
 import numpy as np
 
 from kvdrive.kernels.cpu.common import _LOWRANK_FASTMATH, _exp2_nonpos, _nth_unused, _to_float
+from kvdrive.protocol import jit_cache
+
+jit_cache.use("kvdrive.kernels")  # before the definitions below: they cache where it says
 
 _PAGE16 = 16  # the common page size, given a loop of constant length
 _LOG2E = np.float32(1.4426950408889634)

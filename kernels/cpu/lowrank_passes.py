@@ -9,6 +9,9 @@ import numpy as np
 from kvdrive.kernels.cpu.common import _LOWRANK_FASTMATH, _fmax
 from kvdrive.kernels.cpu.lowrank_mass import _weight_sums
 from kvdrive.kernels.cpu.lowrank_vnni import _vnni_dot, _vnni_weights
+from kvdrive.protocol import jit_cache
+
+jit_cache.use("kvdrive.kernels")  # before the definitions below: they cache where it says
 
 # Other layouts: passes over a tile of tokens, each over a few code rows of one kind (4 int8
 # rows, 4 int4 rows or 2 int2 rows: 4, 8 or 8 channels) for up to 4 query heads at once.

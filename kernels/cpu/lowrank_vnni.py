@@ -41,6 +41,10 @@ from numba.core import cgutils, types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
+from kvdrive.protocol import jit_cache
+
+jit_cache.use("kvdrive.kernels")  # before the definitions below: they cache where it says
+
 _FEATURES = ("avx512vnni", "avx512vbmi", "avx512bw", "avx512vl")
 _I1, _I8, _I32, _I64, _F32 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _LANES = 16

@@ -6,6 +6,10 @@ import numba
 import numpy as np
 import torch
 
+from kvdrive.protocol import jit_cache
+
+jit_cache.use("kvdrive.kernels")  # before the definitions below: they cache where it says
+
 
 @numba.njit(nogil=True, cache=True)
 def _place(pages, page_slot, slot_page, last_used, prio_src, head_capacity, step, slots, miss):  # pragma: no cover - compiled

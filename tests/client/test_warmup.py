@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import kvdrive.kernels
-from kvdrive.kernels import compiles_on_cpu, jit, warm_up
+from kvdrive.kernels import compiles_on_cpu, warm_up
+from kvdrive.protocol import jit_cache
 from kvdrive.kernels.reference import SketchLayout
 from kvdrive.kernels.warmup import _cases
 
@@ -127,7 +128,7 @@ def test_attach_says_what_it_compiled_and_the_kernels_land_in_the_cache_not_the_
     assert len(summaries) == 2, result["log"]  # one per attach()
     assert summaries[0].startswith("compiled 5 CPU kernels in ") and "first run on this machine" in summaries[0]
     assert summaries[1].startswith("compiled 1 CPU kernel in "), "the bf16 model's other kernels were loaded already"
-    target = cache / "numba" / jit.source_digest()
+    target = cache / "numba" / f"kernels-{jit_cache.source_digest('kvdrive.kernels')}"
     assert Path(result["cache_path"]).parent == target and str(target) in summaries[0]
     assert numba_files(cache / "numba"), "no compiled kernel was written to the cache"
     assert numba_files(KERNELS_DIR) == beside_sources, "numba wrote beside the kernels' sources"

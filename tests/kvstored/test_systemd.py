@@ -75,3 +75,5 @@ def test_example_config_loads_and_matches_the_unit():
     assert cfg.dram_bytes == 96 << 30
     assert cfg.metrics_endpoint == ("127.0.0.1", 9464)
     assert "AF_INET" in unit_setting("RestrictAddressFamilies").split(), "the metrics endpoint needs AF_INET"
+    assert unit_setting("Environment") == f"KVDRIVE_CACHE=/var/cache/{unit_setting('CacheDirectory')}", \
+        "kvstored keeps its compiled functions where the unit lets it write"
