@@ -31,12 +31,14 @@ import os
 import queue
 import threading
 
+from kvstored.config import DaemonConfig
 from kvstored.files import WAIT_WRITTEN, start_writeback
 
 log = logging.getLogger(__name__)
 
 FLIGHT_BYTES = 64 << 20  # writeback started and not yet waited for: about 30 ms of a 2 GB/s disk
-BACKLOG_BYTES = 512 << 20  # written and not yet known on the disk; past it, writes wait (the default)
+# Written and not yet known on the disk; past it, writes wait: kvstored's default --write-behind-backlog.
+BACKLOG_BYTES = DaemonConfig.write_behind_backlog_bytes
 
 
 class Writeback:
